@@ -1,0 +1,288 @@
+"""The ASGI application: routes, limits, and streaming. No web framework; uvicorn parses HTTP.
+
+Everything here is cheap by construction: request bodies go to a tokenizer worker as
+bytes, Generate headers and prompt frames come back ready to forward, and text comes
+back ready to frame. The handlers only wait, route and write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+
+import msgspec
+
+from gateway import openai_format as fmt
+from gateway.generations import Choice, Generation
+from gateway.worker_pool import ConversionRejected
+from scheduler_client.client import SchedulerUnavailable
+from tokenizer_workers.messages import ApiError
+
+_json = msgspec.json.Encoder()
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_DISCONNECTED = ("disconnected",)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class App:
+    def __init__(self, gateway):
+        self.gw = gateway  # gateway.server.Gateway: settings, conversion, scheduler, generations, metrics
+        self.routes = {
+            ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
+            ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),
+            ("POST", "/tokenize"): lambda s, r, w: self.convert_only("tokenize", s, r, w),
+            ("POST", "/detokenize"): lambda s, r, w: self.convert_only("detokenize", s, r, w),
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/ready"): self.ready,
+            ("GET", "/metrics"): self.metrics,
+        }
+        self.paths = {path for _, path in self.routes}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"].rstrip("/") or "/"
+        handler = self.routes.get((scope["method"], path))
+        if handler is None:
+            if path in self.paths:
+                await self.error(send, fmt.error(405, f"Method {scope['method']} is not allowed on {path}."), path)
+            else:
+                await self.error(send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"), path)
+            return
+        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+            if not self._authorized(scope):
+                await self.error(send, fmt.error(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').",
+                                                 code="invalid_api_key"), path)
+                return
+        await handler(scope, receive, send)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _authorized(self, scope) -> bool:
+        key = self.gw.settings.api_key
+        if not key:
+            return True
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+        return False
+
+    async def respond(self, send, status: int, body: bytes, endpoint: str, headers=_JSON) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.gw.metrics.request(endpoint, status)
+
+    async def error(self, send, error: ApiError, endpoint: str, retry_after: int | None = None) -> None:
+        headers = list(_JSON)
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
+        await self.respond(send, error.status, fmt.error_body(error), endpoint, headers)
+
+    async def read_body(self, scope, receive) -> bytes:
+        limit = self.gw.settings.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise BodyTooLarge
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionResetError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def _body_or_error(self, scope, receive, send, endpoint) -> bytes | None:
+        try:
+            return await self.read_body(scope, receive)
+        except BodyTooLarge:
+            limit = self.gw.settings.max_body_bytes
+            self.gw.metrics.rejections.labels(reason="body_too_large").inc()
+            await self.error(send, fmt.error(413, f"The request body exceeds the limit of {limit} bytes.",
+                                             code="request_too_large"), endpoint)
+        except ConnectionResetError:
+            self.gw.metrics.aborts.labels(reason="client_disconnect").inc()
+        return None
+
+    async def _convert(self, kind, request_id, body, receive, send, endpoint):
+        """Convert in a worker, giving up (and freeing the queue slot) if the client leaves."""
+        if self.gw.draining:
+            await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
+            return None, None
+        watcher = asyncio.ensure_future(receive())
+        task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body))
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            self.gw.metrics.aborts.labels(reason="client_disconnect").inc()
+            return None, None
+        try:
+            result = task.result()
+        except ConversionRejected as exc:
+            watcher.cancel()
+            await self.error(send, exc.error, endpoint, exc.retry_after)
+            return None, None
+        if result.done.error is not None:
+            watcher.cancel()
+            await self.error(send, result.done.error, endpoint)
+            return None, None
+        return result, watcher
+
+    # ---- endpoints ----------------------------------------------------------------------
+
+    async def convert_only(self, kind, scope, receive, send) -> None:
+        endpoint = scope["path"]
+        body = await self._body_or_error(scope, receive, send, endpoint)
+        if body is None:
+            return
+        result, watcher = await self._convert(kind, "tok", body, receive, send, endpoint)
+        if result is not None:
+            watcher.cancel()
+            await self.respond(send, 200, result.done.body, endpoint)
+
+    async def generate(self, kind, scope, receive, send) -> None:
+        arrival = time.monotonic()
+        endpoint = scope["path"]
+        gw = self.gw
+        body = await self._body_or_error(scope, receive, send, endpoint)
+        if body is None:
+            return
+        if not gw.scheduler.connected:
+            gw.metrics.rejections.labels(reason="scheduler_unavailable").inc()
+            await self.error(send, fmt.error(503, "The GPU scheduler is not connected; retry shortly.",
+                                             code="scheduler_unavailable"), endpoint, retry_after=2)
+            return
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        if result is None:
+            return
+        done = result.done
+        gen = Generation(
+            request_id,
+            result.owner,
+            [Choice(i, c.request_id, c.prompt_tokens) for i, c in enumerate(done.choices)],
+            arrival,
+        )
+        gw.generations.add(gen)
+        try:
+            for i in range(len(done.choices)):
+                gw.scheduler.generate(result.frames[2 * i], result.frames[2 * i + 1])
+        except SchedulerUnavailable:
+            watcher.cancel()
+            gw.generations.cancel(gen, abort=True, reason="scheduler_lost")
+            await self.error(send, fmt.error(503, "The GPU scheduler became unavailable; retry shortly.",
+                                             code="scheduler_unavailable"), endpoint, retry_after=2)
+            return
+        gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
+        watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
+        framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
+        try:
+            if done.stream:
+                await self._stream(gen, framer, send, endpoint)
+            else:
+                await self._collect(gen, framer, send, endpoint)
+        finally:
+            watcher.cancel()
+            gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
+            gw.metrics.e2e_latency.observe(time.monotonic() - arrival)
+
+    def _usage(self, gen: Generation) -> dict:
+        return fmt.usage(
+            sum(c.prompt_tokens for c in gen.choices),
+            sum(c.completion_tokens for c in gen.choices),
+            sum(c.cached_tokens for c in gen.choices),
+        )
+
+    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        self.gw.metrics.request(endpoint, 200)
+        head = b"".join(framer.role_chunk(c.index) for c in gen.choices) if framer.chat else b""
+        if head:
+            await send({"type": "http.response.body", "body": head, "more_body": True})
+        failed = False
+        open_choices = len(gen.choices)  # count finish events, not gen.finished: events may still be queued
+        while open_choices and not failed:
+            parts = []
+            event = await gen.events.get()
+            while True:  # write everything already waiting in one go
+                kind = event[0]
+                if kind == "text":
+                    parts.append(framer.text_chunk(event[1], event[2]))
+                elif kind == "finish":
+                    parts.append(framer.finish_chunk(event[1], event[2]))
+                    self.gw.metrics.finished(event[2])
+                    open_choices -= 1
+                elif kind == "error":
+                    parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
+                    failed = True
+                    break
+                elif kind == "disconnected":
+                    return
+                if gen.events.empty():
+                    break
+                event = gen.events.get_nowait()
+            await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+        tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
+        await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
+
+    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str) -> None:
+        texts = [[] for _ in gen.choices]
+        reasons = ["stop"] * len(gen.choices)
+        open_choices = len(gen.choices)
+        while open_choices:
+            event = await gen.events.get()
+            if event[0] == "text":
+                texts[event[1]].append(event[2])
+            elif event[0] == "finish":
+                reasons[event[1]] = event[2]
+                self.gw.metrics.finished(event[2])
+                open_choices -= 1
+            elif event[0] == "error":
+                await self.error(send, event[1], endpoint)
+                return
+            elif event[0] == "disconnected":
+                return
+        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen))
+        await self.respond(send, 200, body, endpoint)
+
+    async def models(self, scope, receive, send) -> None:
+        gw = self.gw
+        card = {"id": gw.model_name, "object": "model", "created": gw.started_at, "owned_by": "tokenmill",
+                "root": gw.model_name, "max_model_len": gw.max_model_len}
+        await self.respond(send, 200, _json.encode({"object": "list", "data": [card]}), "/v1/models")
+
+    async def health(self, scope, receive, send) -> None:
+        await self.respond(send, 200, b'{"status":"ok"}', "/health")
+
+    async def ready(self, scope, receive, send) -> None:
+        gw = self.gw
+        state = {
+            "ready": gw.is_ready,
+            "workers_alive": gw.conversion.alive,
+            "scheduler_connected": gw.scheduler.connected,
+            "draining": gw.draining,
+        }
+        await self.respond(send, 200 if state["ready"] else 503, _json.encode(state), "/ready")
+
+    async def metrics(self, scope, receive, send) -> None:
+        body = self.gw.collect_metrics()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,178 @@
+"""The table of requests being generated, and the routing of their outputs.
+
+Scheduler outputs (raw token frames) go to the worker that holds each request's
+decoder; the text that comes back goes to the HTTP response waiting for it. The
+gateway never looks inside a token frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduler_client import protocol
+from tokenizer_workers.messages import ApiError, DetokItem, DetokOut
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None  # as the scheduler or a stop string decided
+    error: str | None = None
+    done: bool = False  # its final text has arrived
+    scheduler_done: bool = False
+
+
+@dataclass(eq=False)
+class Generation:
+    """One HTTP request's generation; the handler reads ``events``."""
+
+    id: str
+    owner: int
+    choices: list[Choice]
+    arrival: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.done for c in self.choices)
+
+
+# Events put on Generation.events:
+#   ("text", choice_index, text)
+#   ("finish", choice_index, finish_reason)
+#   ("error", ApiError)            -- the whole request failed; nothing follows
+
+
+class Generations:
+    def __init__(self, conversion, scheduler, metrics=None):
+        self.conversion = conversion  # WorkerPool or an in-process equivalent
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.by_request: dict[str, tuple[Generation, Choice]] = {}
+        self.live: set[Generation] = set()
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, gen: Generation) -> None:
+        self.live.add(gen)
+        for choice in gen.choices:
+            self.by_request[choice.request_id] = (gen, choice)
+
+    def _drop(self, gen: Generation) -> None:
+        self.live.discard(gen)
+        for choice in gen.choices:
+            self.by_request.pop(choice.request_id, None)
+
+    # ---- from the scheduler -----------------------------------------------------------
+
+    def on_outputs(self, outputs: list[protocol.RequestOutput]) -> None:
+        per_owner: dict[int, list[DetokItem]] = defaultdict(list)
+        now = time.monotonic()
+        for out in outputs:
+            entry = self.by_request.get(out.request_id)
+            if entry is None:
+                continue  # finished by a stop string, aborted, or from before a restart
+            gen, choice = entry
+            if choice.scheduler_done:
+                continue
+            if out.token_ids:
+                if gen.first_token_at is None:
+                    gen.first_token_at = now
+                    if self.metrics:
+                        self.metrics.time_to_first_token.observe(now - gen.arrival)
+                elif self.metrics:
+                    self.metrics.inter_token_latency.observe(now - gen.last_token_at)
+                gen.last_token_at = now
+                if self.metrics:
+                    self.metrics.generation_tokens.inc(len(out.token_ids) // 4)
+            choice.completion_tokens = out.completion_tokens or choice.completion_tokens
+            choice.cached_tokens = out.cached_tokens
+            if out.finish_reason is not None:
+                choice.scheduler_done = True
+                choice.finish_reason = out.finish_reason
+                choice.error = out.error
+            per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None))
+        for owner, items in per_owner.items():
+            self.conversion.detokenize(owner, items)
+
+    def on_scheduler_error(self, error: protocol.Error) -> None:
+        entry = self.by_request.get(error.request_id or "")
+        if entry is None:
+            return
+        gen, _ = entry
+        self.fail(gen, ApiError(400, f"The scheduler rejected the request: {error.message}", "BadRequestError", None, error.code))
+
+    def on_scheduler_lost(self, why: str) -> None:
+        for gen in list(self.live):
+            self.fail(gen, ApiError(503, f"The GPU scheduler became unavailable ({why}); retry the request.",
+                                    "ServiceUnavailableError", None, "scheduler_unavailable"),
+                      abort=False, reason="scheduler_lost")
+
+    # ---- from the workers -------------------------------------------------------------
+
+    def on_detok(self, out: DetokOut) -> None:
+        for delta in out.items:
+            entry = self.by_request.get(delta.request_id)
+            if entry is None:
+                continue
+            gen, choice = entry
+            if delta.text:
+                gen.events.put_nowait(("text", choice.index, delta.text))
+            if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
+                choice.finish_reason = protocol.FINISH_STOP
+                if not choice.scheduler_done:
+                    self.scheduler.abort([choice.request_id])
+            if delta.final:
+                choice.done = True
+                self.by_request.pop(choice.request_id, None)
+                if choice.finish_reason == protocol.FINISH_ERROR:
+                    self.fail(gen, ApiError(500, f"The scheduler failed the request: {choice.error or 'unknown error'}",
+                                            "InternalServerError", None, "scheduler_error"))
+                    continue
+                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice.finish_reason)))
+                if gen.finished:
+                    self.live.discard(gen)
+
+    def on_owner_lost(self, owner: int, request_ids: set) -> None:
+        for rid in request_ids:
+            entry = self.by_request.get(rid)
+            if entry is not None:
+                self.fail(entry[0], ApiError(503, "The tokenizer worker streaming this request died; retry the request.",
+                                             "ServiceUnavailableError", None, "worker_died"), reason="worker_died")
+
+    # ---- from the HTTP side ---------------------------------------------------------------
+
+    def fail(self, gen: Generation, error: ApiError, abort: bool = True, reason: str = "error") -> None:
+        if gen not in self.live:
+            return
+        self.cancel(gen, abort=abort, reason=reason)
+        gen.events.put_nowait(("error", error))
+
+    def cancel(self, gen: Generation, abort: bool = True, reason: str = "client_disconnect") -> None:
+        """Stop a generation and free its state everywhere (client gone, error, shutdown)."""
+        if gen not in self.live:
+            return
+        running = [c.request_id for c in gen.choices if not c.done]
+        if abort and running:
+            to_abort = [c.request_id for c in gen.choices if not c.done and not c.scheduler_done]
+            self.scheduler.abort(to_abort)
+        if running:
+            self.conversion.release(gen.owner, running)
+            if self.metrics:
+                self.metrics.aborts.labels(reason=reason).inc()
+        self._drop(gen)
+
+
+def _openai_finish(reason: str | None) -> str:
+    # OpenAI knows stop and length; an abort ends the text like a stop would.
+    return "length" if reason == protocol.FINISH_LENGTH else "stop"

@@ -1,0 +1,61 @@
+"""Conversion on the gateway itself: the two baselines of ``tokenmill bench`` and nothing else.
+
+``inline`` runs the worker's Converter on the event loop (as SGLang did before PR #39771);
+``thread`` runs it in ``loop.run_in_executor`` with the default executor (as that PR does).
+Same Converter and Detokenizer code as the workers, behind the WorkerPool's interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from gateway.worker_pool import ConvertResult
+from tokenizer_workers.converter import Converter, ConverterSettings
+from tokenizer_workers.detokenizer import Detokenizer
+from tokenizer_workers.messages import ConvertJob, DetokOut
+
+
+class InProcessConversion:
+    alive = 1
+    busy = 0
+    queue = ()
+
+    def __init__(self, settings: ConverterSettings, on_detok, threaded: bool, metrics=None):
+        self.converter = Converter(settings)
+        self.detokenizer = Detokenizer(self.converter.tokenizer)
+        self.max_model_len = self.converter.max_model_len
+        self.on_detok = on_detok
+        self.threaded = threaded
+        self.metrics = metrics
+        self._ids = itertools.count(1)
+
+    async def start(self) -> None:
+        pass
+
+    async def wait_ready(self, count=None, timeout=None) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
+        job = ConvertJob(next(self._ids), kind, request_id)
+        if self.threaded:
+            conversion = await asyncio.get_running_loop().run_in_executor(None, self.converter.convert, job, body)
+        else:
+            conversion = self.converter.convert(job, body)
+        for spec in conversion.detok:
+            self.detokenizer.open(spec)
+        if self.metrics:
+            self.metrics.observe_conversion(conversion.done)
+        return ConvertResult(conversion.done, conversion.frames, 0)
+
+    def detokenize(self, owner: int, items) -> None:
+        t0 = time.perf_counter()
+        deltas = self.detokenizer.step(items)
+        self.on_detok(DetokOut(deltas, time.perf_counter() - t0))
+
+    def release(self, owner: int, request_ids) -> None:
+        self.detokenizer.release(request_ids)

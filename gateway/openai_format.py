@@ -1,0 +1,97 @@
+"""OpenAI wire format for responses: JSON bodies, SSE chunks, and error objects."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenizer_workers.messages import ApiError
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def error_body(error: ApiError) -> bytes:
+    return _json.encode(
+        {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    )
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        408: "RequestTimeoutError",
+        413: "RequestTooLargeError",
+        429: "RateLimitError",
+        503: "ServiceUnavailableError",
+    }.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return ApiError(status, message, kind, param, code)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+class Framer:
+    """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
+        self.chat = kind == "chat"
+        self.id = request_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, choices: list) -> dict:
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def role_chunk(self, index: int) -> bytes:
+        return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+        return sse(self._chunk([choice]))
+
+    def finish_chunk(self, index: int, reason: str) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        return sse(self._chunk([choice]))
+
+    def usage_chunk(self, usage_obj: dict) -> bytes:
+        return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage_obj})
+
+    def full(self, texts: list[str], reasons: list[str], usage_obj: dict) -> bytes:
+        if self.chat:
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                for i, (t, r) in enumerate(zip(texts, reasons))
+            ]
+            obj = "chat.completion"
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                for i, (t, r) in enumerate(zip(texts, reasons))
+            ]
+            obj = "text_completion"
+        return _json.encode(
+            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_obj}
+        )

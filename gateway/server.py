@@ -1,0 +1,221 @@
+"""The gateway process: starts and supervises workers and the simulated scheduler, serves HTTP.
+
+``tokenmill serve`` runs this in its own process on a uvloop event loop. The children
+(tokenizer workers, and the simulated scheduler unless --scheduler names one) are asked
+by the kernel to die with it, so even ``kill -9`` of the gateway leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import uvicorn
+
+from gateway.app import App
+from gateway.generations import Generations
+from gateway.inprocess import InProcessConversion
+from gateway.metrics import Metrics
+from gateway.worker_pool import WorkerPool
+from scheduler_client.client import SchedulerClient
+from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.messages import ApiError
+from tokenizer_workers.model import DEFAULT_MODEL_NAME
+from tokenmill.settings import ServeSettings
+
+log = logging.getLogger("tokenmill.gateway")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the gateway drains on SIGTERM itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Gateway:
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.model_name = settings.served_model_name or (
+            os.path.basename(os.path.abspath(settings.model)) if settings.model else DEFAULT_MODEL_NAME
+        )
+        self.started_at = int(time.time())
+        self.draining = False
+        self.metrics = Metrics(self.model_name)
+        self.runtime_dir: str | None = None
+        self._own_runtime_dir = False
+        self.simulator: asyncio.subprocess.Process | None = None
+        self.stopped = asyncio.Event()
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.conversion.max_model_len
+
+    @property
+    def is_ready(self) -> bool:
+        return not self.draining and self.conversion.alive > 0 and self.scheduler.connected
+
+    def converter_settings(self) -> ConverterSettings:
+        s = self.settings
+        return ConverterSettings(
+            model_dir=s.model,
+            chat_template_file=s.chat_template,
+            served_model_name=self.model_name,
+            max_model_len=s.max_model_len,
+            default_chat_template_kwargs=s.default_chat_template_kwargs,
+            content_format=s.chat_template_content_format,
+            trust_request_chat_template=s.trust_request_chat_template,
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def _make_runtime_dir(self) -> str:
+        if self.settings.runtime_dir:
+            os.makedirs(self.settings.runtime_dir, mode=0o700, exist_ok=True)
+            return self.settings.runtime_dir
+        if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=
+            return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+        self._own_runtime_dir = True
+        return tempfile.mkdtemp(prefix="tokenmill-")  # mode 0700
+
+    async def start(self) -> None:
+        s = self.settings
+        self.runtime_dir = self._make_runtime_dir()
+        scheduler_endpoint = s.scheduler
+        if scheduler_endpoint is None:
+            scheduler_endpoint = f"ipc://{self.runtime_dir}/scheduler.sock"
+            await self._start_simulator(scheduler_endpoint)
+        self.generations = Generations(None, None, self.metrics)
+        g = self.generations
+        if s.conversion_mode == "pool":
+            endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
+            self.conversion = WorkerPool(
+                s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
+                max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
+                conversion_timeout=s.conversion_timeout, metrics=self.metrics,
+            )  # fmt: skip
+        else:
+            self.conversion = InProcessConversion(
+                self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
+            )
+        self.scheduler = SchedulerClient(scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error)
+        g.conversion, g.scheduler = self.conversion, self.scheduler
+        await self.conversion.start()
+        await self.scheduler.start()
+        self._lag_task = asyncio.create_task(self._measure_loop_lag())
+
+    async def _start_simulator(self, endpoint: str) -> None:
+        s = self.settings
+        self.simulator = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "scheduler_client.simulated", "--bind", endpoint,
+            "--prefill-tokens-per-s", str(s.sim_prefill_tokens_per_s),
+            "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
+            "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
+            "--model", s.model or "default",
+        )  # fmt: skip
+
+    async def wait_ready(self, timeout: float = 120.0) -> bool:
+        deadline = time.monotonic() + timeout
+        if not await self.conversion.wait_ready(1, timeout):
+            return False
+        return await self.scheduler.wait_connected(max(0.1, deadline - time.monotonic()))
+
+    async def _measure_loop_lag(self, interval: float = 0.005) -> None:
+        """Sleep a little, over and over; how late each wake-up is, is the loop's lag."""
+        loop = asyncio.get_running_loop()
+        observe = self.metrics.loop_lag.observe
+        while True:
+            before = loop.time()
+            await asyncio.sleep(interval)
+            observe(max(0.0, loop.time() - before - interval))
+
+    def collect_metrics(self) -> bytes:
+        m = self.metrics
+        m.workers_alive.set(self.conversion.alive)
+        m.workers_busy.set(self.conversion.busy)
+        m.num_requests_running.set(len(self.generations))
+        m.num_requests_waiting.set(len(self.conversion.queue))
+        m.scheduler_connected.set(1 if self.scheduler.connected else 0)
+        if self.scheduler.stats is not None:
+            m.scheduler_running.set(self.scheduler.stats.num_running)
+            m.scheduler_waiting.set(self.scheduler.stats.num_waiting)
+        return m.render()
+
+    async def drain(self) -> None:
+        """Stop taking requests, let running ones finish (up to shutdown_timeout), abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + self.settings.shutdown_timeout
+        while (len(self.generations) or self.conversion.busy or len(self.conversion.queue)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for gen in list(self.generations.live):
+            self.generations.fail(gen, ApiError(503, "The server is shutting down; the request was aborted.",
+                                                "ServiceUnavailableError", None, "shutdown"), reason="shutdown")
+        await asyncio.sleep(0.05)  # let handlers write those errors
+
+    async def close(self) -> None:
+        self._lag_task.cancel()
+        await self.scheduler.close()
+        await self.conversion.close()
+        if self.simulator is not None and self.simulator.returncode is None:
+            self.simulator.terminate()
+            try:
+                await asyncio.wait_for(self.simulator.wait(), 5)
+            except asyncio.TimeoutError:
+                self.simulator.kill()
+                await self.simulator.wait()
+        if self._own_runtime_dir and self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    async def serve(self, on_ready=None) -> int:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        try:
+            config = uvicorn.Config(
+                App(self), host=s.host, port=s.port, http="httptools", loop="none", lifespan="off",
+                log_level=s.log_level, access_log=False, timeout_keep_alive=s.timeout_keep_alive,
+            )  # fmt: skip
+            server = _Server(config)
+            server_task = asyncio.create_task(server.serve())
+            ready_task = asyncio.create_task(self.wait_ready())
+            stop_task = asyncio.create_task(stop.wait())
+            await asyncio.wait({ready_task, stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
+            if server_task.done():
+                server_task.result()  # a bind error surfaces here
+                return 1
+            if ready_task.done() and ready_task.result():
+                if on_ready:
+                    on_ready(self)
+            elif ready_task.done():
+                log.error("tokenmill did not become ready (workers alive: %d, scheduler connected: %s)",
+                          self.conversion.alive, self.scheduler.connected)
+            await stop_task
+            log.info("stopping: draining in-flight requests (up to %gs)", s.shutdown_timeout)
+            await self.drain()
+            server.should_exit = True
+            await server_task
+            return 0
+        finally:
+            await self.close()
+            self.stopped.set()
+
+
+def run(settings: ServeSettings, on_ready=None) -> int:
+    import uvloop
+
+    from tokenmill.procutil import set_process_name
+
+    set_process_name("tm-gateway")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
+    return uvloop.run(Gateway(settings).serve(on_ready))

@@ -1,0 +1,378 @@
+"""The gateway's side of the tokenizer worker pool: processes, dispatch, and their ZeroMQ socket.
+
+Dispatch is pull-based: each worker converts one request at a time and the gateway hands
+the next queued request to whichever worker is free, so a 250k-token conversion never
+holds up short requests while another worker is idle. Detokenization goes to the worker
+that converted the request (it holds that request's decoder state) and is answered
+between conversions, since a worker's IO thread runs while its conversion thread encodes.
+
+The pool owns the worker processes: a worker that dies (crash, kill -9, OOM, or killed
+here for overrunning the conversion deadline) is replaced at once, and its in-flight
+conversion is dispatched once more or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenizer_workers import messages as m
+from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.worker import SETTINGS_ENV
+
+log = logging.getLogger("tokenmill.pool")
+
+
+class ConversionRejected(Exception):
+    """Raised to the HTTP layer with an OpenAI-style error to return."""
+
+    def __init__(self, error: m.ApiError, retry_after: int | None = None):
+        super().__init__(error.message)
+        self.error = error
+        self.retry_after = retry_after
+
+
+@dataclass
+class ConvertResult:
+    done: m.ConvertDone
+    frames: list  # zmq Frames or bytes: per choice, Generate header then prompt tokens
+    owner: int  # the worker holding the detokenizer state
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: int
+    kind: str
+    request_id: str
+    body: bytes
+    future: asyncio.Future
+    enqueued: float
+    attempts: int = 0
+    worker: int | None = None
+    timer: asyncio.TimerHandle | None = None
+    timed_out: bool = False
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    identity: bytes
+    process: asyncio.subprocess.Process | None = None
+    ready: bool = False
+    job: _Job | None = None
+    started: float = 0.0
+    restarts: int = 0
+    owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        size: int,
+        endpoint: str,
+        settings: ConverterSettings,
+        on_detok: Callable[[m.DetokOut], None],
+        on_owner_lost: Callable[[int, set], None],
+        *,
+        max_queued: int = 1024,
+        max_queued_bytes: int = 1 << 30,
+        conversion_timeout: float = 60.0,
+        metrics=None,
+        ctx: zmq.asyncio.Context | None = None,
+    ):
+        self.size = size
+        self.endpoint = endpoint
+        self.settings = settings
+        self.on_detok = on_detok
+        self.on_owner_lost = on_owner_lost
+        self.max_queued = max_queued
+        self.max_queued_bytes = max_queued_bytes
+        self.conversion_timeout = conversion_timeout
+        self.metrics = metrics
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
+        self.queue: deque[_Job] = deque()
+        self.queued_bytes = 0
+        self.jobs: dict[int, _Job] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+        self.max_model_len: int | None = None
+        self._ready_changed = asyncio.Event()
+        self.sock: zmq.asyncio.Socket | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a dead worker fails loudly
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement worker takes over its identity
+        sock.bind(self.endpoint)
+        self.sock = sock
+        self._spawn_task(self._receive())
+        for worker in self.workers:
+            await self._start_process(worker)
+
+    async def wait_ready(self, count: int | None = None, timeout: float = 120.0) -> bool:
+        count = self.size if count is None else count
+        deadline = time.monotonic() + timeout
+        while self.alive < count:
+            self._ready_changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._ready_changed.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    @property
+    def alive(self) -> int:
+        return sum(w.ready for w in self.workers)
+
+    @property
+    def busy(self) -> int:
+        return sum(w.job is not None for w in self.workers)
+
+    async def close(self) -> None:
+        self._closing = True
+        for worker in self.workers:
+            if worker.process and worker.process.returncode is None:
+                worker.process.terminate()
+        for worker in self.workers:
+            if worker.process:
+                try:
+                    await asyncio.wait_for(worker.process.wait(), 5)
+                except asyncio.TimeoutError:
+                    worker.process.kill()
+                    await worker.process.wait()
+        for job in list(self.jobs.values()):
+            self._fail(job, m.ApiError(503, "The server is shutting down.", "ServiceUnavailableError", None, "shutdown"))
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.sock is not None:
+            self.sock.close(0)
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://") :])
+            except OSError:
+                pass
+
+    def _spawn_task(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_process(self, worker: _Worker) -> None:
+        env = dict(os.environ)
+        env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
+        worker.ready = False
+        worker.started = time.monotonic()
+        worker.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tokenizer_workers.worker",
+            "--connect", self.endpoint, "--index", str(worker.index), "--parent", str(os.getpid()),
+            env=env,
+        )  # fmt: skip
+        self._spawn_task(self._watch_process(worker, worker.process))
+
+    async def _watch_process(self, worker: _Worker, process) -> None:
+        code = await process.wait()
+        if self._closing or worker.process is not process:
+            return
+        log.warning("tokenizer worker %d (pid %d) exited with %s; starting a replacement", worker.index, process.pid, code)
+        self._on_worker_death(worker)
+        if self.metrics:
+            self.metrics.worker_restarts.inc()
+        # a worker that dies right after starting is crash-looping: back off a little
+        if time.monotonic() - worker.started < 2.0:
+            await asyncio.sleep(min(5.0, 0.5 * (worker.restarts + 1)))
+        worker.restarts += 1
+        if not self._closing:
+            await self._start_process(worker)
+
+    def _on_worker_death(self, worker: _Worker) -> None:
+        worker.ready = False
+        self._ready_changed.set()
+        job, worker.job = worker.job, None
+        if job is not None:
+            if job.timer:
+                job.timer.cancel()
+            if job.timed_out:
+                self._fail(
+                    job,
+                    m.ApiError(
+                        400,
+                        f"Converting this request took longer than the conversion timeout "
+                        f"({self.conversion_timeout:g} s); it was stopped.",
+                        "BadRequestError",
+                        None,
+                        "conversion_timeout",
+                    ),
+                )
+            elif job.attempts < 2 and not job.future.done():
+                log.warning("re-dispatching request %s after its worker died", job.request_id)
+                job.worker = None
+                self.queue.appendleft(job)
+                self.queued_bytes += len(job.body)
+            else:
+                self._fail(
+                    job,
+                    m.ApiError(503, "The tokenizer worker converting this request died twice.", "ServiceUnavailableError", None, "worker_died"),
+                )
+        if worker.owned:
+            owned, worker.owned = worker.owned, set()
+            self.on_owner_lost(worker.index, owned)
+        self._dispatch()
+
+    # ---- conversion -------------------------------------------------------------------
+
+    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
+        if len(self.queue) >= self.max_queued or self.queued_bytes + len(body) > self.max_queued_bytes:
+            reason = "queue_full" if len(self.queue) >= self.max_queued else "queue_bytes"
+            if self.metrics:
+                self.metrics.rejections.labels(reason=reason).inc()
+            raise ConversionRejected(
+                m.ApiError(429, "The server is overloaded: too many requests are waiting for conversion. Retry later.",
+                           "RateLimitError", None, "overloaded"),
+                retry_after=1,
+            )
+        job = _Job(next(self._ids), kind, request_id, body, asyncio.get_running_loop().create_future(), time.monotonic())
+        self.jobs[job.job_id] = job
+        self.queue.append(job)
+        self.queued_bytes += len(body)
+        self._dispatch()
+        try:
+            return await job.future
+        finally:
+            if not job.future.done() or job.future.cancelled():
+                self._forget(job)
+
+    def _forget(self, job: _Job) -> None:
+        """The caller went away: drop a queued job; a running one's result will be released."""
+        job.future.cancel()
+        if job.worker is None and job in self.queue:
+            self.queue.remove(job)
+            self.queued_bytes -= len(job.body)
+            self.jobs.pop(job.job_id, None)
+
+    def _dispatch(self) -> None:
+        for worker in self.workers:
+            if not self.queue:
+                return
+            if not worker.ready or worker.job is not None:
+                continue
+            while self.queue:
+                job = self.queue.popleft()
+                self.queued_bytes -= len(job.body)
+                if job.future.done():
+                    self.jobs.pop(job.job_id, None)
+                    continue
+                self._send_job(worker, job)
+                break
+
+    def _send_job(self, worker: _Worker, job: _Job) -> None:
+        header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id))
+        try:
+            self.sock.send_multipart([worker.identity, header, job.body], copy=False)
+        except zmq.ZMQError:
+            worker.ready = False  # its death is being reported; try another worker
+            self.queue.appendleft(job)
+            self.queued_bytes += len(job.body)
+            return
+        job.attempts += 1
+        job.worker = worker.index
+        worker.job = job
+        if self.metrics:
+            self.metrics.queue_wait.observe(time.monotonic() - job.enqueued)
+        if self.conversion_timeout > 0:
+            job.timer = asyncio.get_running_loop().call_later(self.conversion_timeout, self._overrun, worker, job)
+
+    def _overrun(self, worker: _Worker, job: _Job) -> None:
+        if worker.job is job and worker.process and worker.process.returncode is None:
+            log.error("request %s overran the conversion timeout; killing tokenizer worker %d", job.request_id, worker.index)
+            job.timed_out = True
+            if self.metrics:
+                self.metrics.conversion_timeouts.inc()
+            worker.process.kill()
+
+    def _fail(self, job: _Job, error: m.ApiError) -> None:
+        self.jobs.pop(job.job_id, None)
+        if not job.future.done():
+            job.future.set_exception(ConversionRejected(error))
+
+    # ---- detokenization -----------------------------------------------------------------
+
+    def detokenize(self, owner: int, items: list[m.DetokItem]) -> None:
+        worker = self.workers[owner]
+        for item in items:
+            if item.finished:
+                worker.owned.discard(item.request_id)
+        try:
+            self.sock.send_multipart([worker.identity, m.encoder.encode(m.DetokBatch(items))])
+        except zmq.ZMQError:
+            pass  # the worker is dead; _on_worker_death fails these requests
+
+    def release(self, owner: int, request_ids: list[str]) -> None:
+        worker = self.workers[owner]
+        worker.owned.difference_update(request_ids)
+        try:
+            self.sock.send_multipart([worker.identity, m.encoder.encode(m.Release(request_ids))])
+        except zmq.ZMQError:
+            pass
+
+    # ---- receive loop -----------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                index = int(identity[1:])
+                worker = self.workers[index]
+                msg = m.from_worker.decode(frames[1].buffer)
+            except (ValueError, IndexError, msgspec.DecodeError):
+                log.error("undecodable message from worker %r", identity)
+                continue
+            if isinstance(msg, m.DetokOut):
+                if self.metrics:
+                    self.metrics.detokenize_seconds.observe(msg.detok_s)
+                self.on_detok(msg)
+            elif isinstance(msg, m.ConvertDone):
+                self._on_done(worker, msg, frames[2:])
+            elif isinstance(msg, m.WorkerReady):
+                self.max_model_len = msg.max_model_len
+                worker.ready = True
+                self._ready_changed.set()
+                log.info("tokenizer worker %d ready (pid %d)", index, msg.pid)
+                self._dispatch()
+
+    def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:
+        job = self.jobs.pop(done.job_id, None)
+        if worker.job is not None and worker.job.job_id == done.job_id:
+            if worker.job.timer:
+                worker.job.timer.cancel()
+            worker.job = None
+        self._dispatch()
+        if self.metrics:
+            self.metrics.observe_conversion(done)
+        ids = [c.request_id for c in done.choices]
+        if job is None or job.future.done():
+            if ids:  # nobody waits for it any more: free the decoder state it opened
+                self.release(worker.index, ids)
+            return
+        worker.owned.update(ids)
+        job.future.set_result(ConvertResult(done, frames, worker.index))

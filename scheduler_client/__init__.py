@@ -1,0 +1,1 @@
+"""The msgspec-over-ZeroMQ protocol to the GPU scheduler, its async client, and a simulated scheduler."""

@@ -1,0 +1,149 @@
+"""The gateway's async client for a GPU scheduler.
+
+One DEALER socket, connected (and reconnected by ZeroMQ) to the scheduler's ROUTER.
+A socket monitor tells the moment a connection is made or lost; ZMTP heartbeats turn
+a silent peer into a lost connection. After each connect the client says Hello and is
+``connected`` only once Welcome arrives. Whenever the connection drops, every request in
+flight is reported lost at once: a restarted scheduler knows none of them.
+
+Outputs are handed to a callback as decoded ``RequestOutput`` lists; their token IDs stay
+raw bytes. Generate headers arrive already encoded (built by a tokenizer worker), so
+sending is a plain multipart write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from scheduler_client import protocol
+
+log = logging.getLogger("tokenmill.scheduler")
+
+
+class SchedulerUnavailable(Exception):
+    pass
+
+
+class SchedulerClient:
+    def __init__(
+        self,
+        endpoint: str,
+        on_outputs: Callable[[list[protocol.RequestOutput]], None],
+        on_lost: Callable[[str], None],
+        on_error: Callable[[protocol.Error], None] | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+        curve: dict | None = None,
+        heartbeat_ms: int = 1000,
+    ):
+        self.endpoint = endpoint
+        self.on_outputs = on_outputs
+        self.on_lost = on_lost
+        self.on_error = on_error or (lambda err: log.warning("scheduler error: %s", err.message))
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.curve = curve
+        self.heartbeat_ms = heartbeat_ms
+        self.connected = False
+        self.welcome: protocol.Welcome | None = None
+        self.stats: protocol.Stats | None = None
+        self._connected_event = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.sock: zmq.asyncio.Socket | None = None
+
+    async def start(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a Generate for a scheduler not yet there
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms * 3)
+        if self.curve:
+            sock.curve_secretkey = self.curve["secret"]
+            sock.curve_publickey = self.curve["public"]
+            sock.curve_serverkey = self.curve["server"]
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+        )
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self._tasks = [
+            asyncio.create_task(self._watch(monitor), name="scheduler-monitor"),
+            asyncio.create_task(self._receive(), name="scheduler-receive"),
+        ]
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._connected_event.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def generate(self, header: bytes, prompt_frame: bytes) -> None:
+        """Send a ready-made Generate header and its prompt frame."""
+        if not self.connected:
+            raise SchedulerUnavailable("the scheduler is not connected")
+        self.sock.send_multipart([header, prompt_frame], copy=False)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.connected and request_ids:
+            self.sock.send(protocol.encode(protocol.Abort(request_ids)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.sock is not None:
+            self.sock.disable_monitor()
+            self.sock.close(0)
+        self.connected = False
+
+    # ---- internals --------------------------------------------------------------------
+
+    async def _watch(self, monitor) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    await self.sock.send(protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION)))
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._lose("the connection to the scheduler was lost")
+                elif event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+        finally:
+            monitor.close(0)
+
+    def _lose(self, why: str) -> None:
+        was = self.connected
+        self.connected = False
+        self._connected_event.clear()
+        if was:
+            log.warning("scheduler at %s: %s", self.endpoint, why)
+            self.on_lost(why)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = protocol.decode_from_scheduler(frames[0].buffer)
+            except Exception as exc:
+                log.error("undecodable message from the scheduler: %s", exc)
+                continue
+            if isinstance(msg, protocol.Outputs):
+                self.on_outputs(msg.outputs)
+            elif isinstance(msg, protocol.Stats):
+                self.stats = msg
+            elif isinstance(msg, protocol.Welcome):
+                self.welcome = msg
+                self.connected = True
+                self._connected_event.set()
+                log.info("scheduler %s connected at %s", msg.scheduler_name, self.endpoint)
+            elif isinstance(msg, protocol.Error):
+                if msg.request_id is None and msg.code == "version_mismatch":
+                    log.error("scheduler refused protocol version %d: %s", protocol.PROTOCOL_VERSION, msg.message)
+                self.on_error(msg)

@@ -1,0 +1,142 @@
+"""The wire protocol between tokenmill and a GPU scheduler (see docs/scheduler-protocol.md).
+
+Typed msgspec Structs, encoded as MessagePack maps with a ``type`` tag so that an
+engine written in any language can implement the scheduler side from the doc alone.
+Token IDs never appear as MessagePack arrays: they travel as raw little-endian
+uint32 bytes (a separate ZeroMQ frame for prompts, a ``bin`` field for outputs),
+so neither side has to build per-token objects to move them.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# finish_reason values a scheduler may report.
+FINISH_STOP = "stop"  # a stop token (EOS or one of stop_token_ids) was generated
+FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_ABORT = "abort"  # the request was aborted (Abort, or the scheduler gave up on it)
+FINISH_ERROR = "error"  # the scheduler failed the request; ``error`` says why
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
+    """Sampling settings, with OpenAI's meanings. top_k 0 means disabled."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """Front end -> scheduler, first message after every (re)connect."""
+
+    protocol_version: int
+    client_name: str = "tokenmill"
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    """Front end -> scheduler: start a request. The next frame holds the prompt token IDs."""
+
+    request_id: str
+    prompt_token_count: int
+    max_new_tokens: int
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # Token IDs that end the request with finish_reason "stop". The front end puts the
+    # model's EOS IDs here itself (unless the client asked for ignore_eos), so the
+    # scheduler needs no tokenizer knowledge.
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Whether a generated stop token is included in the output token_ids (it is: the
+    # front end's detokenizer skips special tokens itself).
+    ignore_eos: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Front end -> scheduler: stop these requests and free their state. Unknown IDs are ignored."""
+
+    request_ids: list[str]
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """Scheduler -> front end: the answer to Hello when the version is supported."""
+
+    protocol_version: int
+    scheduler_name: str
+    max_running_requests: int | None = None
+    max_model_len: int | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    """New tokens of one request since its previous RequestOutput."""
+
+    request_id: str
+    token_ids: bytes = b""  # raw little-endian uint32, possibly empty
+    finish_reason: str | None = None  # None while the request runs
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the scheduler's prefix cache
+    completion_tokens: int = 0  # total generated so far, including these
+    error: str | None = None  # set with finish_reason "error"
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    """Scheduler -> front end: one batch of outputs, typically one per engine step."""
+
+    outputs: list[RequestOutput]
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    """Scheduler -> front end, optional and periodic: queue figures for metrics."""
+
+    num_running: int
+    num_waiting: int
+
+
+class Error(msgspec.Struct, tag="error"):
+    """Scheduler -> front end: a rejected message. request_id None means the connection itself."""
+
+    message: str
+    code: str = "bad_request"
+    request_id: str | None = None
+
+
+ToScheduler = Hello | Generate | Abort
+FromScheduler = Welcome | Outputs | Stats | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_from_scheduler = msgspec.msgpack.Decoder(FromScheduler)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_scheduler(frame: bytes | memoryview) -> Hello | Generate | Abort:
+    return _to_scheduler.decode(frame)
+
+
+def decode_from_scheduler(frame: bytes | memoryview) -> Welcome | Outputs | Stats | Error:
+    return _from_scheduler.decode(frame)
+
+
+def ids_to_frame(token_ids) -> bytes:
+    """Token IDs (any iterable of ints) as a raw little-endian uint32 frame."""
+    arr = array("I", token_ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def frame_to_ids(frame: bytes | memoryview) -> array:
+    """The inverse of ids_to_frame: a compact uint32 array (index it, or list() it)."""
+    arr = array("I")
+    arr.frombytes(frame)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr

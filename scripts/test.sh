@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the test suite: create ./.venv if needed, install the project with its test extras, run pytest.
+# Arguments go to pytest (e.g. ./scripts/test.sh -k fidelity).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if [ pyproject.toml -nt .venv/.installed-test ] || ! .venv/bin/python -c "import tokenmill, openai, transformers" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e '.[test]'
+  touch .venv/.installed-test
+fi
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,138 @@
+"""Shared test helpers: real `tokenmill serve` processes on loopback, and the shared fixtures folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+FIXTURES = SHARED / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
+    """(status, headers, parsed JSON or raw bytes) without raising on 4xx/5xx."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status, hdrs = resp.read(), resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        raw, status, hdrs = err.read(), err.code, dict(err.headers)
+    try:
+        return status, hdrs, json.loads(raw)
+    except ValueError:
+        return status, hdrs, raw
+
+
+class Server:
+    """A `tokenmill serve` subprocess; stop() sends SIGTERM and waits."""
+
+    def __init__(self, *args: str, env: dict | None = None, ready: bool = True, timeout: float = 90.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), *args]
+        self.workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "serve", *self.args],
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.output: list[str] = []
+        if ready:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenmill exited with {self.proc.returncode}:\n{self.read_output()}")
+            try:
+                status, _, body = http("GET", self.url + "/ready", timeout=2)
+                if status == 200 and body["workers_alive"] == self.workers:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"tokenmill did not become ready:\n{self.read_output()}")
+
+    def read_output(self) -> str:
+        if self.proc.poll() is not None and self.proc.stdout:
+            self.output.append(self.proc.stdout.read())
+        return "".join(self.output)
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+
+    def async_client(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.read_output()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The default model on the simulated scheduler, fast decode, small limits for the bad-input tests."""
+    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "1", "--max-model-len", "8192",
+                 "--max-body-bytes", str(1 << 20))  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def echo_server():
+    """The simulated scheduler echoes prompt tokens: outputs are known in advance."""
+    srv = Server("--workers", "1", "--sim-mode", "echo", "--sim-inter-token-latency-ms", "0")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from tokenizer_workers.model import load_model
+
+    return load_model(None).tokenizer
+
+
+def require_shared() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"{FIXTURES} is absent (a user's clone has no ../shared); CI always has it")
+    return FIXTURES

@@ -1,0 +1,674 @@
+"""The simulated scheduler, driven over a real ZeroMQ DEALER as a front end would.
+
+Each scheduler runs in its own process (``python -m scheduler_client.simulated``) bound to
+an ipc:// endpoint in a temporary directory. Every wait is bounded; nothing asserts
+wall-clock durations, only the order of events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from scheduler_client.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Generate,
+    Hello,
+    Outputs,
+    SamplingParams,
+    Stats,
+    Welcome,
+    decode_from_scheduler,
+    encode,
+    frame_to_ids,
+    ids_to_frame,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 30.0  # a cold interpreter on a busy 2-core machine
+WAIT = 10.0  # any single expected message
+_ids = itertools.count()
+
+
+class Scheduler:
+    """A simulated scheduler subprocess."""
+
+    def __init__(self, *options: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tmsim-"))  # short: ipc paths are limited to ~100 bytes
+        self.path = self.dir / "scheduler.sock"
+        self.endpoint = f"ipc://{self.path}"
+        self.log_path = self.dir / "scheduler.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_client.simulated", "--bind", self.endpoint, *options],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.ctx = zmq.Context()
+        self.clients: list[Client] = []
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, handshake: bool = True) -> Client:
+        client = Client(self)
+        self.clients.append(client)
+        if handshake:
+            client.handshake()
+        return client
+
+    def wait_ready(self) -> None:
+        """Handshake once, allowing for interpreter startup."""
+        probe = Client(self)
+        try:
+            probe.send(Hello(protocol_version=PROTOCOL_VERSION))
+            deadline = time.monotonic() + STARTUP_TIMEOUT
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"the scheduler exited with {self.proc.returncode}:\n{self.log()}")
+                if probe.sock.poll(100):
+                    assert isinstance(probe.decode(probe.sock.recv_multipart()), Welcome)
+                    return
+            raise AssertionError(f"the scheduler did not answer Hello in {STARTUP_TIMEOUT}s:\n{self.log()}")
+        finally:
+            probe.close()
+
+    def stop(self) -> int:
+        for client in self.clients:
+            client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(WAIT)
+        self.ctx.term()
+        self._log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Client:
+    """A front end's DEALER, synchronous, with bounded waits."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sock = scheduler.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(scheduler.endpoint)
+        self.scheduler = scheduler
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def send(self, message: msgspec.Struct, *extra: bytes) -> None:
+        self.sock.send_multipart([encode(message), *extra])
+
+    def generate(self, prompt: list[int], max_new_tokens: int, request_id: str | None = None, **fields) -> str:
+        request_id = request_id or f"req-{next(_ids)}"
+        message = Generate(
+            request_id=request_id, prompt_token_count=len(prompt), max_new_tokens=max_new_tokens, **fields
+        )
+        self.send(message, ids_to_frame(prompt))
+        return request_id
+
+    @staticmethod
+    def decode(frames: list[bytes]):
+        assert len(frames) == 1, f"scheduler messages are one frame, got {len(frames)}"
+        return decode_from_scheduler(frames[0])
+
+    def recv(self, timeout: float = WAIT):
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"nothing from the scheduler in {timeout}s:\n{self.scheduler.log()}")
+        return self.decode(self.sock.recv_multipart())
+
+    def recv_not_stats(self, timeout: float = WAIT):
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.recv(max(0.01, deadline - time.monotonic()))
+            if not isinstance(message, Stats):
+                return message
+
+    def handshake(self) -> Welcome:
+        self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name="test"))
+        welcome = self.recv_not_stats()
+        assert isinstance(welcome, Welcome), welcome
+        return welcome
+
+    def collect(self, request_ids, timeout: float = WAIT, on_message=None) -> dict[str, list]:
+        """RequestOutputs per request until all of request_ids finished."""
+        pending = set(request_ids)
+        outputs: dict[str, list] = {rid: [] for rid in pending}
+        while pending:
+            message = self.recv(timeout)
+            if on_message is not None:
+                on_message(message)
+            if isinstance(message, Stats):
+                continue
+            assert isinstance(message, Outputs), message
+            for out in message.outputs:
+                assert out.request_id in outputs, f"output for an unexpected request: {out}"
+                assert out.request_id in pending, f"output after the final one: {out}"
+                outputs[out.request_id].append(out)
+                if out.finish_reason is not None:
+                    pending.discard(out.request_id)
+        return outputs
+
+    def quiet(self, seconds: float) -> list:
+        """Everything but Stats that arrives within ``seconds``."""
+        got = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(int(left * 1000) + 1):
+                message = self.decode(self.sock.recv_multipart())
+                if not isinstance(message, Stats):
+                    got.append(message)
+        return got
+
+
+def tokens_of(outputs) -> list[int]:
+    return [t for out in outputs for t in frame_to_ids(out.token_ids)]
+
+
+def check_stream(outputs, prompt_tokens: int) -> None:
+    """Cumulative completion_tokens, prompt_tokens everywhere, exactly one final output."""
+    total = 0
+    for out in outputs:
+        total += len(out.token_ids) // 4
+        assert len(out.token_ids) % 4 == 0
+        assert out.completion_tokens == total, (out, total)
+        assert out.prompt_tokens == prompt_tokens
+    assert [o.finish_reason is not None for o in outputs].count(True) == 1
+    assert outputs[-1].finish_reason is not None
+
+
+def _start(*options: str):
+    scheduler = Scheduler(*options)
+    try:
+        scheduler.wait_ready()
+    except BaseException:
+        scheduler.stop()
+        scheduler.cleanup()
+        raise
+    return scheduler
+
+
+@pytest.fixture(scope="module")
+def sched():
+    """Random mode, fast decode steps."""
+    scheduler = _start("--inter-token-latency-ms", "2", "--stats-interval-s", "0.2")
+    yield scheduler
+    assert scheduler.stop() == 0, scheduler.log()
+    assert "Traceback" not in scheduler.log(), scheduler.log()
+    scheduler.cleanup()
+
+
+@pytest.fixture(scope="module")
+def echo():
+    scheduler = _start("--mode", "echo", "--inter-token-latency-ms", "1")
+    yield scheduler
+    assert scheduler.stop() == 0, scheduler.log()
+    scheduler.cleanup()
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+def test_handshake(sched):
+    client = sched.client(handshake=False)
+    welcome = client.handshake()
+    assert welcome.protocol_version == PROTOCOL_VERSION
+    assert welcome.scheduler_name
+    assert welcome.max_running_requests == 256
+
+
+def test_version_mismatch(sched):
+    client = sched.client(handshake=False)
+    client.send(Hello(protocol_version=PROTOCOL_VERSION + 99))
+    error = client.recv_not_stats()
+    assert isinstance(error, Error)
+    assert error.code == "version_mismatch"
+    assert error.request_id is None
+    # Generate after a rejected handshake is refused too, with its request_id.
+    rid = client.generate([1, 2, 3], 4)
+    error = client.recv_not_stats()
+    assert isinstance(error, Error) and error.code == "version_mismatch" and error.request_id == rid
+    # A supported Hello on the same connection recovers it.
+    client.handshake()
+    rid = client.generate([1, 2, 3], 2)
+    assert client.collect([rid])[rid][-1].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 7, 50])
+def test_length(sched, max_new_tokens):
+    client = sched.client()
+    prompt = [11, 22, 33, 44, 55]
+    rid = client.generate(prompt, max_new_tokens)
+    outputs = client.collect([rid])[rid]
+    check_stream(outputs, len(prompt))
+    assert len(tokens_of(outputs)) == max_new_tokens
+    assert outputs[-1].finish_reason == "length"
+    assert outputs[-1].completion_tokens == max_new_tokens
+    assert outputs[-1].error is None
+    assert all(0 <= t < 129280 for t in tokens_of(outputs))
+
+
+def test_concurrent_requests_batched(sched):
+    """Many requests of one front end: one Outputs per step carries several requests."""
+    client = sched.client()
+    rids = [client.generate([7, 8, 9], 20) for _ in range(10)]
+    batch_sizes = []
+    outputs = client.collect(
+        rids, on_message=lambda m: batch_sizes.append(len(m.outputs)) if isinstance(m, Outputs) else None
+    )
+    for rid in rids:
+        check_stream(outputs[rid], 3)
+        assert len(tokens_of(outputs[rid])) == 20
+    assert max(batch_sizes) > 1
+
+
+def test_seed_determinism(sched):
+    client = sched.client()
+    prompt = [100, 200, 300]
+
+    def run(**sampling):
+        rid = client.generate(prompt, 30, sampling=SamplingParams(**sampling))
+        return tokens_of(client.collect([rid])[rid])
+
+    first = run(seed=1234, temperature=0.8)
+    assert run(seed=1234, temperature=0.8) == first
+    assert run(seed=4321, temperature=0.8) != first
+    # seed None and temperature 0: deterministic from the prompt
+    greedy = run(temperature=0.0)
+    assert run(temperature=0.0) == greedy
+    # seed None and temperature > 0: random
+    assert run(temperature=1.0) != run(temperature=1.0)
+
+
+def test_echo_mode(echo):
+    client = echo.client()
+    rid = client.generate([5, 6, 7], 3)
+    outputs = client.collect([rid])[rid]
+    check_stream(outputs, 3)
+    assert tokens_of(outputs) == [5, 6, 7]
+    assert outputs[-1].finish_reason == "length"
+    # Past the prompt's end it cycles.
+    rid = client.generate([5, 6, 7], 8)
+    assert tokens_of(client.collect([rid])[rid]) == [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+def test_stop_token(echo):
+    client = echo.client()
+    rid = client.generate([10, 11, 12, 13, 14], 100, stop_token_ids=[99, 12])
+    outputs = client.collect([rid])[rid]
+    check_stream(outputs, 5)
+    assert tokens_of(outputs) == [10, 11, 12]  # the stop token is included
+    assert outputs[-1].finish_reason == "stop"
+    # A generated stop token ends the request even with ignore_eos.
+    rid = client.generate([10, 11, 12, 13, 14], 100, stop_token_ids=[13], ignore_eos=True)
+    outputs = client.collect([rid])[rid]
+    assert tokens_of(outputs) == [10, 11, 12, 13]
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_eos_probability():
+    scheduler = _start("--eos-probability", "1.0", "--inter-token-latency-ms", "1")
+    try:
+        client = scheduler.client()
+        rid = client.generate([1, 2, 3], 50, stop_token_ids=[77, 78])
+        outputs = client.collect([rid])[rid]
+        check_stream(outputs, 3)
+        assert tokens_of(outputs) == [77]
+        assert outputs[-1].finish_reason == "stop"
+        # ignore_eos: no simulated EOS, and a stop token is never drawn by chance.
+        rid = client.generate([1, 2, 3], 50, stop_token_ids=[77], ignore_eos=True)
+        outputs = client.collect([rid])[rid]
+        assert len(tokens_of(outputs)) == 50 and 77 not in tokens_of(outputs)
+        assert outputs[-1].finish_reason == "length"
+        # Without stop ids there is nothing to emit.
+        rid = client.generate([1, 2, 3], 5)
+        assert client.collect([rid])[rid][-1].finish_reason == "length"
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+def test_palette_model_default():
+    """--model default: tokens come from readable English text of the embedded tokenizer."""
+    from tokenizers import Tokenizer
+
+    from tokenizer_workers.model import default_model_dir
+
+    scheduler = _start("--model", "default", "--inter-token-latency-ms", "1")
+    try:
+        client = scheduler.client()
+        rid = client.generate([1, 2, 3], 40, sampling=SamplingParams(seed=7))
+        outputs = client.collect([rid])[rid]
+        assert len(tokens_of(outputs)) == 40
+        tokenizer = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+        text = tokenizer.decode(tokens_of(outputs))
+        words = text.split()
+        assert len(words) >= 10
+        assert sum(w.strip(".,").isalpha() and w.isascii() for w in words) >= len(words) - 2, text
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+# --------------------------------------------------------------------------- abort
+
+
+def test_abort_mid_decode():
+    scheduler = _start("--inter-token-latency-ms", "10")
+    try:
+        client = scheduler.client()
+        rid = client.generate([1, 2, 3], 100_000)
+        other = client.generate([1, 2, 3], 5)
+        got = []
+        while not any(out.request_id == rid and out.token_ids for out in got):
+            message = client.recv_not_stats()
+            assert isinstance(message, Outputs)
+            got.extend(message.outputs)
+        client.send(Abort(request_ids=[rid, "never-heard-of-it"]))
+        final = None
+        while final is None:
+            message = client.recv_not_stats()
+            assert isinstance(message, Outputs), message
+            for out in message.outputs:
+                got.append(out)
+                if out.request_id == rid and out.finish_reason is not None:
+                    final = out
+        assert final.finish_reason == "abort"
+        mine = [o for o in got if o.request_id == rid]
+        check_stream(mine, 3)
+        assert 0 < final.completion_tokens < 100_000
+        # Nothing more for it (and no Error for the unknown id); the other one is unaffected.
+        later = client.quiet(0.5)
+        for message in later:
+            assert isinstance(message, Outputs), message
+            assert all(o.request_id != rid for o in message.outputs)
+        others = [o for o in got if o.request_id == other] + [
+            o for m in later for o in m.outputs if o.request_id == other
+        ]
+        assert others[-1].finish_reason == "length"
+        # Aborting again (now finished) is ignored silently.
+        client.send(Abort(request_ids=[rid]))
+        assert client.quiet(0.3) == []
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+def test_abort_waiting_request():
+    """Abort of a request still waiting for a slot: a final 'abort' with no tokens."""
+    scheduler = _start("--max-running", "1", "--inter-token-latency-ms", "10")
+    try:
+        client = scheduler.client()
+        running = client.generate([1], 100_000)
+        waiting = client.generate([2], 10)
+        client.send(Abort(request_ids=[waiting]))
+        message = client.recv_not_stats()
+        while not any(o.request_id == waiting for o in message.outputs):
+            message = client.recv_not_stats()
+        (final,) = [o for o in message.outputs if o.request_id == waiting]
+        assert final.finish_reason == "abort" and final.token_ids == b"" and final.completion_tokens == 0
+        client.send(Abort(request_ids=[running]))
+        outputs = client.collect([running])[running]
+        assert outputs[-1].finish_reason == "abort"
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+# --------------------------------------------------------------------------- queueing
+
+
+def test_max_running_queues_the_rest():
+    scheduler = _start("--max-running", "2", "--inter-token-latency-ms", "10", "--stats-interval-s", "0.05")
+    try:
+        client = scheduler.client()
+        rids = [client.generate([1, 2, 3], 40) for _ in range(4)]
+        events: list[tuple[str, str]] = []  # ("first"|"final", request_id) in arrival order
+        stats: list[Stats] = []
+        seen = set()
+
+        def record(message):
+            if isinstance(message, Stats):
+                stats.append(message)
+                return
+            for out in message.outputs:
+                if out.request_id not in seen:
+                    seen.add(out.request_id)
+                    events.append(("first", out.request_id))
+                if out.finish_reason is not None:
+                    events.append(("final", out.request_id))
+
+        outputs = client.collect(rids, on_message=record)
+        for rid in rids:
+            check_stream(outputs[rid], 3)
+            assert len(tokens_of(outputs[rid])) == 40
+        # The first two run; the others start only after a slot frees up.
+        assert {rid for kind, rid in events[:2]} == set(rids[:2])
+        first_final = next(i for i, (kind, _) in enumerate(events) if kind == "final")
+        for rid in rids[2:]:
+            assert events.index(("first", rid)) > first_final
+        assert all(s.num_running <= 2 for s in stats)
+        assert any(s.num_waiting > 0 for s in stats) or len(stats) == 0
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_malformed_messages(sched):
+    client = sched.client()
+
+    def expect_error(code=None, request_id=None):
+        message = client.recv_not_stats()
+        assert isinstance(message, Error), message
+        assert message.request_id == request_id
+        if code is not None:
+            assert message.code == code
+        assert message.message
+        return message
+
+    client.sock.send(b"\xc1 not msgpack")
+    expect_error("bad_request")
+    client.sock.send(b"")
+    expect_error("bad_request")
+    client.sock.send(msgspec.msgpack.encode({"type": "teleport", "request_id": "x"}))
+    expect_error("unknown_message", "x")
+    client.sock.send(msgspec.msgpack.encode([1, 2, 3]))
+    expect_error("bad_request")
+    # A Generate with a wrongly typed field, its request_id still readable.
+    client.sock.send_multipart(
+        [msgspec.msgpack.encode({"type": "generate", "request_id": "bad-type", "prompt_token_count": "3"}), b""]
+    )
+    expect_error("bad_request", "bad-type")
+    # Missing prompt frame.
+    client.send(Generate(request_id="no-frame", prompt_token_count=2, max_new_tokens=3))
+    expect_error("bad_request", "no-frame")
+    # Prompt frame of the wrong length.
+    client.send(Generate(request_id="short", prompt_token_count=3, max_new_tokens=3), ids_to_frame([1, 2]))
+    expect_error("bad_request", "short")
+    client.send(Generate(request_id="odd", prompt_token_count=1, max_new_tokens=3), b"\x01\x00\x00")
+    expect_error("bad_request", "odd")
+    # Extra frames.
+    client.send(Generate(request_id="extra", prompt_token_count=1, max_new_tokens=3), ids_to_frame([1]), b"x")
+    expect_error("bad_request", "extra")
+    client.send(Hello(protocol_version=PROTOCOL_VERSION), b"x")
+    expect_error("bad_request")
+    # Invalid fields.
+    client.generate([1, 2], 0, request_id="zero")
+    expect_error("bad_request", "zero")
+    client.send(Generate(request_id="empty", prompt_token_count=0, max_new_tokens=3), b"")
+    expect_error("bad_request", "empty")
+    client.generate([1, 2], 3, request_id="neg-temp", sampling=SamplingParams(temperature=-1.0))
+    expect_error("bad_request", "neg-temp")
+    client.generate([129280], 3, request_id="oov")
+    expect_error("bad_request", "oov")
+    # Duplicate in-flight request_id: the original runs on, untouched.
+    rid = client.generate([1, 2], 30, request_id="dup")
+    client.generate([3, 4], 30, request_id="dup")
+    outputs = []
+    error = None
+    while not outputs or outputs[-1].finish_reason is None:
+        message = client.recv_not_stats()
+        if isinstance(message, Error):
+            assert error is None
+            error = message
+        else:
+            outputs.extend(message.outputs)
+    assert error is not None and error.code == "duplicate_request_id" and error.request_id == "dup"
+    check_stream(outputs, 2)
+    assert outputs[-1].finish_reason == "length" and outputs[-1].completion_tokens == 30
+    # Once finished, the id may be used again.
+    rid = client.generate([1, 2], 2, request_id="dup")
+    assert client.collect([rid])[rid][-1].finish_reason == "length"
+    # Still serving, other clients too.
+    other = sched.client()
+    rid = other.generate([5], 3)
+    assert other.collect([rid])[rid][-1].finish_reason == "length"
+    assert sched.proc.poll() is None
+
+
+def test_outputs_go_to_their_front_end(sched):
+    a, b = sched.client(), sched.client()
+    ra = a.generate([1], 10, request_id="same-id")
+    rb = b.generate([2], 15, request_id="same-id")  # request ids are scoped per connection
+    outs_a = a.collect([ra])[ra]
+    outs_b = b.collect([rb])[rb]
+    assert len(tokens_of(outs_a)) == 10 and len(tokens_of(outs_b)) == 15
+    assert a.quiet(0.2) == [] and b.quiet(0.2) == []
+
+
+def test_stats_sent_periodically(sched):
+    client = sched.client()
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        message = client.recv()
+        if isinstance(message, Stats):
+            assert message.num_running >= 0 and message.num_waiting >= 0
+            return
+    raise AssertionError("no Stats")
+
+
+def test_disconnected_front_end_is_forgotten(sched):
+    """A front end that goes away mid-request does not disturb the scheduler."""
+    client = sched.client()
+    client.generate([1, 2, 3], 1_000_000)
+    client.recv_not_stats()
+    client.close()
+    sched.clients.remove(client)
+    other = sched.client()
+    rid = other.generate([4], 5)
+    assert other.collect([rid])[rid][-1].finish_reason == "length"
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:  # the abandoned request is freed
+        message = other.recv()
+        if isinstance(message, Stats) and message.num_running == 0:
+            break
+    else:
+        raise AssertionError("the abandoned request was never freed")
+
+
+# --------------------------------------------------------------------------- process
+
+
+def test_sigterm_exits_cleanly_and_removes_socket():
+    scheduler = _start()
+    try:
+        assert scheduler.path.exists()
+        client = scheduler.client()
+        client.generate([1], 1_000_000)
+        assert scheduler.stop() == 0, scheduler.log()
+        assert not scheduler.path.exists()
+        assert "Traceback" not in scheduler.log()
+    finally:
+        scheduler.cleanup()
+
+
+def test_bad_arguments_fail_fast():
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_client.simulated", "--bind", "ipc:///tmp/x", "--max-running", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=STARTUP_TIMEOUT,
+    )
+    assert proc.returncode == 2
+    assert b"max_running" in proc.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="comm names are Linux")
+def test_process_name():
+    scheduler = _start()
+    try:
+        comm = Path(f"/proc/{scheduler.proc.pid}/comm").read_text().strip()
+        assert comm == "tm-scheduler"
+        assert "simulated" in " ".join(os.fsdecode(a) for a in Path(f"/proc/{scheduler.proc.pid}/cmdline").read_bytes().split(b"\0"))
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+def test_in_process_api():
+    """SimulatedScheduler served inside an event loop, on a tcp port chosen by the OS."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from scheduler_client.simulated import SimulatedScheduler
+
+    async def main():
+        scheduler = SimulatedScheduler(inter_token_latency_s=0.0, mode="echo", max_running=4)
+        serving = asyncio.create_task(scheduler.serve("tcp://127.0.0.1:0"))
+        endpoint = await asyncio.wait_for(scheduler.wait_ready(), WAIT)
+        assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        try:
+            await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))
+            welcome = decode_from_scheduler(await asyncio.wait_for(sock.recv(), WAIT))
+            assert isinstance(welcome, Welcome) and welcome.max_running_requests == 4
+            message = Generate(request_id="a", prompt_token_count=2, max_new_tokens=5)
+            await sock.send_multipart([encode(message), ids_to_frame([3, 4])])
+            tokens = []
+            while True:
+                reply = decode_from_scheduler(await asyncio.wait_for(sock.recv(), WAIT))
+                if isinstance(reply, Stats):
+                    continue
+                assert isinstance(reply, Outputs)
+                tokens += tokens_of(reply.outputs)
+                if reply.outputs[-1].finish_reason:
+                    break
+            assert tokens == [3, 4, 3, 4, 3]
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+            await asyncio.wait_for(scheduler.close(), WAIT)
+            await asyncio.wait_for(serving, WAIT)
+        await scheduler.close()  # idempotent
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+"""Tokenizer worker processes: request validation, chat templates, tokenization, incremental detokenization."""

@@ -1,0 +1,269 @@
+"""Request conversion: raw HTTP body in, validated scheduler requests (or a finished answer) out.
+
+This is all the CPU work between an OpenAI request and the GPU scheduler: JSON parsing,
+validation, chat-template rendering and tokenization. It runs in tokenizer worker
+processes; the benchmark's baseline modes run the very same code on the gateway loop
+or in its thread pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from scheduler_client import protocol
+from tokenizer_workers import openai_requests as oa
+from tokenizer_workers.chat_messages import to_template_messages
+from tokenizer_workers.chat_template import ChatTemplates, TemplateError
+from tokenizer_workers.messages import ApiError, ChoicePlan, ConvertDone, ConvertJob
+from tokenizer_workers.model import Model, load_model
+
+_json = msgspec.json.Encoder()
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+class ConverterSettings(msgspec.Struct):
+    """What a worker needs to know; the gateway hands it to each worker process as JSON."""
+
+    model_dir: str | None = None
+    chat_template_file: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    default_chat_template_kwargs: dict[str, Any] = {}
+    content_format: str = "auto"  # "auto" | "string" | "openai"
+    trust_request_chat_template: bool = False
+
+
+@dataclass
+class DetokSpec:
+    """What the detokenizer needs to stream one scheduler request's text."""
+
+    request_id: str
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Conversion:
+    done: ConvertDone
+    frames: list[bytes] = field(default_factory=list)  # per choice: Generate header, prompt tokens
+    detok: list[DetokSpec] = field(default_factory=list)
+
+
+class Converter:
+    def __init__(self, settings: ConverterSettings, model: Model | None = None):
+        self.settings = settings
+        self.model = model or load_model(settings.model_dir, settings.chat_template_file, settings.max_model_len)
+        self.model_name = settings.served_model_name or self.model.name
+        self.tokenizer = self.model.tokenizer
+        self.vocab_size = self.model.vocab_size
+        self.max_model_len = self.model.max_model_len
+        self.templates = ChatTemplates(
+            self.model.templates, self.model.special_tokens, settings.default_chat_template_kwargs
+        )
+
+    # ---- entry point ----------------------------------------------------------------
+
+    def convert(self, job: ConvertJob, body: bytes) -> Conversion:
+        try:
+            handler = getattr(self, f"_convert_{job.kind}")
+            return handler(job, body)
+        except oa.InvalidRequest as exc:
+            return self._error(job, exc.status, exc.message, exc.param, exc.code)
+        except TemplateError as exc:
+            return self._error(job, 400, f"Chat template error: {exc}", "messages", "chat_template_error")
+        except RecursionError:
+            return self._error(job, 400, "The request nests too deeply to process.", None, "too_deep")
+
+    def _error(self, job: ConvertJob, status: int, message: str, param=None, code=None) -> Conversion:
+        kind = "NotFoundError" if status == 404 else "BadRequestError"
+        return Conversion(ConvertDone(job.job_id, error=ApiError(status, message, kind, param, code)))
+
+    # ---- kinds ----------------------------------------------------------------------
+
+    def _convert_chat(self, job: ConvertJob, body: bytes) -> Conversion:
+        req: oa.ChatCompletionRequest = oa.parse("chat", body)
+        self._check_model(req.model)
+        oa.check_sampling(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        t0 = time.perf_counter()
+        prompt = self._render(req.messages, req)
+        t1 = time.perf_counter()
+        ids = self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
+        t2 = time.perf_counter()
+        return self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1)
+
+    def _convert_completion(self, job: ConvertJob, body: bytes) -> Conversion:
+        req: oa.CompletionRequest = oa.parse("completion", body)
+        self._check_model(req.model)
+        oa.check_sampling(req)
+        self._check_max_tokens(req.max_tokens, "max_tokens")
+        if req.echo:
+            raise oa.InvalidRequest("echo is not supported by this server.", "echo")
+        t0 = time.perf_counter()
+        prompts = self._completion_prompts(req.prompt)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
+        id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        t1 = time.perf_counter()
+        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0)
+
+    def _convert_tokenize(self, job: ConvertJob, body: bytes) -> Conversion:
+        req: oa.TokenizeRequest = oa.parse("tokenize", body)
+        self._check_model(req.model)
+        render_s = 0.0
+        t0 = time.perf_counter()
+        if req.messages is not None:
+            if req.prompt is not None:
+                raise oa.InvalidRequest("Give either prompt or messages, not both.", "prompt")
+            prompt = self._render(req.messages, req)
+            add_special = bool(req.add_special_tokens)  # default False for chat prompts
+            render_s = time.perf_counter() - t0
+        elif req.prompt is not None:
+            prompt, add_special = req.prompt, req.add_special_tokens is not False
+        else:
+            raise oa.InvalidRequest("Give prompt (a string) or messages (a chat).", "prompt")
+        t1 = time.perf_counter()
+        enc = self.tokenizer.encode_batch([prompt], add_special_tokens=add_special)[0]
+        answer = {
+            "count": len(enc.ids),
+            "max_model_len": self.max_model_len,
+            "tokens": enc.ids,
+            "token_strs": enc.tokens if req.return_token_strs else None,
+        }
+        tokenize_s = time.perf_counter() - t1
+        return Conversion(ConvertDone(job.job_id, body=_json.encode(answer), render_s=render_s, tokenize_s=tokenize_s))
+
+    def _convert_detokenize(self, job: ConvertJob, body: bytes) -> Conversion:
+        req: oa.DetokenizeRequest = oa.parse("detokenize", body)
+        self._check_model(req.model)
+        self._check_token_ids(req.tokens, "tokens")
+        text = self.tokenizer.decode_batch([req.tokens], skip_special_tokens=False)[0]
+        return Conversion(ConvertDone(job.job_id, body=_json.encode({"prompt": text})))
+
+    # ---- pieces ---------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise oa.InvalidRequest(
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def _check_max_tokens(max_tokens: int | None, param: str) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise oa.InvalidRequest(f"{param} must be at least 1, got {max_tokens}.", param)
+
+    def _check_token_ids(self, ids: list, param: str) -> None:
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise oa.InvalidRequest(f"Token ID {bad!r} is out of range [0, {self.vocab_size}).", param)
+
+    def _render(self, messages: list[dict], req) -> str:
+        if not messages:
+            raise oa.InvalidRequest("messages must be a non-empty list.", "messages")
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            if role not in _CHAT_ROLES:
+                raise oa.InvalidRequest(
+                    f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.", f"messages[{i}].role"
+                )
+        if req.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise oa.InvalidRequest(
+                "A request-supplied chat_template is refused; the server must be started with "
+                "--trust-request-chat-template to accept one.",
+                "chat_template",
+            )
+        source = req.chat_template or self.templates.select(None, req.tools)
+        fmt = self.settings.content_format
+        if fmt == "auto":
+            fmt = self.templates.content_format(source)
+        try:
+            template_messages = to_template_messages(messages, fmt, source)
+        except ValueError as exc:
+            raise oa.InvalidRequest(str(exc), "messages") from None
+        return self.templates.render(
+            template_messages,
+            tools=req.tools,
+            documents=getattr(req, "documents", None),
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message,
+            template_source=req.chat_template,
+            kwargs=req.chat_template_kwargs,
+        )
+
+    def _completion_prompts(self, prompt) -> list:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise oa.InvalidRequest("prompt must be a non-empty string, token list, or list of those.", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            self._check_token_ids(prompt, "prompt")
+            return [prompt]
+        if all(isinstance(p, list) and p for p in prompt):
+            for p in prompt:
+                self._check_token_ids(p, "prompt")
+            return list(prompt)
+        raise oa.InvalidRequest(
+            "prompt must be a string, a list of strings, a list of token IDs, or a list of token-ID lists.", "prompt"
+        )
+
+    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s) -> Conversion:
+        sampling = protocol.SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+        )
+        stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
+        stops = oa.stop_strings(req)
+        choices, frames, detok = [], [], []
+        for i, ids in enumerate(id_lists):
+            n = len(ids)
+            limit = self.max_model_len
+            if n + (max_tokens or 0) > limit or n >= limit:
+                asked = n + (max_tokens or 0)
+                raise oa.InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you requested {asked} tokens "
+                    f"({n} in the {what}, {max_tokens or 0} in the completion). "
+                    f"Please reduce the length of the {what} or completion.",
+                    what,
+                    code="context_length_exceeded",
+                )
+            if n == 0:
+                raise oa.InvalidRequest(f"The {what} is empty after tokenization.", what)
+            rid = f"{job.request_id}-{i}"
+            header = protocol.Generate(
+                request_id=rid,
+                prompt_token_count=n,
+                max_new_tokens=max_tokens if max_tokens is not None else limit - n,
+                sampling=sampling,
+                stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos,
+            )
+            choices.append(ChoicePlan(rid, n))
+            frames.append(protocol.encode(header))
+            frames.append(protocol.ids_to_frame(ids))
+            detok.append(DetokSpec(rid, stops, req.skip_special_tokens))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        done = ConvertDone(
+            job.job_id,
+            choices=choices,
+            stream=req.stream,
+            include_usage=include_usage,
+            render_s=render_s,
+            tokenize_s=tokenize_s,
+        )
+        return Conversion(done, frames, detok)
+

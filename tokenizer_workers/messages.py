@@ -1,0 +1,106 @@
+"""Messages between the gateway and its tokenizer workers (an internal protocol).
+
+The gateway's ROUTER talks to each worker's DEALER. Frames after the first (the
+msgpack header) are opaque to the gateway: raw request bodies going in, ready-made
+scheduler ``Generate`` headers and uint32 token frames coming out.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# ---- gateway -> worker ------------------------------------------------------------
+
+
+class ConvertJob(msgspec.Struct, tag="convert"):
+    """Convert one HTTP request body. Frame 2 is the raw body."""
+
+    job_id: int
+    kind: str  # "chat" | "completion" | "tokenize" | "detokenize"
+    request_id: str  # the scheduler request id prefix for this HTTP request
+
+
+class DetokItem(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: bytes  # raw little-endian uint32 from the scheduler, untouched
+    finished: bool  # the scheduler ended this request: flush and free its state
+
+
+class DetokBatch(msgspec.Struct, tag="detok"):
+    items: list[DetokItem]
+
+
+class Release(msgspec.Struct, tag="release"):
+    """Forget the detokenizer state of these requests (aborted, failed, disconnected)."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToWorker = ConvertJob | DetokBatch | Release | Shutdown
+
+# ---- worker -> gateway ------------------------------------------------------------
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    worker_index: int
+    pid: int
+    max_model_len: int
+
+
+class ApiError(msgspec.Struct):
+    """An OpenAI-style error the gateway returns as is."""
+
+    status: int
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+    code: str | None = None
+
+
+class ChoicePlan(msgspec.Struct, array_like=True):
+    """One scheduler request of an HTTP request (a completions prompt list has several)."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class ConvertDone(msgspec.Struct, tag="done"):
+    """Result of a ConvertJob.
+
+    For generation kinds, two frames per choice follow: the encoded scheduler
+    ``Generate`` header and the prompt token frame, which the gateway forwards as is.
+    For tokenize/detokenize, ``body`` is the finished JSON response.
+    """
+
+    job_id: int
+    error: ApiError | None = None
+    body: bytes | None = None
+    choices: list[ChoicePlan] = []
+    stream: bool = False
+    include_usage: bool = False
+    render_s: float = 0.0
+    tokenize_s: float = 0.0
+    queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
+
+
+class DetokDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    text: str
+    stopped: bool  # a stop string matched: the gateway ends the choice and aborts it
+    final: bool  # the worker has freed this request's state; no more deltas follow
+
+
+class DetokOut(msgspec.Struct, tag="detok_out"):
+    items: list[DetokDelta]
+    detok_s: float = 0.0
+
+
+FromWorker = WorkerReady | ConvertDone | DetokOut
+
+encoder = msgspec.msgpack.Encoder()
+to_worker = msgspec.msgpack.Decoder(ToWorker)
+from_worker = msgspec.msgpack.Decoder(FromWorker)

@@ -1,0 +1,135 @@
+"""OpenAI-style request bodies as msgspec Structs, with the range checks OpenAI and vLLM apply.
+
+Unknown fields are accepted and ignored, as vLLM does, so vendor extensions keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    logprobs: Any = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    # a string, a list of strings, a list of token IDs, or a list of lists of token IDs
+    prompt: str | list[Any] | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+REQUEST_TYPES = {
+    "chat": ChatCompletionRequest,
+    "completion": CompletionRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+}
+DECODERS = {kind: msgspec.json.Decoder(t) for kind, t in REQUEST_TYPES.items()}
+
+
+class InvalidRequest(Exception):
+    """A 4xx answer: message, param (the offending field) and status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def parse(kind: str, body: bytes):
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        return DECODERS[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = None
+        if " - at `$." in text:
+            text, _, where = text.partition(" - at `$.")
+            param = where.rstrip("`")
+        elif text.startswith("Expected `object`"):
+            text = "The request body must be a JSON object"
+        raise InvalidRequest(f"Invalid request: {text}" + (f" (field '{param}')" if param else ""), param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+def check_sampling(req: SamplingFields) -> None:
+    """Range checks (OpenAI's limits; vLLM's top_k convention)."""
+    if req.n != 1:
+        raise InvalidRequest("Only n=1 is supported.", "n")
+    if req.logprobs not in (None, False):
+        raise InvalidRequest("logprobs is not supported by this server.", "logprobs")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise InvalidRequest("temperature must be between 0 and 2.", "temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise InvalidRequest("top_p must be in (0, 1].", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise InvalidRequest("top_k must be -1 (disabled), 0 (disabled) or positive.", "top_k")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise InvalidRequest(f"{name} must be between -2 and 2.", name)
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if any(s == "" for s in stops):
+        raise InvalidRequest("stop strings must not be empty.", "stop")
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be non-negative token IDs.", "stop_token_ids")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise InvalidRequest("seed is out of range.", "seed")
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -1,0 +1,134 @@
+"""A tokenizer worker process.
+
+Two threads, so that streams keep flowing while a long prompt converts:
+- the IO thread owns the ZeroMQ DEALER to the gateway, answers detokenization
+  batches at once (they are small), and forwards finished conversions;
+- the conversion thread renders and tokenizes one request at a time. ``encode_batch``
+  releases the GIL, so the IO thread runs while a 250k-token prompt is being encoded.
+
+Started by the gateway as ``python -m tokenizer_workers.worker --connect EP --index N``
+with its settings in the TOKENMILL_WORKER_SETTINGS environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+import zmq
+
+from tokenizer_workers import messages as m
+from tokenizer_workers.converter import Converter, ConverterSettings
+from tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.procutil import die_with_parent, set_process_name
+
+log = logging.getLogger("tokenmill.worker")
+SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
+
+
+class Worker:
+    def __init__(self, index: int, endpoint: str, settings: ConverterSettings, ctx: zmq.Context | None = None):
+        self.index = index
+        self.endpoint = endpoint
+        self.converter = Converter(settings)
+        self.detokenizer = Detokenizer(self.converter.tokenizer)
+        self.ctx = ctx or zmq.Context.instance()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_addr = f"inproc://worker-wake-{id(self)}"
+
+    def run(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        wake_rx = self.ctx.socket(zmq.PAIR)
+        wake_rx.bind(self._wake_addr)
+        threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
+        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len)))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake_rx, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if wake_rx in events:
+                while wake_rx.poll(0):
+                    wake_rx.recv()
+                self._send_results(sock)
+            if sock in events:
+                while sock.poll(0):
+                    frames = sock.recv_multipart(copy=False)
+                    if not self._handle(sock, frames):
+                        return
+
+    def _handle(self, sock, frames) -> bool:
+        try:
+            msg = m.to_worker.decode(frames[0].buffer)
+        except msgspec.DecodeError:
+            log.error("worker %d: undecodable message from the gateway", self.index)
+            return True
+        if isinstance(msg, m.DetokBatch):
+            t0 = time.perf_counter()
+            deltas = self.detokenizer.step(msg.items)
+            out = m.DetokOut(deltas, time.perf_counter() - t0)
+            sock.send(m.encoder.encode(out))
+        elif isinstance(msg, m.ConvertJob):
+            self.jobs.put((msg, frames[1].bytes if len(frames) > 1 else b"", time.perf_counter()))
+        elif isinstance(msg, m.Release):
+            self.detokenizer.release(msg.request_ids)
+        elif isinstance(msg, m.Shutdown):
+            return False
+        return True
+
+    def _convert_loop(self) -> None:
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        while True:
+            job, body, received = self.jobs.get()
+            started = time.perf_counter()
+            try:
+                conversion = self.converter.convert(job, body)
+            except Exception as exc:  # a bug must answer the request, not kill the worker
+                log.exception("worker %d: conversion failed", self.index)
+                conversion = self.converter._error(job, 500, f"Internal error while converting the request: {exc}")
+                conversion.done.error.type = "InternalServerError"
+            conversion.done.queue_s = started - received
+            self.results.put(conversion)
+            wake.send(b"")
+
+    def _send_results(self, sock) -> None:
+        while True:
+            try:
+                conversion = self.results.get_nowait()
+            except queue.Empty:
+                return
+            for spec in conversion.detok:
+                self.detokenizer.open(spec)
+            sock.send_multipart([m.encoder.encode(conversion.done), *conversion.frames], copy=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenizer worker")
+    parser.add_argument("--connect", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--parent", type=int, default=None)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    set_process_name(f"tm-worker-{args.index}")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the gateway decides
+    settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
+    Worker(args.index, args.connect, settings).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

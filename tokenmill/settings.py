@@ -1,0 +1,150 @@
+"""Settings of ``tokenmill serve``: one table gives each flag, its TOKENMILL_* variable and TOML key.
+
+Precedence: command-line flag, then environment variable, then ``--config FILE`` (TOML),
+then the default shown in ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+def _default_workers() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _kwargs(text) -> dict:
+    value = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 0  # 0: CPU count minus one, at least one
+    scheduler: str | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    default_chat_template_kwargs: dict = None
+    chat_template_content_format: str = "auto"
+    trust_request_chat_template: bool = False
+    runtime_dir: str | None = None
+    worker_endpoint: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 64 << 20
+    max_queued_conversions: int = 1024
+    max_queued_bytes: int = 512 << 20
+    conversion_timeout: float = 60.0
+    shutdown_timeout: float = 30.0
+    timeout_keep_alive: int = 5
+    conversion_mode: str = "pool"
+    sim_prefill_tokens_per_s: float = 200000.0
+    sim_inter_token_latency_ms: float = 20.0
+    sim_max_running: int = 256
+    sim_mode: str = "random"
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.default_chat_template_kwargs is None:
+            self.default_chat_template_kwargs = {}
+        if not self.workers:
+            self.workers = _default_workers()
+
+
+# name -> (type, help); defaults come from ServeSettings.
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "model": (str, "HuggingFace model directory (tokenizer.json, tokenizer_config.json, ...). Default: the embedded DeepSeek-V4 tokenizer."),
+    "host": (str, "Address to listen on."),
+    "port": (int, "Port to listen on."),
+    "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one)."),
+    "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://). Default: start the simulated scheduler."),
+    "chat_template": (str, "Chat template file that overrides the model's."),
+    "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
+    "served_model_name": (str, "Model name clients must use. Default: the model directory's name."),
+    "default_chat_template_kwargs": (_kwargs, "JSON object of template variables for every request (a request's chat_template_kwargs win)."),
+    "chat_template_content_format": (str, "How list-of-parts message content reaches the template: auto, string, or openai."),
+    "trust_request_chat_template": (_bool, "Accept a chat_template given in a request."),
+    "runtime_dir": (str, "Directory for ipc:// sockets (mode 0700). Default: $RUNTIME_DIRECTORY or a new temporary directory."),
+    "worker_endpoint": (str, "Endpoint the gateway binds for its workers. Default: ipc:// in the runtime directory."),
+    "api_key": (str, "Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize."),
+    "max_body_bytes": (int, "Largest request body accepted (413 above)."),
+    "max_queued_conversions": (int, "Requests allowed to wait for a worker (429 above)."),
+    "max_queued_bytes": (int, "Request body bytes allowed to wait for a worker (429 above)."),
+    "conversion_timeout": (float, "Seconds one conversion may take before its worker is killed and replaced."),
+    "shutdown_timeout": (float, "Seconds SIGTERM waits for in-flight requests before aborting them."),
+    "timeout_keep_alive": (int, "Seconds an idle keep-alive connection stays open."),
+    "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
+    "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
+    "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
+    "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
+    "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
+    "log_level": (str, "debug, info, warning or error."),
+}
+CHOICES = {
+    "chat_template_content_format": ("auto", "string", "openai"),
+    "conversion_mode": ("pool", "inline", "thread"),
+    "sim_mode": ("random", "echo"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file of settings (keys as the flags, with underscores).")
+    defaults = ServeSettings.__dataclass_fields__
+    for name, (kind, text) in OPTIONS.items():
+        default = defaults[name].default
+        env = "TOKENMILL_" + name.upper()
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{text} [env {env}; default: {default if default not in (None, '') else 'none'}]"
+        if kind is _bool:
+            parser.add_argument(flag, dest=name, nargs="?", const=True, type=_bool, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=help_text)
+
+
+def resolve(args: argparse.Namespace, environ=os.environ) -> ServeSettings:
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as f:
+            data = tomllib.load(f)
+        unknown = sorted(set(data) - set(OPTIONS))
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown settings {unknown}")
+        values.update({k: OPTIONS[k][0](v) if OPTIONS[k][0] in (_kwargs,) else v for k, v in data.items()})
+    for name, (kind, _) in OPTIONS.items():
+        env = environ.get("TOKENMILL_" + name.upper())
+        if env is not None and env != "":
+            try:
+                values[name] = kind(env)
+            except ValueError as exc:
+                raise SystemExit(f"TOKENMILL_{name.upper()}: {exc}") from None
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+    for name, allowed in CHOICES.items():
+        if name in values and values[name] not in allowed:
+            raise SystemExit(f"{name} must be one of {allowed}, got {values[name]!r}")
+    return ServeSettings(**values)
+
+
+def as_dict(settings: ServeSettings) -> dict:
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}
