@@ -28,6 +28,7 @@ from scheduler_client.client import SchedulerClient
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
+from tokenmill import systemd_notify
 from tokenmill.settings import ServeSettings
 
 log = logging.getLogger("tokenmill.gateway")
@@ -111,6 +112,8 @@ class Gateway:
         await self.conversion.start()
         await self.scheduler.start()
         self._lag_task = asyncio.create_task(self._measure_loop_lag())
+        interval = systemd_notify.watchdog_interval()
+        self._watchdog_task = asyncio.create_task(systemd_notify.pet_watchdog(interval)) if interval else None
 
     async def _start_simulator(self, endpoint: str) -> None:
         s = self.settings
@@ -162,6 +165,8 @@ class Gateway:
 
     async def close(self) -> None:
         self._lag_task.cancel()
+        if self._watchdog_task:
+            self._watchdog_task.cancel()
         await self.scheduler.close()
         await self.conversion.close()
         if self.simulator is not None and self.simulator.returncode is None:
@@ -195,12 +200,14 @@ class Gateway:
                 server_task.result()  # a bind error surfaces here
                 return 1
             if ready_task.done() and ready_task.result():
+                systemd_notify.notify(f"READY=1\nSTATUS=serving {self.model_name} on {s.host}:{s.port}\nMAINPID={os.getpid()}")
                 if on_ready:
                     on_ready(self)
             elif ready_task.done():
                 log.error("tokenmill did not become ready (workers alive: %d, scheduler connected: %s)",
                           self.conversion.alive, self.scheduler.connected)
             await stop_task
+            systemd_notify.notify("STOPPING=1\nSTATUS=draining in-flight requests")
             log.info("stopping: draining in-flight requests (up to %gs)", s.shutdown_timeout)
             await self.drain()
             server.should_exit = True

@@ -1,0 +1,94 @@
+"""The gateway's loop never renders or tokenizes: /health answers while a conversion grinds.
+
+A chat template with a busy loop (sized by a template kwarg) makes one conversion take
+seconds. With worker processes, /health keeps answering the whole time; with conversion
+on the gateway loop (the benchmark's ``inline`` baseline) it does not, which shows the
+test can tell the two apart. Counts of answers are compared, never durations.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from conftest import Server
+
+SLOW_TEMPLATE = (
+    "{% for i in range(slow) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+SLOW = 20000  # 20M template loop iterations: a few seconds of CPU in whoever renders
+
+
+def health_answers_during_slow_request(srv: Server) -> tuple[int, str | None]:
+    model = srv.client().models.list().data[0].id
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                       "chat_template_kwargs": {"slow": SLOW}})
+    sent = threading.Event()
+    result: dict = {}
+
+    def slow_request():
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            sent.set()  # the whole request is on the wire: from here on the gateway is converting it
+            resp = conn.getresponse()
+            result["status"] = resp.status
+            resp.read()
+        except Exception as exc:  # reported by the caller
+            result["error"] = repr(exc)
+        finally:
+            sent.set()
+            conn.close()
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    sent.wait(30)
+    answered = 0
+    for _ in range(5000):  # bounded; ends as soon as the slow request is answered
+        if not thread.is_alive():
+            break
+        try:
+            with urllib.request.urlopen(srv.url + "/health", timeout=60) as resp:
+                if resp.status == 200 and thread.is_alive():
+                    answered += 1
+        except OSError:
+            pass
+    thread.join(60)
+    if result.get("status") != 200:
+        return answered, result.get("error") or f"status {result.get('status')}"
+    return answered, None
+
+
+@pytest.fixture
+def slow_template(tmp_path):
+    path = tmp_path / "slow.jinja"
+    path.write_text(SLOW_TEMPLATE)
+    return str(path)
+
+
+def test_health_answers_while_worker_converts(slow_template):
+    srv = Server("--workers", "1", "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
+    try:
+        answered, error = health_answers_during_slow_request(srv)
+    finally:
+        srv.stop()
+    assert error is None
+    print(f"pool mode: /health answered {answered} times while the slow conversion ran")
+    assert answered >= 20
+
+
+def test_inline_baseline_blocks_health(slow_template):
+    """The control: the same request converted on the gateway loop starves /health."""
+    srv = Server("--conversion-mode", "inline", "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
+    try:
+        answered, error = health_answers_during_slow_request(srv)
+    finally:
+        srv.stop()
+    assert error is None
+    print(f"inline mode: /health answered {answered} times while the slow conversion ran")
+    assert answered <= 5
