@@ -20,6 +20,7 @@ Every failure a request can cause is raised as :class:`TemplateError`, whose tex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import deque
 from collections.abc import Mapping
@@ -169,6 +170,8 @@ def _plain(value: Any) -> Any:
         return [_plain(item) for item in value]
     if isinstance(value, tuple):
         return tuple(_plain(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
         return _plain(value.model_dump())
     return f"<{kind.__name__}>"

@@ -91,7 +91,7 @@ class Converter:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         t0 = time.perf_counter()
-        prompt = self._render(req.messages, req)
+        prompt = self.render(req.messages, req)
         t1 = time.perf_counter()
         ids = self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
         t2 = time.perf_counter()
@@ -120,7 +120,7 @@ class Converter:
         if req.messages is not None:
             if req.prompt is not None:
                 raise oa.InvalidRequest("Give either prompt or messages, not both.", "prompt")
-            prompt = self._render(req.messages, req)
+            prompt = self.render(req.messages, req)
             add_special = bool(req.add_special_tokens)  # default False for chat prompts
             render_s = time.perf_counter() - t0
         elif req.prompt is not None:
@@ -166,7 +166,7 @@ class Converter:
         if bad is not None:
             raise oa.InvalidRequest(f"Token ID {bad!r} is out of range [0, {self.vocab_size}).", param)
 
-    def _render(self, messages: list[dict], req) -> str:
+    def render(self, messages: list[dict], req) -> str:
         if not messages:
             raise oa.InvalidRequest("messages must be a non-empty list.", "messages")
         for i, message in enumerate(messages):

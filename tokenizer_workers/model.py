@@ -104,39 +104,93 @@ def _token_text(value) -> str | None:
 def special_tokens(config: dict) -> dict[str, str]:
     """The special-token strings transformers 5.x passes to chat templates.
 
-    Every ``*_token`` key of tokenizer_config.json that holds a string (or AddedToken),
-    which covers bos/eos/unk/sep/pad/cls/mask and model-specific ones.
+    bos/eos/unk/sep/pad/cls/mask, then the model-specific ones: every other ``*_token`` key of
+    tokenizer_config.json that holds a string (or AddedToken), and the named entries of an
+    ``extra_special_tokens`` object. A null or missing key is absent.
     """
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        if key.endswith("_token") and (text := _token_text(value)) is not None:
-            out[key] = text
-    return out
+    return {key: text for key, value in _named_special_tokens(config).items() if (text := _token_text(value))}
+
+
+def _named_special_tokens(config: dict) -> dict[str, object]:
+    """Named special tokens (raw config values) in the order transformers 5.x registers them."""
+    core = {key: config[key] for key in _CORE_SPECIAL_KEYS if _token_text(config.get(key)) is not None}
+    # Model-specific keys: those given as AddedToken objects first, then plain strings, then the
+    # named extra_special_tokens (from_pretrained collects the strings, __init__ the converted objects).
+    specific = [(key, value) for key, value in config.items() if key.endswith("_token") and key not in _CORE_SPECIAL_KEYS]
+    model_specific = {key: value for key, value in specific if isinstance(value, dict) and _token_text(value)}
+    model_specific.update((key, value) for key, value in specific if isinstance(value, str))
+    named_extra, _ = _extra_special_tokens(config)
+    model_specific.update((key, value) for key, value in named_extra.items() if _token_text(value) is not None)
+    return {**core, **model_specific}
+
+
+def _extra_special_tokens(config: dict) -> tuple[dict, list]:
+    """The named (object) and unnamed (list) extra special tokens, as transformers 5.x reads them.
+
+    ``additional_special_tokens`` (the older name) stands in for an empty ``extra_special_tokens``;
+    when ``extra_special_tokens`` is an object, a list of ``additional_special_tokens`` still counts.
+    """
+    extra = config.get("extra_special_tokens")
+    additional = config.get("additional_special_tokens")
+    if not extra:
+        extra, additional = additional, None
+    named, unnamed = {}, []
+    for value in (extra, additional) if isinstance(extra, dict) else (extra,):
+        if isinstance(value, dict):
+            named.update(value)
+        elif isinstance(value, list):
+            unnamed.extend(value)
+    return named, unnamed
+
+
+def _added_token(spec, special: bool = False) -> AddedToken:
+    """An AddedToken from a config value: a string or a serialized AddedToken."""
+    if isinstance(spec, str):
+        return AddedToken(spec, special=True, normalized=False)
+    is_special = spec.get("special", False)
+    token = AddedToken(
+        spec["content"],
+        single_word=spec.get("single_word", False),
+        lstrip=spec.get("lstrip", False),
+        rstrip=spec.get("rstrip", False),
+        normalized=spec.get("normalized", not is_special),
+        special=is_special,
+    )
+    if special:
+        token.special = True
+    return token
+
+
+def _token_state(token: AddedToken) -> tuple:
+    return (token.content, token.single_word, token.lstrip, token.rstrip, token.normalized, token.special)
 
 
 def _add_missing_tokens(tokenizer: Tokenizer, config: dict) -> None:
-    """Add tokens that tokenizer_config declares but tokenizer.json lacks, as transformers does at load."""
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    """Add or update the added tokens as transformers 5.x does when it loads the tokenizer.
+
+    Every entry of tokenizer_config's ``added_tokens_decoder`` is (re-)added, so its properties
+    (lstrip, rstrip, normalized, special...) win over tokenizer.json's; then every named or extra
+    special token that is not yet an added token is added as a special token. A special token that
+    is only in the model's base vocabulary becomes an added token too, keeping its id.
+    """
+    current = {token.content: token for token in tokenizer.get_added_tokens_decoder().values()}
+    pending: list[AddedToken] = []
     decoder = config.get("added_tokens_decoder") or {}
     for _, spec in sorted(decoder.items(), key=lambda kv: int(kv[0])):
-        content = spec.get("content")
-        if content and content not in vocab:
-            token = AddedToken(
-                content,
-                single_word=spec.get("single_word", False),
-                lstrip=spec.get("lstrip", False),
-                rstrip=spec.get("rstrip", False),
-                normalized=spec.get("normalized", not spec.get("special", False)),
-                special=spec.get("special", False),
-            )
-            if spec.get("special", False):
-                tokenizer.add_special_tokens([token])
-            else:
-                tokenizer.add_tokens([token])
-    for key in _CORE_SPECIAL_KEYS:
-        text = _token_text(config.get(key))
-        if text and tokenizer.token_to_id(text) is None:
-            tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        if isinstance(spec, dict) and spec.get("content"):
+            token = _added_token(spec)
+            existing = current.get(token.content)
+            if existing is None or _token_state(existing) != _token_state(token):
+                pending.append(token)
+    known = set(current) | {token.content for token in pending}
+    values = [*_named_special_tokens(config).values(), *_extra_special_tokens(config)[1]]
+    for value in values:
+        text = _token_text(value)
+        if text and text not in known:
+            pending.append(_added_token(value, special=True))
+            known.add(text)
+    if pending:
+        tokenizer.add_tokens(pending)
 
 
 def _templates(path: Path, config: dict) -> dict[str, str]:
