@@ -42,6 +42,7 @@ class App:
             ("GET", "/health"): self.health,
             ("GET", "/ready"): self.ready,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/debug/loop-lag"): self.loop_lag,
         }
         self.paths = {path for _, path in self.routes}
 
@@ -280,6 +281,12 @@ class App:
             "draining": gw.draining,
         }
         await self.respond(send, 200 if state["ready"] else 503, _json.encode(state), "/ready")
+
+    async def loop_lag(self, scope, receive, send) -> None:
+        """Loop-lag percentiles and maximum since the last ?reset=1 (for tokenmill bench)."""
+        reset = b"reset=1" in scope.get("query_string", b"")
+        body = _json.encode(self.gw.loop_lag_summary(reset))
+        await self.respond(send, 200, body, "/debug/loop-lag")
 
     async def metrics(self, scope, receive, send) -> None:
         body = self.gw.collect_metrics()

@@ -8,6 +8,7 @@ by the kernel to die with it, so even ``kill -9`` of the gateway leaves no orpha
 from __future__ import annotations
 
 import asyncio
+from array import array
 import contextlib
 import logging
 import os
@@ -55,6 +56,7 @@ class Gateway:
         self._own_runtime_dir = False
         self.simulator: asyncio.subprocess.Process | None = None
         self.stopped = asyncio.Event()
+        self.lag_samples = array("f")
 
     @property
     def max_model_len(self) -> int | None:
@@ -132,13 +134,35 @@ class Gateway:
         return await self.scheduler.wait_connected(max(0.1, deadline - time.monotonic()))
 
     async def _measure_loop_lag(self, interval: float = 0.005) -> None:
-        """Sleep a little, over and over; how late each wake-up is, is the loop's lag."""
-        loop = asyncio.get_running_loop()
+        """Sleep a little, over and over; how late each wake-up is, is the loop's lag.
+
+        Samples also go to a bounded buffer that ``tokenmill bench`` reads through
+        /debug/loop-lag, since a histogram cannot tell a maximum.
+        """
         observe = self.metrics.loop_lag.observe
+        samples = self.lag_samples
+        clock = time.perf_counter  # finer than loop.time(), which uvloop rounds to milliseconds
         while True:
-            before = loop.time()
+            before = clock()
             await asyncio.sleep(interval)
-            observe(max(0.0, loop.time() - before - interval))
+            lag = max(0.0, clock() - before - interval)
+            observe(lag)
+            if len(samples) >= 1_000_000:
+                del samples[:500_000]
+            samples.append(lag)
+
+    def loop_lag_summary(self, reset: bool = False) -> dict:
+        ordered = sorted(self.lag_samples)
+        n = len(ordered)
+        out = {
+            "count": n,
+            "p50_ms": 1000 * ordered[n // 2] if n else None,
+            "p99_ms": 1000 * ordered[min(n - 1, int(n * 0.99))] if n else None,
+            "max_ms": 1000 * ordered[-1] if n else None,
+        }
+        if reset:
+            del self.lag_samples[:]
+        return out
 
     def collect_metrics(self) -> bytes:
         m = self.metrics

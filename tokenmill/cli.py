@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: serve, simulate-scheduler, render, bench."""
+"""The ``tokenmill`` command: serve, simulate-scheduler, engine, render, bench."""
 
 from __future__ import annotations
 
@@ -31,10 +31,22 @@ def _simulate(args) -> int:
     return simulated.run(args)
 
 
+def _engine(args) -> int:
+    from engines import server as engine_server
+
+    return engine_server.run(args)
+
+
 def _render(args) -> int:
     from tokenmill import render_command
 
     return render_command.run(args)
+
+
+def _bench(args) -> int:
+    from tokenmill import bench
+
+    return bench.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,11 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     simulated.add_arguments(sim)
     sim.set_defaults(func=_simulate)
 
+    from engines import server as engine_server
+
+    engine = sub.add_parser("engine", help="Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol.")
+    engine_server.add_arguments(engine)
+    engine.set_defaults(func=_engine)
+
     from tokenmill import render_command
 
     render = sub.add_parser("render", help="Render conversations with a model's chat template and tokenize them.")
     render_command.add_arguments(render)
     render.set_defaults(func=_render)
+
+    from tokenmill import bench
+
+    bench_parser = sub.add_parser("bench", help="Benchmark the front loop under long-context load (or the multiturn cache).")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=_bench)
     return parser
 
 

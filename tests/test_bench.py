@@ -1,0 +1,32 @@
+"""`tokenmill bench --quick` runs end to end and reports every figure (values are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+MODE_KEYS = {"health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
+             "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s"}  # fmt: skip
+
+
+def test_bench_quick_json_has_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "bench", "--quick", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"inline", "thread", "pool"}
+    for mode, row in report["modes"].items():
+        assert MODE_KEYS <= set(row), (mode, sorted(MODE_KEYS - set(row)))
+        assert row["errors"] == [], (mode, row["errors"])
+        assert row["long_requests"] > 0
+    assert 0 < report["worker_efficiency"]
+    assert {"cores", "python", "tokenizers"} <= set(report["machine"])
+    assert set(report["small_requests"]) == {"inline", "pool"}
+    assert "pool/inline" in proc.stdout and "pool/thread" in proc.stdout

@@ -1,0 +1,431 @@
+"""``tokenmill bench``: does the front loop stay responsive under long-context load?
+
+One run, three conversion modes through the same gateway code, each against a fresh
+``tokenmill serve`` with the simulated scheduler:
+  inline  conversion on the gateway's event loop (SGLang before PR #39771)
+  thread  conversion in loop.run_in_executor (that PR)
+  pool    tokenmill's tokenizer worker processes
+While K long chats (about 250k tokens each with the default model, text from Python's
+standard library) are sent together, round after round, a prober GETs /health every
+10 ms and an unrelated streaming chat receives a token every 20 ms. Each load role runs
+in its own client process, so the client's own GIL does not blur what it measures.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+MODES = ("inline", "thread", "pool")
+KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
+        "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s")  # fmt: skip
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn"),
+                        help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache.")
+    parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
+    parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
+    parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
+    parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 80000).")
+    parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
+    parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers in pool mode (default: as serve).")
+    parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of inline,thread,pool.")
+
+
+# ---- percentiles ---------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def _r(x: float | None, digits: int = 1):
+    return None if x is None else round(x, digits)
+
+
+# ---- the workload --------------------------------------------------------------------------
+
+
+def corpus(chars: int) -> str:
+    """Deterministic text: Python's standard-library sources, in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= chars:
+            break
+    text = "".join(parts)
+    while len(text) < chars:
+        text += text
+    return text[:chars]
+
+
+def long_bodies(count: int, tokens: int, model: str) -> list[bytes]:
+    chars = int(tokens * 4.1)  # ~4.1 characters per token for Python source with this tokenizer
+    text = corpus(chars * count + 1)
+    bodies = []
+    for i in range(count):
+        chunk = text[i * chars : (i + 1) * chars]
+        messages = [
+            {"role": "system", "content": "You are a coding agent. Review the repository below."},
+            {"role": "user", "content": chunk},
+        ]
+        bodies.append(json.dumps({"model": model, "messages": messages, "max_tokens": 1}).encode())
+    return bodies
+
+
+# ---- client processes ------------------------------------------------------------------------
+
+
+def _probe_health(port: int, stop, out) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    latencies = []
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            latencies.append((time.perf_counter() - t0) * 1000)
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        time.sleep(0.010)
+    out.put(("health", latencies))
+
+
+def _stream(port: int, model: str, started, stop, out) -> None:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Stream to me."}],
+                       "max_tokens": 1_000_000 - 100, "stream": True, "ignore_eos": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    gaps, last, events = [], None, 0
+    started.set()
+    while not stop.is_set():
+        line = resp.readline()
+        if not line:
+            break
+        if not line.startswith(b"data:"):
+            continue
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append((now - last) * 1000)
+        last = now
+        events += 1
+    conn.close()
+    out.put(("stream", gaps))
+
+
+def _send_long(port: int, bodies: list[bytes], rounds: int, out) -> None:
+    results, errors = [], []
+
+    def one(body: bytes) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = json.loads(resp.read())
+            if resp.status == 200:
+                results.append(data["usage"]["prompt_tokens"])
+            else:
+                errors.append(f"{resp.status}: {data}")
+        except Exception as exc:  # reported in the table
+            errors.append(repr(exc))
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    out.put(("long", {"elapsed": time.perf_counter() - t0, "prompt_tokens": results, "errors": errors}))
+
+
+def _short_requests(port: int, model: str, count: int, concurrency: int, out) -> None:
+    body = json.dumps({"model": model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper and a storm, "
+                                    "in one sentence, please, for a child."}]}).encode()  # fmt: skip
+    latencies, errors = [], []
+    lock = threading.Lock()
+    counter = iter(range(count))
+
+    def loop() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while True:
+            with lock:
+                if next(counter, None) is None:
+                    break
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            (latencies if resp.status == 200 else errors).append((time.perf_counter() - t0) * 1000)
+        conn.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("short", {"elapsed": time.perf_counter() - t0, "latencies": latencies, "errors": len(errors)}))
+
+
+# ---- servers ---------------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, mode: str, workers: int | None, itl_ms: float):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--conversion-mode", mode,
+                "--sim-inter-token-latency-ms", str(itl_ms), "--sim-prefill-tokens-per-s", "1e12",
+                "--log-level", "warning", "--max-queued-conversions", "100000"]  # fmt: skip
+        if workers and mode == "pool":
+            args += ["--workers", str(workers)]
+        import tempfile
+
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenmill serve ({mode}) exited: {self._log_tail()}")
+            if self.get("/ready")[0] == 200:
+                self.model = self.get("/v1/models")[1]["data"][0]["id"]
+                return
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(f"tokenmill serve ({mode}) did not become ready: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def get(self, path: str):
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+            return resp.status, json.loads(data) if data.startswith(b"{") else data
+        except (OSError, http.client.HTTPException):
+            return None, None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---- one mode ------------------------------------------------------------------------------
+
+
+def run_mode(mode: str, bodies: list[bytes], rounds: int, workers: int | None) -> dict:
+    server = _Server(mode, workers, itl_ms=20)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    stop = ctx.Event()
+    started = ctx.Event()
+    try:
+        stream = ctx.Process(target=_stream, args=(server.port, server.model, started, stop, out))
+        stream.start()
+        started.wait(30)
+        prober = ctx.Process(target=_probe_health, args=(server.port, stop, out))
+        prober.start()
+        time.sleep(0.5)
+        server.get("/debug/loop-lag?reset=1")
+        sender = ctx.Process(target=_send_long, args=(server.port, bodies, rounds, out))
+        sender.start()
+        got = {}
+        got.update([out.get(timeout=3600)])  # the long requests finish first
+        lag = server.get("/debug/loop-lag")[1] or {}
+        stop.set()
+        for _ in range(2):
+            got.update([out.get(timeout=120)])
+        for p in (stream, prober, sender):
+            p.join(30)
+    finally:
+        stop.set()
+        server.close()
+    long = got["long"]
+    health, gaps = got["health"], got["stream"]
+    elapsed = long["elapsed"]
+    return {
+        "health_p50_ms": _r(pct(health, 0.5), 2),
+        "health_p99_ms": _r(pct(health, 0.99), 2),
+        "health_max_ms": _r(max(health, default=None), 2),
+        "stream_gap_p99_ms": _r(pct(gaps, 0.99)),
+        "stream_gap_max_ms": _r(max(gaps, default=None)),
+        "loop_lag_p99_ms": _r(lag.get("p99_ms"), 2),
+        "loop_lag_max_ms": _r(lag.get("max_ms"), 2),
+        "requests_per_s": round(len(long["prompt_tokens"]) / elapsed, 3),
+        "prompt_tokens_per_s": round(sum(long["prompt_tokens"]) / elapsed),
+        "long_requests": len(long["prompt_tokens"]),
+        "mean_prompt_tokens": round(statistics.mean(long["prompt_tokens"])) if long["prompt_tokens"] else 0,
+        "errors": long["errors"][:5],
+        "health_probes": len(health),
+        "stream_events": len(gaps) + 1,
+    }
+
+
+def run_short(mode: str, count: int, concurrency: int, workers: int | None) -> dict:
+    server = _Server(mode, workers, itl_ms=0)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    try:
+        warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 20, 2, out))
+        warm.start()
+        out.get(timeout=120)
+        warm.join()
+        p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, concurrency, out))
+        p.start()
+        _, res = out.get(timeout=600)
+        p.join(30)
+    finally:
+        server.close()
+    return {
+        "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
+        "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
+        "errors": res["errors"],
+    }
+
+
+def worker_efficiency(bodies: list[bytes], pool: dict, workers: int) -> tuple[float, float]:
+    """Pool prompt tokens/s per worker, against encode_batch of the same prompts in this one process."""
+    from tokenizer_workers.converter import Converter, ConverterSettings
+
+    converter = Converter(ConverterSettings())
+    prompts = [converter.render(json.loads(body)["messages"], _Req()) for body in bodies]
+    t0 = time.perf_counter()
+    tokens = 0
+    for prompt in prompts:
+        tokens += len(converter.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
+    plain = tokens / (time.perf_counter() - t0)
+    return round(pool["prompt_tokens_per_s"] / workers / plain, 3), round(plain)
+
+
+class _Req:
+    """Request defaults for rendering outside a request (the efficiency baseline)."""
+
+    chat_template = None
+    tools = None
+    documents = None
+    add_generation_prompt = True
+    continue_final_message = False
+    chat_template_kwargs = None
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else (f"{x:,.0f}" if isinstance(x, (int, float)) and abs(x) >= 1000 else f"{x:g}")
+
+
+def print_report(report: dict) -> None:
+    modes = report["modes"]
+    cols = ["health_p50_ms", "health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
+            "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s"]  # fmt: skip
+    heads = ["health p50", "health p99", "health max", "gap p99", "gap max", "lag p99", "lag max", "req/s", "prompt tok/s"]
+    m = report["machine"]
+    print(f"\ntokenmill bench: {report['workload']}")
+    print(f"machine: {m['cores']} cores, Python {m['python']}, tokenizers {m['tokenizers']}, {m['platform']}")
+    print("latencies in ms; health = GET /health every 10 ms; gap = SSE inter-event gap (20 ms emission); "
+          "lag = gateway event-loop lag")  # fmt: skip
+    width = [8] + [max(len(h), 9) for h in heads]
+    print("  ".join(h.rjust(w) for h, w in zip(["mode"] + heads, width)))
+    for mode, row in modes.items():
+        print("  ".join([mode.rjust(width[0])] + [_fmt(row.get(c)).rjust(w) for c, w in zip(cols, width[1:])]))
+    for base in ("inline", "thread"):
+        if base in modes and "pool" in modes:
+            ratios = [_ratio(modes["pool"].get(c), modes[base].get(c)) for c in cols]
+            print("  ".join([f"pool/{base}".rjust(width[0])] + [r.rjust(w) for r, w in zip(ratios, width[1:])]))
+    for mode, row in modes.items():
+        if row.get("errors"):
+            print(f"{mode}: errors: {row['errors']}")
+    if "worker_efficiency" in report:
+        print(f"worker efficiency: {report['worker_efficiency']} (pool prompt tokens/s per worker vs encode_batch in "
+              f"one plain process: {_fmt(report['plain_encode_tokens_per_s'])} tokens/s)")  # fmt: skip
+    if report.get("small_requests"):
+        s = report["small_requests"]
+        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler):")
+        for mode, row in s.items():
+            print(f"  {mode:>6}: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, errors {row['errors']}")
+        if "pool" in s and "inline" in s and s["pool"]["latency_p50_ms"] and s["inline"]["latency_p50_ms"]:
+            print(f"  the process hop adds {s['pool']['latency_p50_ms'] - s['inline']['latency_p50_ms']:.2f} ms at p50")
+
+
+def _ratio(a, b) -> str:
+    if a is None or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def run(args) -> int:
+    if args.scenario == "multiturn":
+        from tokenmill import bench_multiturn
+
+        return bench_multiturn.run(args)
+    quick = args.quick
+    count = args.requests or (4 if quick else 8)
+    tokens = args.tokens or (80_000 if quick else 250_000)
+    rounds = args.rounds or 2
+    modes = [m for m in args.modes.split(",") if m]
+    from tokenmill.settings import ServeSettings
+    import tokenizers
+
+    workers = args.workers or ServeSettings().workers
+    bodies = long_bodies(count, tokens, "deepseek-v4")
+    report = {
+        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s); pool mode with {workers} worker(s)",
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
+                    "platform": platform.platform()},
+        "modes": {},
+    }  # fmt: skip
+    for mode in modes:
+        print(f"running {mode} ...", file=sys.stderr, flush=True)
+        report["modes"][mode] = run_mode(mode, bodies, rounds, workers)
+    if "pool" in report["modes"]:
+        eff, plain = worker_efficiency(bodies, report["modes"]["pool"], workers)
+        report["worker_efficiency"], report["plain_encode_tokens_per_s"] = eff, plain
+    short_modes = [m for m in ("inline", "pool") if m in modes]
+    report["small_requests"] = {}
+    for mode in short_modes:
+        print(f"running small requests, {mode} ...", file=sys.stderr, flush=True)
+        report["small_requests"][mode] = run_short(mode, 300 if quick else 2000, 8, workers)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
