@@ -43,6 +43,7 @@ class App:
             ("GET", "/ready"): self.ready,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/debug/loop-lag"): self.loop_lag,
+            ("GET", "/debug/state"): self.state,
         }
         self.paths = {path for _, path in self.routes}
 
@@ -93,33 +94,56 @@ class App:
         await self.respond(send, error.status, fmt.error_body(error), endpoint, headers)
 
     async def read_body(self, scope, receive) -> bytes:
-        limit = self.gw.settings.max_body_bytes
+        settings = self.gw.settings
+        limit = settings.max_body_bytes
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise BodyTooLarge
+            if name == b"content-length" and value.isdigit():
+                length = int(value)
+                if length > limit:
+                    raise BodyTooLarge
+                # refuse before reading when the queue could not take the body anyway
+                self.gw.conversion.check_capacity(length)
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ConnectionResetError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+
+        async def read() -> bytes:
+            nonlocal size
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ConnectionResetError
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+
+        return await asyncio.wait_for(read(), settings.body_timeout)
 
     async def _body_or_error(self, scope, receive, send, endpoint) -> bytes | None:
+        metrics = self.gw.metrics
+        header_bytes = sum(len(k) + len(v) for k, v in scope["headers"])
+        if header_bytes > self.gw.settings.max_header_bytes:
+            metrics.rejections.labels(reason="headers_too_large").inc()
+            await self.error(send, fmt.error(431, f"The request headers exceed {self.gw.settings.max_header_bytes} bytes.",
+                                             code="headers_too_large"), endpoint)
+            return None
         try:
             return await self.read_body(scope, receive)
         except BodyTooLarge:
             limit = self.gw.settings.max_body_bytes
-            self.gw.metrics.rejections.labels(reason="body_too_large").inc()
+            metrics.rejections.labels(reason="body_too_large").inc()
             await self.error(send, fmt.error(413, f"The request body exceeds the limit of {limit} bytes.",
                                              code="request_too_large"), endpoint)
+        except ConversionRejected as exc:
+            await self.error(send, exc.error, endpoint, exc.retry_after)
+        except asyncio.TimeoutError:
+            metrics.rejections.labels(reason="body_timeout").inc()
+            await self.error(send, fmt.error(408, f"The request body did not arrive within {self.gw.settings.body_timeout:g} s.",
+                                             code="body_timeout"), endpoint)
         except ConnectionResetError:
-            self.gw.metrics.aborts.labels(reason="client_disconnect").inc()
+            metrics.aborts.labels(reason="client_disconnect").inc()
         return None
 
     async def _convert(self, kind, request_id, body, receive, send, endpoint):
@@ -281,6 +305,9 @@ class App:
             "draining": gw.draining,
         }
         await self.respond(send, 200 if state["ready"] else 503, _json.encode(state), "/ready")
+
+    async def state(self, scope, receive, send) -> None:
+        await self.respond(send, 200, _json.encode(self.gw.state()), "/debug/state")
 
     async def loop_lag(self, scope, receive, send) -> None:
         """Loop-lag percentiles and maximum since the last ?reset=1 (for tokenmill bench)."""

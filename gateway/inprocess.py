@@ -34,6 +34,9 @@ class InProcessConversion:
     async def start(self) -> None:
         pass
 
+    def check_capacity(self, nbytes: int) -> None:
+        pass  # the baselines have no queue of their own
+
     async def wait_ready(self, count=None, timeout=None) -> bool:
         return True
 

@@ -19,17 +19,20 @@ import tempfile
 import time
 
 import uvicorn
+import zmq.asyncio
 
 from gateway.app import App
 from gateway.generations import Generations
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
+from tokenmill.transport_security import WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway.worker_pool import WorkerPool
 from scheduler_client.client import SchedulerClient
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill import systemd_notify
+from tokenmill.procutil import child_env
 from tokenmill.settings import ServeSettings
 
 log = logging.getLogger("tokenmill.gateway")
@@ -82,15 +85,17 @@ class Gateway:
 
     def _make_runtime_dir(self) -> str:
         if self.settings.runtime_dir:
-            os.makedirs(self.settings.runtime_dir, mode=0o700, exist_ok=True)
-            return self.settings.runtime_dir
+            return private_dir(self.settings.runtime_dir)
         if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=
-            return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+            return private_dir(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
         self._own_runtime_dir = True
         return tempfile.mkdtemp(prefix="tokenmill-")  # mode 0700
 
     async def start(self) -> None:
         s = self.settings
+        scheduler_keys = scheduler_client_keys(s.curve_keys_dir)
+        if s.scheduler:
+            require_secure(s.scheduler, "The scheduler", s.insecure_tcp, scheduler_keys is not None)
         self.runtime_dir = self._make_runtime_dir()
         scheduler_endpoint = s.scheduler
         if scheduler_endpoint is None:
@@ -100,16 +105,21 @@ class Gateway:
         g = self.generations
         if s.conversion_mode == "pool":
             endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
+            tcp = endpoint.startswith("tcp://")
+            security = WorkerLinkSecurity(zmq.asyncio.Context.instance()) if tcp and not s.insecure_tcp else None
             self.conversion = WorkerPool(
                 s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
-                conversion_timeout=s.conversion_timeout, metrics=self.metrics,
+                conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
+                security=security, metrics=self.metrics,
             )  # fmt: skip
         else:
             self.conversion = InProcessConversion(
                 self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
             )
-        self.scheduler = SchedulerClient(scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error)
+        self.scheduler = SchedulerClient(
+            scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error, curve=scheduler_keys
+        )
         g.conversion, g.scheduler = self.conversion, self.scheduler
         await self.conversion.start()
         await self.scheduler.start()
@@ -120,11 +130,12 @@ class Gateway:
     async def _start_simulator(self, endpoint: str) -> None:
         s = self.settings
         self.simulator = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_client.simulated", "--bind", endpoint,
+            sys.executable, "-m", "scheduler_client.simulated", "--title=simulated scheduler", "--bind", endpoint,
             "--prefill-tokens-per-s", str(s.sim_prefill_tokens_per_s),
             "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
             "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
             "--model", s.model or "default",
+            env=child_env(),
         )  # fmt: skip
 
     async def wait_ready(self, timeout: float = 120.0) -> bool:
@@ -150,6 +161,19 @@ class Gateway:
             if len(samples) >= 1_000_000:
                 del samples[:500_000]
             samples.append(lag)
+
+    def state(self) -> dict:
+        """What is in flight, for operators and tests (GET /debug/state)."""
+        g = self.generations
+        return {
+            "generations": len(g.live),
+            "scheduler_requests": len(g.by_request),
+            "queued_conversions": len(self.conversion.queue),
+            "conversions_in_flight": len(getattr(self.conversion, "jobs", ())),
+            "scheduler_connected": self.scheduler.connected,
+            "draining": self.draining,
+            "workers": self.conversion.state() if hasattr(self.conversion, "state") else [],
+        }
 
     def loop_lag_summary(self, reset: bool = False) -> dict:
         ordered = sorted(self.lag_samples)

@@ -29,7 +29,9 @@ import zmq.asyncio
 
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import ConverterSettings
+from tokenmill.transport_security import WORKER_CURVE_ENV
 from tokenizer_workers.worker import SETTINGS_ENV
+from tokenmill.procutil import child_env
 
 log = logging.getLogger("tokenmill.pool")
 
@@ -88,6 +90,8 @@ class WorkerPool:
         max_queued: int = 1024,
         max_queued_bytes: int = 1 << 30,
         conversion_timeout: float = 60.0,
+        memory_limit_mb: int = 0,
+        security=None,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
     ):
@@ -99,6 +103,8 @@ class WorkerPool:
         self.max_queued = max_queued
         self.max_queued_bytes = max_queued_bytes
         self.conversion_timeout = conversion_timeout
+        self.memory_limit_mb = memory_limit_mb
+        self.security = security  # transport_security.WorkerLinkSecurity for a tcp:// link
         self.metrics = metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
@@ -119,6 +125,8 @@ class WorkerPool:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a dead worker fails loudly
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement worker takes over its identity
+        if self.security:
+            self.security.secure_server(sock)
         sock.bind(self.endpoint)
         self.sock = sock
         self._spawn_task(self._receive())
@@ -166,6 +174,8 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.sock is not None:
             self.sock.close(0)
+        if self.security:
+            self.security.stop()
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://") :])
@@ -178,13 +188,15 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _start_process(self, worker: _Worker) -> None:
-        env = dict(os.environ)
+        env = child_env()
         env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
+        if self.security:
+            env[WORKER_CURVE_ENV] = self.security.worker_env()
         worker.ready = False
         worker.started = time.monotonic()
         worker.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenizer_workers.worker",
-            "--connect", self.endpoint, "--index", str(worker.index), "--parent", str(os.getpid()),
+            sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
+            "--connect", self.endpoint, "--index", str(worker.index), "--memory-limit-mb", str(self.memory_limit_mb),
             env=env,
         )  # fmt: skip
         self._spawn_task(self._watch_process(worker, worker.process))
@@ -240,8 +252,9 @@ class WorkerPool:
 
     # ---- conversion -------------------------------------------------------------------
 
-    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
-        if len(self.queue) >= self.max_queued or self.queued_bytes + len(body) > self.max_queued_bytes:
+    def check_capacity(self, nbytes: int) -> None:
+        """Raise a 429 when a body of this size would overflow the conversion queue."""
+        if len(self.queue) >= self.max_queued or self.queued_bytes + nbytes > self.max_queued_bytes:
             reason = "queue_full" if len(self.queue) >= self.max_queued else "queue_bytes"
             if self.metrics:
                 self.metrics.rejections.labels(reason=reason).inc()
@@ -250,6 +263,9 @@ class WorkerPool:
                            "RateLimitError", None, "overloaded"),
                 retry_after=1,
             )
+
+    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
+        self.check_capacity(len(body))
         job = _Job(next(self._ids), kind, request_id, body, asyncio.get_running_loop().create_future(), time.monotonic())
         self.jobs[job.job_id] = job
         self.queue.append(job)
@@ -376,3 +392,10 @@ class WorkerPool:
             return
         worker.owned.update(ids)
         job.future.set_result(ConvertResult(done, frames, worker.index))
+
+    def state(self) -> list[dict]:
+        return [
+            {"index": w.index, "pid": w.process.pid if w.process else None, "alive": w.ready,
+             "busy": w.job is not None, "streams": len(w.owned)}
+            for w in self.workers
+        ]  # fmt: skip

@@ -99,8 +99,7 @@ class SchedulerClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.sock is not None:
-            self.sock.disable_monitor()
-            self.sock.close(0)
+            self.sock.close(0)  # (disable_monitor() would block: the monitor socket is closed already)
         self.connected = False
 
     # ---- internals --------------------------------------------------------------------

@@ -76,7 +76,10 @@ class Converter:
         except TemplateError as exc:
             return self._error(job, 400, f"Chat template error: {exc}", "messages", "chat_template_error")
         except RecursionError:
-            return self._error(job, 400, "The request nests too deeply to process.", None, "too_deep")
+            return self._error(job, 400, "The request (or its chat template) recursed too deeply.", None, "too_deep")
+        except MemoryError:
+            return self._error(job, 400, "The request (or its chat template) needed more memory than a worker may use.",
+                               None, "too_much_memory")
 
     def _error(self, job: ConvertJob, status: int, message: str, param=None, code=None) -> Conversion:
         kind = "NotFoundError" if status == 404 else "BadRequestError"

@@ -24,10 +24,11 @@ import time
 import msgspec
 import zmq
 
+from tokenmill.transport_security import secure_worker_socket
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
-from tokenmill.procutil import die_with_parent, set_process_name
+from tokenmill.procutil import die_with_supervisor, limit_memory, set_process_name
 
 log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
@@ -48,6 +49,7 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
         sock.setsockopt(zmq.LINGER, 0)
+        secure_worker_socket(sock)
         sock.connect(self.endpoint)
         wake_rx = self.ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
@@ -118,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenizer worker")
     parser.add_argument("--connect", required=True)
     parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--parent", type=int, default=None)
+    parser.add_argument("--title", default=None, help="What ps shows for this process.")
+    parser.add_argument("--memory-limit-mb", type=int, default=0)
     args = parser.parse_args(argv)
-    die_with_parent(args.parent)
+    die_with_supervisor()
+    limit_memory(args.memory_limit_mb)
     set_process_name(f"tm-worker-{args.index}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -31,3 +31,32 @@ def die_with_parent(expected_parent: int | None = None) -> None:
 def set_process_name(name: str) -> None:
     """The kernel's comm name (15 bytes, shown by ps -e, top and pgrep)."""
     _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+PARENT_ENV = "TOKENMILL_PARENT_PID"
+
+
+def child_env(environ=None) -> dict:
+    """Environment for a supervised child: it learns who its parent is, to die with it."""
+    env = dict(os.environ if environ is None else environ)
+    env[PARENT_ENV] = str(os.getpid())
+    return env
+
+
+def die_with_supervisor() -> None:
+    """In a child started with child_env(): die when the supervising process dies."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent.isdigit():
+        die_with_parent(int(parent))
+
+
+def limit_memory(megabytes: int) -> None:
+    """Cap this process's address space, so a runaway allocation raises MemoryError here."""
+    if megabytes and megabytes > 0:
+        import resource
+
+        limit = megabytes << 20
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (ValueError, OSError):
+            pass

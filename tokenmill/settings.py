@@ -54,8 +54,13 @@ class ServeSettings:
     max_queued_conversions: int = 1024
     max_queued_bytes: int = 512 << 20
     conversion_timeout: float = 60.0
+    worker_memory_limit_mb: int = 8192
     shutdown_timeout: float = 30.0
     timeout_keep_alive: int = 5
+    max_header_bytes: int = 64 << 10
+    body_timeout: float = 30.0
+    insecure_tcp: bool = False
+    curve_keys_dir: str | None = None
     conversion_mode: str = "pool"
     sim_prefill_tokens_per_s: float = 200000.0
     sim_inter_token_latency_ms: float = 20.0
@@ -90,8 +95,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "max_queued_conversions": (int, "Requests allowed to wait for a worker (429 above)."),
     "max_queued_bytes": (int, "Request body bytes allowed to wait for a worker (429 above)."),
     "conversion_timeout": (float, "Seconds one conversion may take before its worker is killed and replaced."),
+    "worker_memory_limit_mb": (int, "Address-space cap per tokenizer worker; a runaway template gets MemoryError (0 = none)."),
     "shutdown_timeout": (float, "Seconds SIGTERM waits for in-flight requests before aborting them."),
     "timeout_keep_alive": (int, "Seconds an idle keep-alive connection stays open."),
+    "max_header_bytes": (int, "Largest total size of a request's headers (431 above)."),
+    "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
+    "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
+    "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler (see docs/security.md)."),
     "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
