@@ -753,6 +753,7 @@ class SimulatedScheduler:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--title", default="simulated scheduler", help="what ps shows for this process (ignored)")
     parser.add_argument(
         "--bind",
         required=True,
@@ -837,9 +838,10 @@ def _read_curve_secret(path: str) -> bytes:
 
 def _set_process_name() -> None:
     try:
-        from tokenmill.procutil import set_process_name
+        from tokenmill.procutil import die_with_supervisor, set_process_name
     except ImportError:  # pragma: no cover
         return
+    die_with_supervisor()  # when started by a gateway: die with it, even after its kill -9
     set_process_name("tm-scheduler")
 
 
