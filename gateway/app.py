@@ -83,6 +83,7 @@ class App:
         return False
 
     async def respond(self, send, status: int, body: bytes, endpoint: str, headers=_JSON) -> None:
+        headers = [*headers, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self.gw.metrics.request(endpoint, status)
@@ -316,7 +317,5 @@ class App:
         await self.respond(send, 200, body, "/debug/loop-lag")
 
     async def metrics(self, scope, receive, send) -> None:
-        body = self.gw.collect_metrics()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
-        await send({"type": "http.response.body", "body": body})
+        await self.respond(send, 200, self.gw.collect_metrics(), "/metrics",
+                           [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])

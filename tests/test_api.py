@@ -174,10 +174,41 @@ def test_bad_completion_prompts(server):
         assert body["error"]["param"] == "prompt"
 
 
+def _raw_post(port: int, head: bytes, body_chunks) -> bytes:
+    """Send a request on a raw socket, tolerating a server that answers before the body is sent."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except OSError:
+            pass  # the server already answered and stopped reading
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+                if b"\r\n\r\n" in data and b'"error"' in data and data.rstrip().endswith(b"}"):
+                    break
+        except OSError:
+            pass
+        return data
+
+
 def test_body_too_large(server):
     big = json.dumps({"model": "deepseek-v4", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode()
-    status, _, body = http("POST", server.url + "/v1/chat/completions", big)
-    assert_error(status, body, 413, "limit")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(big)}\r\n\r\n").encode()  # fmt: skip
+    answer = _raw_post(server.port, head, [big[i : i + 65536] for i in range(0, len(big), 65536)])
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert_error(413, body, 413, "limit")
+    # without a Content-Length (chunked), the limit applies as the body arrives
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = [b"%x\r\n%s\r\n" % (65536, big[i : i + 65536]) for i in range(0, 2 << 20, 65536)]
+    answer = _raw_post(server.port, head, chunks)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
 def test_unknown_fields_are_ignored(server):
