@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import time
 import uuid
+import zlib
 
 import msgspec
 
@@ -28,6 +29,23 @@ _DISCONNECTED = ("disconnected",)
 
 class BodyTooLarge(Exception):
     pass
+
+
+def conversation_key(body: bytes) -> int | None:
+    """A hash of the conversation's beginning, from the raw body: the start of "messages"
+    repeats across the turns of one conversation. Cheap (no JSON parsing) and only a hint."""
+    start = body.find(b'"messages"', 0, 65536)
+    return None if start < 0 else zlib.crc32(body[start : start + 2048])
+
+
+def timing_headers(done) -> list:
+    """Server-Timing (ms) and cache figures of the conversion, for clients and benchmarks."""
+    parts = [f"queue;dur={done.queue_s * 1000:.3f}", f"render;dur={done.render_s * 1000:.3f}",
+             f"tokenize;dur={done.tokenize_s * 1000:.3f}", f"tokenize-cpu;dur={done.tokenize_cpu_s * 1000:.3f}"]  # fmt: skip
+    headers = [(b"server-timing", ", ".join(parts).encode())]
+    if done.cache is not None:
+        headers.append((b"x-tokenmill-cached-prompt-tokens", str(done.cache.cached_tokens).encode()))
+    return headers
 
 
 class App:
@@ -153,7 +171,8 @@ class App:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
         watcher = asyncio.ensure_future(receive())
-        task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body))
+        affinity = conversation_key(body) if kind in ("chat", "tokenize") else None
+        task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
@@ -221,9 +240,9 @@ class App:
         framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
         try:
             if done.stream:
-                await self._stream(gen, framer, send, endpoint)
+                await self._stream(gen, framer, send, endpoint, timing_headers(done))
             else:
-                await self._collect(gen, framer, send, endpoint)
+                await self._collect(gen, framer, send, endpoint, timing_headers(done))
         finally:
             watcher.cancel()
             gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
@@ -236,8 +255,8 @@ class App:
             sum(c.cached_tokens for c in gen.choices),
         )
 
-    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=()) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *extra_headers]})
         self.gw.metrics.request(endpoint, 200)
         head = b"".join(framer.role_chunk(c.index) for c in gen.choices) if framer.chat else b""
         if head:
@@ -268,7 +287,7 @@ class App:
         tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
         await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
 
-    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str) -> None:
+    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=()) -> None:
         texts = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
         open_choices = len(gen.choices)
@@ -286,7 +305,7 @@ class App:
             elif event[0] == "disconnected":
                 return
         body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen))
-        await self.respond(send, 200, body, endpoint)
+        await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:
         gw = self.gw

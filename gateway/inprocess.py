@@ -20,7 +20,7 @@ from tokenizer_workers.messages import ConvertJob, DetokOut
 class InProcessConversion:
     alive = 1
     busy = 0
-    queue = ()
+    queued = 0
 
     def __init__(self, settings: ConverterSettings, on_detok, threaded: bool, metrics=None):
         self.converter = Converter(settings)
@@ -43,7 +43,7 @@ class InProcessConversion:
     async def close(self) -> None:
         pass
 
-    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
+    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
         job = ConvertJob(next(self._ids), kind, request_id)
         if self.threaded:
             conversion = await asyncio.get_running_loop().run_in_executor(None, self.converter.convert, job, body)

@@ -66,6 +66,19 @@ class Metrics:
         self.rejections = Counter("tokenmill_rejections", "Requests refused before conversion, by reason.",
                                   label + ["reason"], registry=r)
         self.scheduler_connected = g("tokenmill_scheduler_connected", "1 while the GPU scheduler is connected.")
+        self.tokenize_cpu_seconds = c("tokenmill_tokenize_cpu_seconds", "CPU seconds workers spent tokenizing chat prompts.")
+        self.cache_hits = c("tokenmill_tokenize_cache_hits", "Prompt pieces whose token IDs came from a worker's cache.")
+        self.cache_misses = c("tokenmill_tokenize_cache_misses", "Cacheable prompt pieces that had to be tokenized.")
+        self.cache_tokens = c("tokenmill_prompt_tokens_from_cache", "Prompt tokens served from the tokenization cache.")
+        self.fresh_tokens = c("tokenmill_prompt_tokens_tokenized", "Prompt tokens tokenized afresh.")
+        self.cache_mismatches = c("tokenmill_tokenize_cache_mismatches",
+                                  "Cached tokenizations that differed from whole encoding (--verify-tokenize-cache).")
+        self.cache_evictions = c("tokenmill_tokenize_cache_evictions", "Pieces evicted from workers' caches.")
+        self.cache_bytes = Gauge("tokenmill_tokenize_cache_bytes", "Bytes held by each worker's tokenization cache.",
+                                 label + ["worker"], registry=r)
+        self.tokenize_cache_enabled = g("tokenmill_tokenize_cache_enabled",
+                                        "1 when the model passed the segment-separability self-test and the cache is on.")
+        self._evictions_seen: dict[int, int] = {}
         # bind the labelled families to this model, keeping .labels(reason=...) call sites short
         self.aborts = _Bound(self.aborts, model_name)
         self.rejections = _Bound(self.rejections, model_name)
@@ -76,13 +89,25 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def observe_conversion(self, done: ConvertDone) -> None:
+    def observe_conversion(self, done: ConvertDone, worker: int = 0) -> None:
         if done.error is not None:
             return
         self.worker_queue_wait.observe(done.queue_s)
         if done.render_s:
             self.render_seconds.observe(done.render_s)
         self.tokenize_seconds.observe(done.tokenize_s)
+        self.tokenize_cpu_seconds.inc(done.tokenize_cpu_s)
+        cache = done.cache
+        if cache is not None:
+            self.cache_hits.inc(cache.hits)
+            self.cache_misses.inc(cache.misses)
+            self.cache_tokens.inc(cache.cached_tokens)
+            self.fresh_tokens.inc(cache.fresh_tokens)
+            self.cache_mismatches.inc(cache.mismatches)
+            seen = self._evictions_seen.get(worker, 0)
+            self.cache_evictions.inc(max(0, cache.evictions_total - seen))  # a restarted worker starts again at 0
+            self._evictions_seen[worker] = cache.evictions_total
+            self.cache_bytes.labels(self.model_name, str(worker)).set(cache.bytes_used)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -79,6 +79,8 @@ class Gateway:
             default_chat_template_kwargs=s.default_chat_template_kwargs,
             content_format=s.chat_template_content_format,
             trust_request_chat_template=s.trust_request_chat_template,
+            tokenize_cache_bytes=s.tokenize_cache_bytes,
+            verify_tokenize_cache=s.verify_tokenize_cache,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -111,7 +113,7 @@ class Gateway:
                 s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
-                security=security, metrics=self.metrics,
+                security=security, affinity=s.affinity, metrics=self.metrics,
             )  # fmt: skip
         else:
             self.conversion = InProcessConversion(
@@ -168,7 +170,7 @@ class Gateway:
         return {
             "generations": len(g.live),
             "scheduler_requests": len(g.by_request),
-            "queued_conversions": len(self.conversion.queue),
+            "queued_conversions": self.conversion.queued,
             "conversions_in_flight": len(getattr(self.conversion, "jobs", ())),
             "scheduler_connected": self.scheduler.connected,
             "draining": self.draining,
@@ -193,7 +195,7 @@ class Gateway:
         m.workers_alive.set(self.conversion.alive)
         m.workers_busy.set(self.conversion.busy)
         m.num_requests_running.set(len(self.generations))
-        m.num_requests_waiting.set(len(self.conversion.queue))
+        m.num_requests_waiting.set(self.conversion.queued)
         m.scheduler_connected.set(1 if self.scheduler.connected else 0)
         if self.scheduler.stats is not None:
             m.scheduler_running.set(self.scheduler.stats.num_running)
@@ -204,7 +206,7 @@ class Gateway:
         """Stop taking requests, let running ones finish (up to shutdown_timeout), abort the rest."""
         self.draining = True
         deadline = time.monotonic() + self.settings.shutdown_timeout
-        while (len(self.generations) or self.conversion.busy or len(self.conversion.queue)) and time.monotonic() < deadline:
+        while (len(self.generations) or self.conversion.busy or self.conversion.queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for gen in list(self.generations.live):
             self.generations.fail(gen, ApiError(503, "The server is shutting down; the request was aborted.",

@@ -14,11 +14,14 @@ conversion is dispatched once more or failed.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
+import math
 import os
 import sys
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,6 +67,8 @@ class _Job:
     worker: int | None = None
     timer: asyncio.TimerHandle | None = None
     timed_out: bool = False
+    affinity: int | None = None  # hash of the conversation's beginning
+    lane: deque | None = None  # the queue it waits in
 
 
 @dataclass(eq=False)
@@ -76,6 +81,7 @@ class _Worker:
     started: float = 0.0
     restarts: int = 0
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
+    lane: deque = field(default_factory=deque)  # jobs waiting for this worker's segment cache
 
 
 class WorkerPool:
@@ -92,6 +98,7 @@ class WorkerPool:
         conversion_timeout: float = 60.0,
         memory_limit_mb: int = 0,
         security=None,
+        affinity: bool = True,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
     ):
@@ -105,6 +112,9 @@ class WorkerPool:
         self.conversion_timeout = conversion_timeout
         self.memory_limit_mb = memory_limit_mb
         self.security = security  # transport_security.WorkerLinkSecurity for a tcp:// link
+        self.affinity = affinity
+        # consistent-hash ring: 64 points per worker, so a worker's share moves little if the pool changes
+        self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in range(size) for v in range(64))
         self.metrics = metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
@@ -150,6 +160,10 @@ class WorkerPool:
     @property
     def alive(self) -> int:
         return sum(w.ready for w in self.workers)
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue) + sum(len(w.lane) for w in self.workers)
 
     @property
     def busy(self) -> int:
@@ -238,8 +252,7 @@ class WorkerPool:
             elif job.attempts < 2 and not job.future.done():
                 log.warning("re-dispatching request %s after its worker died", job.request_id)
                 job.worker = None
-                self.queue.appendleft(job)
-                self.queued_bytes += len(job.body)
+                self._enqueue(job, front=True)
             else:
                 self._fail(
                     job,
@@ -248,14 +261,19 @@ class WorkerPool:
         if worker.owned:
             owned, worker.owned = worker.owned, set()
             self.on_owner_lost(worker.index, owned)
+        while worker.lane:  # whoever is free takes what waited for this worker
+            job = worker.lane.popleft()
+            job.lane = self.queue
+            self.queue.append(job)
         self._dispatch()
 
     # ---- conversion -------------------------------------------------------------------
 
     def check_capacity(self, nbytes: int) -> None:
         """Raise a 429 when a body of this size would overflow the conversion queue."""
-        if len(self.queue) >= self.max_queued or self.queued_bytes + nbytes > self.max_queued_bytes:
-            reason = "queue_full" if len(self.queue) >= self.max_queued else "queue_bytes"
+        queued = self.queued
+        if queued >= self.max_queued or self.queued_bytes + nbytes > self.max_queued_bytes:
+            reason = "queue_full" if queued >= self.max_queued else "queue_bytes"
             if self.metrics:
                 self.metrics.rejections.labels(reason=reason).inc()
             raise ConversionRejected(
@@ -264,12 +282,12 @@ class WorkerPool:
                 retry_after=1,
             )
 
-    async def convert(self, kind: str, request_id: str, body: bytes) -> ConvertResult:
+    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
         self.check_capacity(len(body))
         job = _Job(next(self._ids), kind, request_id, body, asyncio.get_running_loop().create_future(), time.monotonic())
+        job.affinity = affinity
         self.jobs[job.job_id] = job
-        self.queue.append(job)
-        self.queued_bytes += len(body)
+        self._enqueue(job)
         self._dispatch()
         try:
             return await job.future
@@ -280,25 +298,56 @@ class WorkerPool:
     def _forget(self, job: _Job) -> None:
         """The caller went away: drop a queued job; a running one's result will be released."""
         job.future.cancel()
-        if job.worker is None and job in self.queue:
-            self.queue.remove(job)
+        if job.worker is None and job.lane is not None and job in job.lane:
+            job.lane.remove(job)
             self.queued_bytes -= len(job.body)
             self.jobs.pop(job.job_id, None)
 
+    # ---- dispatch: affinity with bounded load, and no idle worker while anything waits ----
+
+    def _enqueue(self, job: _Job, front: bool = False) -> None:
+        self.queued_bytes += len(job.body)
+        owner = None if front else self._owner(job)
+        job.lane = owner.lane if owner is not None else self.queue
+        if front:
+            job.lane.appendleft(job)
+        else:
+            job.lane.append(job)
+
+    def _owner(self, job: _Job) -> _Worker | None:
+        """The worker holding this conversation's segments, unless it already has more than its share."""
+        if not self.affinity or job.affinity is None:
+            return None
+        point = bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)
+        worker = self.workers[self.ring[point][1]]
+        alive = [w for w in self.workers if w.ready]
+        if not worker.ready:
+            return None
+        total = sum((w.job is not None) + len(w.lane) for w in alive) + len(self.queue) + 1
+        bound = max(1, math.ceil(1.25 * total / len(alive)))
+        return worker if (worker.job is not None) + len(worker.lane) < bound else None
+
+    def _take(self, worker: _Worker) -> _Job | None:
+        """Its own lane first, then the shared queue, then the oldest job of the longest other lane."""
+        lanes = [worker.lane, self.queue] + sorted((w.lane for w in self.workers if w is not worker and w.lane),
+                                                   key=len, reverse=True)  # fmt: skip
+        for lane in lanes:
+            while lane:
+                job = lane.popleft()
+                self.queued_bytes -= len(job.body)
+                if not job.future.done():
+                    job.lane = None
+                    return job
+                self.jobs.pop(job.job_id, None)
+        return None
+
     def _dispatch(self) -> None:
         for worker in self.workers:
-            if not self.queue:
-                return
-            if not worker.ready or worker.job is not None:
-                continue
-            while self.queue:
-                job = self.queue.popleft()
-                self.queued_bytes -= len(job.body)
-                if job.future.done():
-                    self.jobs.pop(job.job_id, None)
-                    continue
+            if worker.ready and worker.job is None:
+                job = self._take(worker)
+                if job is None:
+                    return
                 self._send_job(worker, job)
-                break
 
     def _send_job(self, worker: _Worker, job: _Job) -> None:
         header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id))
@@ -306,8 +355,7 @@ class WorkerPool:
             self.sock.send_multipart([worker.identity, header, job.body], copy=False)
         except zmq.ZMQError:
             worker.ready = False  # its death is being reported; try another worker
-            self.queue.appendleft(job)
-            self.queued_bytes += len(job.body)
+            self._enqueue(job, front=True)
             return
         job.attempts += 1
         job.worker = worker.index
@@ -371,6 +419,10 @@ class WorkerPool:
                 self._on_done(worker, msg, frames[2:])
             elif isinstance(msg, m.WorkerReady):
                 self.max_model_len = msg.max_model_len
+                if self.metrics:
+                    self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
+                if not msg.tokenize_cache:
+                    log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
                 worker.ready = True
                 self._ready_changed.set()
                 log.info("tokenizer worker %d ready (pid %d)", index, msg.pid)
@@ -384,7 +436,7 @@ class WorkerPool:
             worker.job = None
         self._dispatch()
         if self.metrics:
-            self.metrics.observe_conversion(done)
+            self.metrics.observe_conversion(done, worker.index)
         ids = [c.request_id for c in done.choices]
         if job is None or job.future.done():
             if ids:  # nobody waits for it any more: free the decoder state it opened

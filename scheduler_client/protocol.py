@@ -95,6 +95,9 @@ class Stats(msgspec.Struct, tag="stats"):
 
     num_running: int
     num_waiting: int
+    # Optional engine counters (docs/scheduler-protocol.md §3.7); None: not reported.
+    peak_running: int | None = None  # most requests running at once since the scheduler started
+    cancelled_total: int | None = None  # requests the engine has cancelled (abort, front end gone) since start
 
 
 class Error(msgspec.Struct, tag="error"):
@@ -126,7 +129,9 @@ def decode_from_scheduler(frame: bytes | memoryview) -> Welcome | Outputs | Stat
 
 
 def ids_to_frame(token_ids) -> bytes:
-    """Token IDs (any iterable of ints) as a raw little-endian uint32 frame."""
+    """Token IDs (any iterable of ints, or a uint32 array) as a raw little-endian uint32 frame."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I" and sys.byteorder == "little":
+        return token_ids.tobytes()
     arr = array("I", token_ids)
     if sys.byteorder != "little":
         arr.byteswap()

@@ -18,8 +18,9 @@ from scheduler_client import protocol
 from tokenizer_workers import openai_requests as oa
 from tokenizer_workers.chat_messages import to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
-from tokenizer_workers.messages import ApiError, ChoicePlan, ConvertDone, ConvertJob
+from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob
 from tokenizer_workers.model import Model, load_model
+from tokenizer_workers.segment_cache import SegmentEncoder
 
 _json = msgspec.json.Encoder()
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -35,6 +36,8 @@ class ConverterSettings(msgspec.Struct):
     default_chat_template_kwargs: dict[str, Any] = {}
     content_format: str = "auto"  # "auto" | "string" | "openai"
     trust_request_chat_template: bool = False
+    tokenize_cache_bytes: int = 256 << 20
+    verify_tokenize_cache: bool = False
 
 
 @dataclass
@@ -64,6 +67,17 @@ class Converter:
         self.templates = ChatTemplates(
             self.model.templates, self.model.special_tokens, settings.default_chat_template_kwargs
         )
+        self.segments = SegmentEncoder(
+            self.tokenizer, settings.tokenize_cache_bytes, verify=settings.verify_tokenize_cache
+        )
+
+    def encode_chat(self, prompt: str) -> tuple:
+        """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
+        ids, stats = self.segments.encode(prompt)
+        cache = self.segments.cache
+        report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,
+                             cache.evictions, cache.bytes_used)  # fmt: skip
+        return ids, report
 
     # ---- entry point ----------------------------------------------------------------
 
@@ -95,10 +109,13 @@ class Converter:
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         t0 = time.perf_counter()
         prompt = self.render(req.messages, req)
-        t1 = time.perf_counter()
-        ids = self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
-        t2 = time.perf_counter()
-        return self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1)
+        t1, cpu = time.perf_counter(), time.process_time()
+        ids, report = self.encode_chat(prompt)
+        t2, cpu = time.perf_counter(), time.process_time() - cpu
+        conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1)
+        conversion.done.cache = report
+        conversion.done.tokenize_cpu_s = cpu
+        return conversion
 
     def _convert_completion(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.CompletionRequest = oa.parse("completion", body)
@@ -131,13 +148,13 @@ class Converter:
         else:
             raise oa.InvalidRequest("Give prompt (a string) or messages (a chat).", "prompt")
         t1 = time.perf_counter()
-        enc = self.tokenizer.encode_batch([prompt], add_special_tokens=add_special)[0]
-        answer = {
-            "count": len(enc.ids),
-            "max_model_len": self.max_model_len,
-            "tokens": enc.ids,
-            "token_strs": enc.tokens if req.return_token_strs else None,
-        }
+        if req.messages is not None and not add_special and not req.return_token_strs:
+            ids = self.encode_chat(prompt)[0].tolist()
+            strs = None
+        else:
+            enc = self.tokenizer.encode_batch([prompt], add_special_tokens=add_special)[0]
+            ids, strs = enc.ids, (enc.tokens if req.return_token_strs else None)
+        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
         tokenize_s = time.perf_counter() - t1
         return Conversion(ConvertDone(job.job_id, body=_json.encode(answer), render_s=render_s, tokenize_s=tokenize_s))
 

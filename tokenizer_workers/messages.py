@@ -49,6 +49,20 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     worker_index: int
     pid: int
     max_model_len: int
+    tokenize_cache: bool = False  # the segment-separability self-test passed and the cache is on
+    tokenize_cache_reason: str = ""
+
+
+class CacheReport(msgspec.Struct, array_like=True):
+    """The tokenization cache's work on one conversion, and its state after it."""
+
+    hits: int
+    misses: int
+    cached_tokens: int
+    fresh_tokens: int
+    mismatches: int
+    evictions_total: int
+    bytes_used: int
 
 
 class ApiError(msgspec.Struct):
@@ -84,7 +98,9 @@ class ConvertDone(msgspec.Struct, tag="done"):
     include_usage: bool = False
     render_s: float = 0.0
     tokenize_s: float = 0.0
+    tokenize_cpu_s: float = 0.0  # CPU seconds of the worker process while tokenizing (all its threads)
     queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
+    cache: CacheReport | None = None
 
 
 class DetokDelta(msgspec.Struct, array_like=True):

@@ -54,7 +54,8 @@ class Worker:
         wake_rx = self.ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
-        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len)))
+        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
+                                              self.converter.segments.enabled, self.converter.segments.self_test_reason)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)

@@ -61,6 +61,9 @@ class ServeSettings:
     body_timeout: float = 30.0
     insecure_tcp: bool = False
     curve_keys_dir: str | None = None
+    tokenize_cache_bytes: int = 256 << 20
+    verify_tokenize_cache: bool = False
+    affinity: bool = True
     conversion_mode: str = "pool"
     sim_prefill_tokens_per_s: float = 200000.0
     sim_inter_token_latency_ms: float = 20.0
@@ -102,6 +105,9 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
     "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler (see docs/security.md)."),
+    "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact segment tokenization cache (0 = off)."),
+    "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
+    "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),

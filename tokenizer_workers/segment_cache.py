@@ -1,0 +1,212 @@
+"""Exact segment tokenization with a content-addressed cache.
+
+HuggingFace tokenizers split text at added tokens before normalizing, pre-tokenizing or
+running the model, so for tokenizers whose pieces do not influence each other, encoding
+the text between added tokens piece by piece and joining gives exactly the IDs of
+encoding it whole. Every turn of an agent conversation re-renders the earlier turns to
+the same pieces, so their IDs can be looked up by content instead of recomputed.
+
+Whether a tokenizer is separable is decided at load by a self-test (piecewise against
+whole on generated texts with unicode and whitespace edges around added tokens). When it
+is not (a Metaspace pre-tokenizer that prepends only at the start, a normalizer or
+added-token options that look across boundaries), the cache stays off.
+
+The cache keeps compact uint32 arrays under a byte budget with segmented LRU: a new
+piece enters on probation and is promoted when seen again, and eviction takes probation
+pieces first, so the recurring history of conversations outlives one-off text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+log = logging.getLogger("tokenmill.segment_cache")
+
+_ENTRY_OVERHEAD = 120  # bytes per cached piece beyond its IDs: key, array header, dict slot
+
+
+@dataclass
+class EncodeStats:
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+    fresh_tokens: int = 0
+    mismatches: int = 0
+
+
+class SegmentCache:
+    """Piece hash -> token IDs, bounded in bytes, segmented LRU (probation, then protected)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.protected_budget = int(budget_bytes * 0.8)
+        self.probation: OrderedDict[bytes, array] = OrderedDict()
+        self.protected: OrderedDict[bytes, array] = OrderedDict()
+        self.bytes_used = 0
+        self.protected_bytes = 0
+        self.evictions = 0
+
+    @staticmethod
+    def _size(ids: array) -> int:
+        return len(ids) * ids.itemsize + _ENTRY_OVERHEAD
+
+    def get(self, key: bytes) -> array | None:
+        ids = self.protected.get(key)
+        if ids is not None:
+            self.protected.move_to_end(key)
+            return ids
+        ids = self.probation.pop(key, None)
+        if ids is None:
+            return None
+        size = self._size(ids)
+        self.protected[key] = ids  # seen twice: a recurring piece
+        self.protected_bytes += size
+        while self.protected_bytes > self.protected_budget and self.protected:
+            old_key, old = self.protected.popitem(last=False)  # demote, not drop
+            self.protected_bytes -= self._size(old)
+            self.probation[old_key] = old
+        return ids
+
+    def put(self, key: bytes, ids: array) -> None:
+        size = self._size(ids)
+        if size > self.budget or key in self.protected or key in self.probation:
+            return
+        self.probation[key] = ids
+        self.bytes_used += size
+        while self.bytes_used > self.budget:
+            source = self.probation if self.probation else self.protected
+            _, old = source.popitem(last=False)
+            old_size = self._size(old)
+            self.bytes_used -= old_size
+            if source is self.protected:
+                self.protected_bytes -= old_size
+            self.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+
+class SegmentEncoder:
+    """Encodes rendered prompts (add_special_tokens=False) piece by piece, through the cache."""
+
+    def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False):
+        self.tokenizer = tokenizer
+        self.min_chars = min_chars
+        self.verify = verify
+        self.cache = SegmentCache(budget_bytes)
+        self.ids_of: dict[str, int] = {}
+        self.splitter = self._splitter()
+        self.separable, self.self_test_reason = self.self_test() if self.splitter else (False, "no added tokens")
+        self.enabled = budget_bytes > 0 and self.separable
+        log.info("tokenization cache %s (%s)", "on" if self.enabled else "off", self.self_test_reason)
+
+    def _splitter(self) -> re.Pattern | None:
+        tokens = list(self.tokenizer.get_added_tokens_decoder().items())
+        config = json.loads(self.tokenizer.to_str())
+        has_normalizer = bool(config.get("normalizer") and config["normalizer"].get("normalizers", [None]))
+        plain = []
+        for tid, tok in tokens:
+            if tok.lstrip or tok.rstrip or tok.single_word or (tok.normalized and has_normalizer):
+                return None  # matching depends on context; piecewise encoding would not be exact
+            self.ids_of[tok.content] = tid
+            plain.append(tok.content)
+        if not plain:
+            return None
+        plain.sort(key=len, reverse=True)  # longest first, like the added-token matcher
+        return re.compile("|".join(map(re.escape, plain)))
+
+    # ---- the split ---------------------------------------------------------------------------
+
+    def pieces(self, text: str) -> list[str | int]:
+        """Text pieces and added-token IDs, in order."""
+        out: list[str | int] = []
+        pos = 0
+        for match in self.splitter.finditer(text):
+            if match.start() > pos:
+                out.append(text[pos : match.start()])
+            out.append(self.ids_of[match.group()])
+            pos = match.end()
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
+
+    def _encode_pieces(self, parts: list[str | int], stats: EncodeStats, use_cache: bool) -> array:
+        found: dict[int, array] = {}
+        todo_idx, todo_text, todo_keys = [], [], []
+        for i, part in enumerate(parts):
+            if isinstance(part, int):
+                continue
+            if use_cache and len(part) >= self.min_chars:
+                key = hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+                ids = self.cache.get(key)
+                if ids is not None:
+                    found[i] = ids
+                    stats.hits += 1
+                    stats.cached_tokens += len(ids)
+                    continue
+                stats.misses += 1
+                todo_keys.append(key)
+            else:
+                todo_keys.append(None)
+            todo_idx.append(i)
+            todo_text.append(part)
+        if todo_text:  # one call: encode_batch releases the GIL and spreads pieces over cores
+            for i, key, enc in zip(todo_idx, todo_keys, self.tokenizer.encode_batch(todo_text, add_special_tokens=False)):
+                ids = array("I", enc.ids)
+                found[i] = ids
+                stats.fresh_tokens += len(ids)
+                if key is not None:
+                    self.cache.put(key, ids)
+        out = array("I")
+        for i, part in enumerate(parts):
+            if isinstance(part, int):
+                out.append(part)
+                stats.fresh_tokens += 1
+            else:
+                out.extend(found[i])
+        return out
+
+    def encode(self, text: str) -> tuple[array, EncodeStats]:
+        stats = EncodeStats()
+        if not self.enabled:
+            ids = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+            stats.fresh_tokens = len(ids)
+            return ids, stats
+        ids = self._encode_pieces(self.pieces(text), stats, use_cache=True)
+        if self.verify:
+            whole = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+            if whole != ids:
+                stats.mismatches += 1
+                log.error("tokenization cache mismatch on a %d-character prompt; using the whole encoding", len(text))
+                return whole, stats
+        return ids, stats
+
+    # ---- the self-test -----------------------------------------------------------------------
+
+    def self_test(self) -> tuple[bool, str]:
+        """Piecewise against whole on texts built to stress piece boundaries."""
+        t0 = time.perf_counter()
+        specials = list(self.ids_of)[:12] + sorted(self.ids_of, key=len)[:4]
+        edges = ["", " ", "  ", "\n", "\n\n", "\t", "\r\n", " x", "x ", "héllo wörld", "🙂🚀", "日本語のテキスト",
+                 "  indented\n", "123456", "a.b,c", "\u00a0", "'s", " 's", "\u200b"]  # fmt: skip
+        texts = []
+        for i, s in enumerate(specials):
+            for j, left in enumerate(edges):
+                right = edges[(i * 7 + j * 3) % len(edges)]
+                texts.append(left + s + right + specials[(i + j) % len(specials)] + left + "end" + right)
+        texts.append("".join(specials) + " ".join(edges) + "".join(reversed(specials)))
+        stats = EncodeStats()
+        whole = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        for text, enc in zip(texts, whole):
+            if list(self._encode_pieces(self.pieces(text), stats, use_cache=False)) != enc.ids:
+                return False, f"not segment-separable: piecewise differs on {text!r}"
+        return True, f"segment-separable on {len(texts)} self-test texts in {time.perf_counter() - t0:.2f}s"
