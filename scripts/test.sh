@@ -12,4 +12,10 @@ if [ pyproject.toml -nt .venv/.installed-test ] || ! .venv/bin/python -c "import
   .venv/bin/python -m pip install --quiet -e '.[test]'
   touch .venv/.installed-test
 fi
+# tests/test_systemd.py checks deploy/systemd with systemd-analyze (Debian package systemd).
+if ! command -v systemd-analyze >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; } >/tmp/tokenmill-apt.log 2>&1; then
+    echo "scripts/test.sh: could not install systemd-analyze (see /tmp/tokenmill-apt.log)" >&2
+  fi
+fi
 exec .venv/bin/python -m pytest "$@"

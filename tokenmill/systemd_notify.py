@@ -21,11 +21,13 @@ def notify(state: str, environ=os.environ) -> bool:
     if path.startswith("@"):  # abstract namespace
         path = "\0" + path[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        # non-blocking: a busy or stuck reader must never stall the event loop; a dropped
+        # WATCHDOG=1 is sent again at the next interval
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
             sock.connect(path)
-            sock.sendall(state.encode())
+            sock.send(state.encode())
         return True
-    except OSError:
+    except OSError:  # including BlockingIOError when the reader's queue is full
         return False
 
 

