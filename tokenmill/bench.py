@@ -199,7 +199,7 @@ def _short_requests(port: int, model: str, count: int, concurrency: int, out) ->
 
 
 class _Server:
-    def __init__(self, mode: str, workers: int | None, itl_ms: float):
+    def __init__(self, mode: str, workers: int | None, itl_ms: float, extra: tuple = ()):
         import socket
 
         with socket.socket() as s:
@@ -210,6 +210,7 @@ class _Server:
                 "--log-level", "warning", "--max-queued-conversions", "100000"]  # fmt: skip
         if workers and mode == "pool":
             args += ["--workers", str(workers)]
+        args += list(extra)
         import tempfile
 
         self.log = tempfile.TemporaryFile(mode="w+")
