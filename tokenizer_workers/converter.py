@@ -191,7 +191,7 @@ class Converter:
             raise oa.InvalidRequest("messages must be a non-empty list.", "messages")
         for i, message in enumerate(messages):
             role = message.get("role")
-            if role not in _CHAT_ROLES:
+            if not isinstance(role, str) or role not in _CHAT_ROLES:
                 raise oa.InvalidRequest(
                     f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.", f"messages[{i}].role"
                 )

@@ -32,6 +32,10 @@ from tokenizers import Tokenizer
 log = logging.getLogger("tokenmill.segment_cache")
 
 _ENTRY_OVERHEAD = 120  # bytes per cached piece beyond its IDs: key, array header, dict slot
+# A newline followed by an ASCII letter: a pre-tokenizer boundary for the GPT-style split
+# regexes of byte-level BPE tokenizers (no pattern spans it). Long pieces are cut there so
+# encode_batch can spread one long prompt over cores; the self-test checks it per tokenizer.
+_SOFT_BOUNDARY = re.compile(r"\n(?=[A-Za-z])")
 
 
 @dataclass
@@ -98,14 +102,18 @@ class SegmentCache:
 class SegmentEncoder:
     """Encodes rendered prompts (add_special_tokens=False) piece by piece, through the cache."""
 
-    def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False):
+    def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False,
+                 split_chars: int = 32768):
         self.tokenizer = tokenizer
         self.min_chars = min_chars
         self.verify = verify
+        self.split_chars = 0  # soft splitting is off until the self-test has checked it
         self.cache = SegmentCache(budget_bytes)
         self.ids_of: dict[str, int] = {}
         self.splitter = self._splitter()
         self.separable, self.self_test_reason = self.self_test() if self.splitter else (False, "no added tokens")
+        if self.separable and self.soft_split_test():
+            self.split_chars = split_chars
         self.enabled = budget_bytes > 0 and self.separable
         log.info("tokenization cache %s (%s)", "on" if self.enabled else "off", self.self_test_reason)
 
@@ -137,6 +145,22 @@ class SegmentEncoder:
             pos = match.end()
         if pos < len(text):
             out.append(text[pos:])
+        if self.split_chars:
+            out = [sub for part in out for sub in (self._soft_split(part) if isinstance(part, str) else (part,))]
+        return out
+
+    def _soft_split(self, text: str) -> list[str]:
+        """Cut a long piece at soft boundaries about split_chars apart (deterministic in its content)."""
+        if len(text) < 2 * self.split_chars:
+            return [text]
+        out, start = [], 0
+        while len(text) - start >= 2 * self.split_chars:
+            match = _SOFT_BOUNDARY.search(text, start + self.split_chars)
+            if match is None:
+                break
+            out.append(text[start : match.end()])
+            start = match.end()
+        out.append(text[start:])
         return out
 
     def _encode_pieces(self, parts: list[str | int], stats: EncodeStats, use_cache: bool) -> array:
@@ -177,6 +201,8 @@ class SegmentEncoder:
 
     def encode(self, text: str) -> tuple[array, EncodeStats]:
         stats = EncodeStats()
+        if not self.enabled and self.split_chars and len(text) >= 2 * self.split_chars:
+            return self._encode_pieces(self.pieces(text), stats, use_cache=False), stats
         if not self.enabled:
             ids = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
             stats.fresh_tokens = len(ids)
@@ -190,7 +216,19 @@ class SegmentEncoder:
                 return whole, stats
         return ids, stats
 
-    # ---- the self-test -----------------------------------------------------------------------
+    # ---- the self-tests ----------------------------------------------------------------------
+
+    def soft_split_test(self) -> bool:
+        """Encoding cut at every soft boundary equals encoding whole, on text built to stress them."""
+        lines = ["def f(x):", "    return x  ", "Hello, world!", "x = 12345678", "  \t", "'s fine", "日本語 text",
+                 "emoji 🙂 ok", "a\r", "::", "", " ", "Zebra", "z", "-- dash", "#include <stdio.h>"]  # fmt: skip
+        text = "".join(lines[(i * 5 + i // 3) % len(lines)] + ("\n" * (1 + i % 3)) for i in range(400))
+        cuts = [m.end() for m in _SOFT_BOUNDARY.finditer(text)]
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        joined = [i for enc in self.tokenizer.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+        ok = joined == self.tokenizer.encode(text, add_special_tokens=False).ids
+        log.info("soft splitting of long pieces %s", "on" if ok else "off (not exact for this tokenizer)")
+        return ok
 
     def self_test(self) -> tuple[bool, str]:
         """Piecewise against whole on texts built to stress piece boundaries."""
