@@ -24,16 +24,42 @@ def _llama3() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def encoders(default_tokenizer):
-    # min_chars=1: every piece goes through the cache, the hardest case for exactness
+    # min_chars=1: every piece goes through the cache; split_chars=24: long pieces are cut at
+    # soft boundaries every few dozen characters. The hardest settings for exactness.
     return {
-        "deepseek-v4": SegmentEncoder(default_tokenizer, 64 << 20, min_chars=1),
-        "llama-3": SegmentEncoder(_llama3(), 64 << 20, min_chars=1),
+        "deepseek-v4": SegmentEncoder(default_tokenizer, 64 << 20, min_chars=1, split_chars=24),
+        "llama-3": SegmentEncoder(_llama3(), 64 << 20, min_chars=1, split_chars=24),
     }
 
 
 def test_both_tokenizers_pass_the_self_test(encoders):
     for name, enc in encoders.items():
         assert enc.enabled, (name, enc.self_test_reason)
+        assert enc.split_chars == 24, name  # soft splitting passed its self-test too
+
+
+_line = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(lines=st.lists(st.tuples(_line, st.sampled_from(["\n", "\n\n", " \n", "\r\n", "\t\n"]),
+                                st.sampled_from(["", "a", "Zed", "x = 1", "  ", "'s", "日"])), max_size=40))
+def test_soft_split_long_text_is_exact(encoders, lines):
+    text = "".join(a + nl + b for a, nl, b in lines) * 3
+    for name, enc in encoders.items():
+        ids, _ = enc.encode(text)
+        assert list(ids) == enc.tokenizer.encode(text, add_special_tokens=False).ids, (name, text)
+
+
+def test_long_prompt_cut_and_cached_is_exact(default_tokenizer):
+    from tokenmill.bench import corpus
+
+    enc = SegmentEncoder(default_tokenizer, 64 << 20)  # default thresholds: 32k-character soft splits
+    text = "<｜User｜>" + corpus(300_000) + "<｜Assistant｜>"
+    first, _ = enc.encode(text)
+    again, stats = enc.encode(text)
+    assert list(first) == list(again) == default_tokenizer.encode(text, add_special_tokens=False).ids
+    assert stats.misses == 0 and stats.hits >= 3  # the long piece was cut, and every cut came from the cache
 
 
 def test_metaspace_first_tokenizer_is_refused():
