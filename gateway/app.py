@@ -276,6 +276,7 @@ class App:
                     open_choices -= 1
                 elif kind == "error":
                     parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
+                    self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
                     failed = True
                     break
                 elif kind == "disconnected":

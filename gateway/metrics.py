@@ -79,6 +79,11 @@ class Metrics:
         self.tokenize_cache_enabled = g("tokenmill_tokenize_cache_enabled",
                                         "1 when the model passed the segment-separability self-test and the cache is on.")
         self._evictions_seen: dict[int, int] = {}
+        self.draining = g("tokenmill_draining", "1 while the server drains for shutdown (readiness fails).")
+        self.queued_bytes = g("tokenmill_queued_request_bytes", "Request body bytes waiting for a tokenizer worker.")
+        self.stream_errors = Counter("tokenmill_stream_errors", "Streams that ended with an error event after a 200, by code.",
+                                     label + ["code"], registry=r)
+        self.stream_errors = _Bound(self.stream_errors, model_name)
         # bind the labelled families to this model, keeping .labels(reason=...) call sites short
         self.aborts = _Bound(self.aborts, model_name)
         self.rejections = _Bound(self.rejections, model_name)

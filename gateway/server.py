@@ -197,6 +197,8 @@ class Gateway:
         m.num_requests_running.set(len(self.generations))
         m.num_requests_waiting.set(self.conversion.queued)
         m.scheduler_connected.set(1 if self.scheduler.connected else 0)
+        m.draining.set(1 if self.draining else 0)
+        m.queued_bytes.set(getattr(self.conversion, "queued_bytes", 0))
         if self.scheduler.stats is not None:
             m.scheduler_running.set(self.scheduler.stats.num_running)
             m.scheduler_waiting.set(self.scheduler.stats.num_waiting)
