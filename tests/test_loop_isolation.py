@@ -71,24 +71,20 @@ def slow_template(tmp_path):
     return str(path)
 
 
-def test_health_answers_while_worker_converts(slow_template):
-    srv = Server("--workers", "1", "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
+@pytest.mark.parametrize(
+    "mode, workers_or_mode",
+    [("pool", ("--workers", "1")),  # tokenizer worker processes: /health keeps answering
+     ("inline", ("--conversion-mode", "inline"))],  # the control: conversion on the loop starves /health
+)  # fmt: skip
+def test_health_answers_only_when_conversion_is_off_the_loop(slow_template, mode, workers_or_mode):
+    srv = Server(*workers_or_mode, "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
     try:
         answered, error = health_answers_during_slow_request(srv)
     finally:
         srv.stop()
     assert error is None
-    print(f"pool mode: /health answered {answered} times while the slow conversion ran")
-    assert answered >= 20
-
-
-def test_inline_baseline_blocks_health(slow_template):
-    """The control: the same request converted on the gateway loop starves /health."""
-    srv = Server("--conversion-mode", "inline", "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
-    try:
-        answered, error = health_answers_during_slow_request(srv)
-    finally:
-        srv.stop()
-    assert error is None
-    print(f"inline mode: /health answered {answered} times while the slow conversion ran")
-    assert answered <= 5
+    print(f"{mode} mode: /health answered {answered} times while the slow conversion ran")
+    if mode == "pool":
+        assert answered >= 20
+    else:
+        assert answered <= 5
