@@ -28,36 +28,37 @@ import argparse
 import asyncio
 import hashlib
 import logging
-import os
 import random
 import signal
-import stat
 import struct
 import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import zmq
-import zmq.asyncio
 
 from scheduler_client.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     PROTOCOL_VERSION,
-    Abort,
-    Error,
     Generate,
-    Hello,
     Outputs,
     RequestOutput,
     Stats,
     Welcome,
-    decode_to_scheduler,
     encode,
-    frame_to_ids,
+)
+from scheduler_client.scheduler_server import (
+    ERR_BAD_REQUEST,
+    ERR_DUPLICATE,
+    ERR_UNKNOWN_MESSAGE,
+    ERR_VERSION_MISMATCH,
+    SchedulerServer,
+    Session,
+    read_curve_secret,
 )
 
 log = logging.getLogger("tokenmill.simulated_scheduler")
@@ -65,13 +66,19 @@ log = logging.getLogger("tokenmill.simulated_scheduler")
 SCHEDULER_NAME = "tokenmill-simulated"
 DEFAULT_VOCAB_SIZE = 129280  # DeepSeek-V3/V4, the embedded default model
 
-# Error codes this scheduler sends (docs/scheduler-protocol.md lists them).
-ERR_BAD_REQUEST = "bad_request"
-ERR_UNKNOWN_MESSAGE = "unknown_message"
-ERR_VERSION_MISMATCH = "version_mismatch"
-ERR_DUPLICATE = "duplicate_request_id"
-
-_KNOWN_TYPES = ("hello", "generate", "abort")
+__all__ = [
+    "SimulatedScheduler",
+    "add_arguments",
+    "main",
+    "resolve_model_dir",
+    "run",
+    "scheduler_from_args",
+    # the error codes this scheduler sends (docs/scheduler-protocol.md lists them)
+    "ERR_BAD_REQUEST",
+    "ERR_DUPLICATE",
+    "ERR_UNKNOWN_MESSAGE",
+    "ERR_VERSION_MISMATCH",
+]
 
 # Demo text: generated tokens are whole sentences of this paragraph, picked at random.
 PALETTE_TEXT = (
@@ -164,12 +171,6 @@ class _Request:
         return len(self.prompt)
 
 
-@dataclass(eq=False)
-class _Client:
-    identity: bytes
-    rejected: bool = False  # its last Hello had an unsupported version
-
-
 def _make_rng(generate: Generate, prompt_bytes: bytes) -> random.Random:
     """Deterministic for (seed, prompt); for the prompt alone with seed None and temperature 0."""
     seed = generate.sampling.seed
@@ -182,23 +183,20 @@ def _make_rng(generate: Generate, prompt_bytes: bytes) -> random.Random:
     return random.Random(int.from_bytes(digest.digest(), "little"))
 
 
-class _Rejected(Exception):
-    def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-
 # --------------------------------------------------------------------------- the scheduler
 
 
-class SimulatedScheduler:
+class SimulatedScheduler(SchedulerServer):
     """The scheduler side of the protocol, with simulated timing and tokens.
 
     ``await serve(endpoint)`` binds and runs until ``await close()`` (or cancellation).
     After binding, ``endpoint`` holds the bound address (useful with ``tcp://127.0.0.1:0``)
-    and ``await wait_ready()`` returns.
+    and ``await wait_ready()`` returns. Sockets, sessions and validation come from
+    :class:`scheduler_client.scheduler_server.SchedulerServer`.
     """
+
+    log = log
+    vocab_hint = "(start the simulated scheduler with --model or --vocab-size)"
 
     def __init__(
         self,
@@ -226,8 +224,13 @@ class SimulatedScheduler:
             raise ValueError("eos_probability must be within [0, 1]")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError("vocab_size must be at least 1")
-        if stats_interval_s <= 0:
-            raise ValueError("stats_interval_s must be positive")
+        super().__init__(
+            scheduler_name=scheduler_name,
+            stats_interval_s=stats_interval_s,
+            heartbeat_ivl_ms=heartbeat_ivl_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+            curve_secret_key=curve_secret_key,
+        )
 
         if model is not None:
             directory = resolve_model_dir(str(model))
@@ -244,29 +247,14 @@ class SimulatedScheduler:
         self.max_running = int(max_running)
         self.mode = mode
         self.eos_probability = float(eos_probability)
-        self.stats_interval_s = float(stats_interval_s)
-        self.heartbeat_ivl_ms = int(heartbeat_ivl_ms)
-        self.heartbeat_timeout_ms = int(heartbeat_timeout_ms)
-        self.curve_secret_key = curve_secret_key
-        self.scheduler_name = scheduler_name
-        self.endpoint: str | None = None
 
         self._requests: dict[tuple[bytes, str], _Request] = {}
         self._waiting: dict[tuple[bytes, str], _Request] = {}  # insertion order = FIFO
         self._prefilling: dict[tuple[bytes, str], _Request] = {}  # in prefill order
         self._decoding: dict[tuple[bytes, str], _Request] = {}
-        self._clients: dict[bytes, _Client] = {}
         self._prefill_busy_until = 0.0
         self._next_step_at = 0.0
-
-        self._sock: zmq.asyncio.Socket | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._ipc_path: str | None = None
         self._wake: asyncio.Event | None = None
-        self._ready: asyncio.Event | None = None
-        self._closing: asyncio.Event | None = None
-        self._closed: asyncio.Event | None = None
-        self._serving = False
 
     @property
     def vocab_size(self) -> int:
@@ -280,45 +268,10 @@ class SimulatedScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ SchedulerServer hooks
 
-    def _events(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-            self._ready = asyncio.Event()
-            self._closing = asyncio.Event()
-            self._closed = asyncio.Event()
-
-    async def wait_ready(self) -> str:
-        """Wait until serve() has bound its socket; returns the bound endpoint."""
-        self._events()
-        await self._ready.wait()
-        return self.endpoint
-
-    async def serve(self, endpoint: str) -> None:
-        """Bind ``endpoint`` and serve until close() is called."""
-        self._events()
-        if self._serving or self._closing.is_set():
-            raise RuntimeError("a SimulatedScheduler serves once")
-        self._serving = True
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        try:
-            self._configure(sock)
-            sock.bind(endpoint)
-        except BaseException:
-            sock.close(linger=0)
-            ctx.term()
-            self._serving = False
-            self._closed.set()
-            raise
-        self._ctx, self._sock = ctx, sock
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
-        if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-            self._ipc_path = endpoint[len("ipc://") :]
-        log.info(
-            "simulated scheduler listening on %s (mode %s, max_running %d, itl %.1f ms, prefill %.0f tok/s, vocab %d%s)",
-            self.endpoint,
+    def describe(self) -> str:
+        return "mode %s, max_running %d, itl %.1f ms, prefill %.0f tok/s, vocab %d%s" % (
             self.mode,
             self.max_running,
             self.inter_token_latency_s * 1000,
@@ -326,250 +279,43 @@ class SimulatedScheduler:
             self.vocab_size,
             ", palette" if self._tokens.uses_palette else "",
         )
-        self._ready.set()
-        tasks = [
-            asyncio.create_task(self._recv_loop(), name="sim-recv"),
-            asyncio.create_task(self._engine_loop(), name="sim-engine"),
-            asyncio.create_task(self._stats_loop(), name="sim-stats"),
-        ]
-        closing = asyncio.create_task(self._closing.wait())
-        failure: BaseException | None = None
-        try:
-            done, _ = await asyncio.wait([*tasks, closing], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not closing and not task.cancelled() and task.exception() is not None:
-                    failure = task.exception()
-        finally:
-            closing.cancel()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, closing, return_exceptions=True)
-            self._teardown()
-        if failure is not None:
-            raise failure
 
-    async def close(self) -> None:
-        """Stop serving: close the socket and remove the ipc socket file. Idempotent."""
-        self._events()
-        self._closing.set()
-        if self._serving:
-            await self._closed.wait()
+    def background(self) -> list:
+        self._wake = asyncio.Event()
+        return [self._engine_loop()]
 
-    def _configure(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished front end raises EHOSTUNREACH
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a front end with a fixed routing id may reconnect
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if self.heartbeat_ivl_ms > 0:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
-        if self.curve_secret_key is not None:
-            if not zmq.has("curve"):
-                raise RuntimeError("this libzmq has no CURVE support")
-            key = self.curve_secret_key
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, key.encode() if isinstance(key, str) else key)
-
-    def _teardown(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self._ipc_path:
-            try:
-                if stat.S_ISSOCK(os.stat(self._ipc_path).st_mode):
-                    os.unlink(self._ipc_path)
-            except OSError:
-                pass
-        self._requests.clear()
-        self._waiting.clear()
-        self._prefilling.clear()
-        self._decoding.clear()
-        self._clients.clear()
-        self._serving = False
-        self._closed.set()
-        log.info("simulated scheduler closed")
-
-    # ------------------------------------------------------------------ sending
-
-    def _send(self, identity: bytes, payload: bytes) -> bool:
-        """Send one message without ever blocking; False (and the client forgotten) if it is gone."""
-        sock = self._sock
-        if sock is None:
-            return False
-        try:
-            future = sock.send_multipart([identity, payload], flags=zmq.DONTWAIT, copy=False)
-            if future.done():
-                future.result()
-            return True
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                self._client_gone(identity)
-            else:  # with unlimited HWMs this should not happen
-                log.warning("send to %s failed: %s", identity.hex(), exc)
-            return False
-
-    def _send_error(self, identity: bytes, message: str, code: str, request_id: str | None) -> None:
-        log.warning("rejected message from %s: %s (%s)", identity.hex(), message, code)
-        self._send(identity, encode(Error(message=message, code=code, request_id=request_id)))
-
-    def _client_gone(self, identity: bytes) -> None:
-        """The front end disconnected: free its requests silently."""
-        self._clients.pop(identity, None)
-        gone = [req for req in self._requests.values() if req.identity == identity]
-        for req in gone:
-            self._remove(req)
-        if gone:
-            self._reschedule_prefills(asyncio.get_running_loop().time())
-            self._wake.set()
-        log.info("front end %s is gone; freed %d request(s)", identity.hex(), len(gone))
-
-    # ------------------------------------------------------------------ receiving
-
-    async def _recv_loop(self) -> None:
-        sock = self._sock
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                log.warning("receive failed: %s", exc)
-                continue
-            try:
-                self._handle(frames)
-            except Exception:  # never let one message take the scheduler down
-                log.exception("error handling a message")
-
-    def _handle(self, frames: list) -> None:
-        identity = frames[0].bytes
-        body = frames[1:]
-        client = self._clients.get(identity)
-        if client is None:
-            client = self._clients[identity] = _Client(identity)
-        if not body:
-            self._send_error(identity, "empty message", ERR_BAD_REQUEST, None)
-            return
-        head = body[0].buffer
-        try:
-            message = decode_to_scheduler(head)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            code, request_id = self._diagnose(head)
-            self._send_error(identity, f"cannot decode message: {exc}", code, request_id)
-            return
-
-        if isinstance(message, Generate):
-            self._on_generate(client, message, body[1:])
-        elif isinstance(message, Abort):
-            if len(body) != 1:
-                self._send_error(identity, f"abort takes 1 frame, got {len(body)}", ERR_BAD_REQUEST, None)
-                return
-            self._on_abort(identity, message)
-        elif isinstance(message, Hello):
-            if len(body) != 1:
-                self._send_error(identity, f"hello takes 1 frame, got {len(body)}", ERR_BAD_REQUEST, None)
-                return
-            self._on_hello(client, message)
-
-    @staticmethod
-    def _diagnose(head) -> tuple[str, str | None]:
-        """Best effort for an undecodable message: its error code and request_id, if any."""
-        try:
-            raw = msgspec.msgpack.decode(head)
-        except Exception:
-            return ERR_BAD_REQUEST, None
-        if not isinstance(raw, dict):
-            return ERR_BAD_REQUEST, None
-        request_id = raw.get("request_id")
-        request_id = request_id if isinstance(request_id, str) else None
-        if raw.get("type") not in _KNOWN_TYPES:
-            return ERR_UNKNOWN_MESSAGE, request_id
-        return ERR_BAD_REQUEST, request_id
-
-    def _on_hello(self, client: _Client, hello: Hello) -> None:
-        # A Hello starts a new session for this identity: whatever it still had running
-        # belongs to a connection the front end has given up on.
-        stale = [req for req in self._requests.values() if req.identity == client.identity]
-        for req in stale:
-            self._remove(req)
-        if stale:
-            self._reschedule_prefills(asyncio.get_running_loop().time())
-            self._wake.set()
-        if hello.protocol_version != PROTOCOL_VERSION:
-            client.rejected = True
-            self._send_error(
-                client.identity,
-                f"protocol version {hello.protocol_version} is not supported; "
-                f"this scheduler speaks version {PROTOCOL_VERSION}",
-                ERR_VERSION_MISMATCH,
-                None,
-            )
-            return
-        client.rejected = False
-        log.info("front end %s (%s) connected", client.identity.hex(), hello.client_name)
-        welcome = Welcome(
+    def welcome(self) -> Welcome:
+        return Welcome(
             protocol_version=PROTOCOL_VERSION,
             scheduler_name=self.scheduler_name,
             max_running_requests=self.max_running,
             max_model_len=None,
         )
-        if self._send(client.identity, encode(welcome)):
-            self._send(client.identity, encode(Stats(num_running=self.num_running, num_waiting=self.num_waiting)))
 
-    def _on_generate(self, client: _Client, gen: Generate, extra: list) -> None:
-        identity = client.identity
-        try:
-            req = self._validate(client, gen, extra)
-        except _Rejected as exc:
-            self._send_error(identity, exc.message, exc.code, gen.request_id)
-            return
-        self._requests[req.key] = req
-        self._waiting[req.key] = req
-        self._wake.set()
+    def stats(self) -> Stats:
+        return Stats(num_running=self.num_running, num_waiting=self.num_waiting)
 
-    def _validate(self, client: _Client, gen: Generate, extra: list) -> _Request:
-        if client.rejected:
-            raise _Rejected("the handshake failed: protocol version not supported", ERR_VERSION_MISMATCH)
-        if not gen.request_id:
-            raise _Rejected("request_id must not be empty")
-        if (client.identity, gen.request_id) in self._requests:
-            raise _Rejected(f"request_id {gen.request_id!r} is already in flight", ERR_DUPLICATE)
-        if len(extra) != 1:
-            what = "is missing" if not extra else f"must be one frame, got {len(extra)} frames"
-            raise _Rejected(f"the prompt frame {what}")
-        if gen.prompt_token_count < 1:
-            raise _Rejected("prompt_token_count must be at least 1")
-        if gen.max_new_tokens < 1:
-            raise _Rejected("max_new_tokens must be at least 1")
-        sampling = gen.sampling
-        if not sampling.temperature >= 0:
-            raise _Rejected("sampling.temperature must be >= 0")
-        if not 0 < sampling.top_p <= 1:
-            raise _Rejected("sampling.top_p must be in (0, 1]")
-        if sampling.top_k < 0:
-            raise _Rejected("sampling.top_k must be >= 0 (0 disables it)")
-        if any(t < 0 or t > 0xFFFFFFFF for t in gen.stop_token_ids):
-            raise _Rejected("stop_token_ids must be uint32 values")
-        buf = extra[0].buffer
-        if len(buf) != 4 * gen.prompt_token_count:
-            raise _Rejected(
-                f"the prompt frame has {len(buf)} bytes, expected 4 * prompt_token_count = {4 * gen.prompt_token_count}"
-            )
-        prompt = frame_to_ids(buf)
-        highest = max(prompt)
-        if highest >= self.vocab_size:
-            raise _Rejected(
-                f"prompt token id {highest} is out of range for vocabulary size {self.vocab_size} "
-                "(start the simulated scheduler with --model or --vocab-size)"
-            )
-        prompt_bytes = bytes(buf)
-        return _Request(
-            identity=client.identity,
+    def has_request(self, identity: bytes, request_id: str) -> bool:
+        return (identity, request_id) in self._requests
+
+    def on_teardown(self) -> None:
+        self._requests.clear()
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._decoding.clear()
+
+    def drop_session(self, identity: bytes) -> int:
+        gone = [req for req in self._requests.values() if req.identity == identity]
+        for req in gone:
+            self._remove(req)
+        if gone:
+            self._reschedule_prefills(asyncio.get_running_loop().time())
+            self._wake_engine()
+        return len(gone)
+
+    def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
+        req = _Request(
+            identity=session.identity,
             request_id=gen.request_id,
             prompt=prompt,
             max_new_tokens=gen.max_new_tokens,
@@ -578,10 +324,13 @@ class SimulatedScheduler:
             ignore_eos=gen.ignore_eos,
             rng=_make_rng(gen, prompt_bytes),
         )
+        self._requests[req.key] = req
+        self._waiting[req.key] = req
+        self._wake_engine()
 
-    def _on_abort(self, identity: bytes, abort: Abort) -> None:
+    def abort(self, identity: bytes, request_ids: list[str]) -> None:
         finals = []
-        for request_id in abort.request_ids:
+        for request_id in request_ids:
             req = self._requests.get((identity, request_id))
             if req is None:
                 continue  # unknown or already finished: ignored
@@ -589,8 +338,12 @@ class SimulatedScheduler:
             finals.append(self._output(req, b"", FINISH_ABORT))
         if finals:
             self._reschedule_prefills(asyncio.get_running_loop().time())
+            self._wake_engine()
+            self.send(identity, encode(Outputs(outputs=finals)))
+
+    def _wake_engine(self) -> None:
+        if self._wake is not None:
             self._wake.set()
-            self._send(identity, encode(Outputs(outputs=finals)))
 
     def _remove(self, req: _Request) -> None:
         self._requests.pop(req.key, None)
@@ -694,7 +447,7 @@ class SimulatedScheduler:
             else:
                 batch.append(out)
         for identity, outputs in batches.items():
-            self._send(identity, encode(Outputs(outputs=outputs)))
+            self.send(identity, encode(Outputs(outputs=outputs)))
 
     def _next_token(self, req: _Request) -> tuple[int, str | None]:
         if self.mode == "echo":
@@ -737,16 +490,6 @@ class SimulatedScheduler:
             completion_tokens=req.generated,
         )
 
-    async def _stats_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.stats_interval_s)
-            try:
-                payload = encode(Stats(num_running=self.num_running, num_waiting=self.num_waiting))
-                for identity, client in list(self._clients.items()):
-                    if not client.rejected:
-                        self._send(identity, payload)
-            except Exception:
-                log.exception("sending stats failed")
 
 
 # --------------------------------------------------------------------------- command line
@@ -821,21 +564,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _read_curve_secret(path: str) -> bytes:
-    text = Path(path).read_text()
-    if "secret-key" in text:
-        import zmq.auth
-
-        _public, secret = zmq.auth.load_certificate(path)
-        if secret is None:
-            raise ValueError(f"{path} holds no secret key")
-        return secret
-    key = text.strip().encode()
-    if len(key) != 40:
-        raise ValueError(f"{path} must hold a 40-character Z85 CURVE secret key")
-    return key
-
-
 def _set_process_name() -> None:
     try:
         from tokenmill.procutil import die_with_supervisor, set_process_name
@@ -846,7 +574,7 @@ def _set_process_name() -> None:
 
 
 def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
-    curve = _read_curve_secret(args.curve_secret_key_file) if args.curve_secret_key_file else None
+    curve = read_curve_secret(args.curve_secret_key_file) if args.curve_secret_key_file else None
     return SimulatedScheduler(
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         inter_token_latency_s=args.inter_token_latency_ms / 1000.0,

@@ -18,4 +18,6 @@ if ! command -v systemd-analyze >/dev/null && [ "$(id -u)" = 0 ] && command -v a
     echo "scripts/test.sh: could not install systemd-analyze (see /tmp/tokenmill-apt.log)" >&2
   fi
 fi
+# tests/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install --quiet torch==2.13.0
 exec .venv/bin/python -m pytest "$@"

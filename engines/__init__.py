@@ -1,0 +1,60 @@
+"""Real inference engines behind the tokenmill scheduler protocol (docs/engines.md).
+
+``tokenmill engine --backend {transformers,sglang,vllm} --bind ENDPOINT`` runs one engine
+in its own process and serves the scheduler side of docs/scheduler-protocol.md, so that
+``tokenmill serve --scheduler ENDPOINT`` can use it exactly like the simulated scheduler.
+
+* :mod:`engines.server` — the protocol side shared by every backend (sessions, validation,
+  output batching, finish reasons, aborts, Stats) and the command line;
+* :mod:`engines.transformers_backend` — HuggingFace transformers continuous batching
+  (runs on CPU; ``--random-weights`` builds a tiny model for tests and demos);
+* :mod:`engines.sglang_backend` — ``sglang.Engine`` driven on its own event-loop thread;
+* :mod:`engines.vllm_backend` — vLLM's ``AsyncLLM``.
+
+Each backend's library is an optional extra (``pip install 'tokenmill[transformers]'``,
+``'tokenmill[sglang]'``, ``'tokenmill[vllm]'``) and is imported only when that backend is
+chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: backend name -> (module, the pip extra that installs its engine)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "transformers": ("engines.transformers_backend", "transformers"),
+    "sglang": ("engines.sglang_backend", "sglang"),
+    "vllm": ("engines.vllm_backend", "vllm"),
+}
+
+
+class MissingBackend(RuntimeError):
+    """The chosen backend's engine library is not installed."""
+
+    def __init__(self, backend: str, missing: str) -> None:
+        extra = BACKENDS[backend][1]
+        super().__init__(
+            f"the {backend} backend needs {missing}, which is not installed: pip install 'tokenmill[{extra}]'"
+        )
+        self.backend = backend
+        self.missing = missing
+
+
+def backend_module(name: str):
+    """The module implementing backend ``name`` (cheap: engine libraries load later)."""
+    try:
+        module, _extra = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+    return importlib.import_module(module)
+
+
+def require(backend: str, *modules: str) -> None:
+    """Import ``modules`` or raise :class:`MissingBackend` naming the extra to install."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != name.split(".")[0]:
+                raise  # the library is there but one of its own dependencies is broken
+            raise MissingBackend(backend, name) from exc

@@ -1,0 +1,349 @@
+"""The SGLang backend: ``sglang.Engine`` (offline engine API) fed with token IDs.
+
+The engine is created with ``skip_tokenizer_init=True`` (token IDs in, token IDs out) and
+``stream_output=True`` (each streamed chunk holds only the new tokens), and every request
+goes through ``Engine.async_generate(input_ids=..., sampling_params=..., stream=True,
+rid=...)``.
+
+**Threading.** SGLang binds its TokenizerManager to the engine's own event loop
+(``engine.loop``, created by ``Engine.__init__``): the manager's receive loop and every
+request's state live there, and the synchronous ``Engine.generate`` drives that loop with
+``run_until_complete`` — so two concurrent callers fail with "This event loop is already
+running", and a bridge that serialised calls behind a lock would run one request at a time.
+This bridge therefore runs ``engine.loop`` on ONE persistent daemon thread for the engine's
+whole lifetime and submits every call — each request's generate-and-stream coroutine,
+aborts, state queries — to that loop with ``asyncio.run_coroutine_threadsafe``. Nothing is
+serialised: all requests are in the engine together, and chunks come back to the server's
+event loop with ``call_soon_threadsafe``. ``close()`` shuts the engine down first, then
+stops the loop and joins the thread.
+
+Sampling parameters (docs/engines.md has the table): temperature (0 is greedy in SGLang),
+top_p, top_k (0 -> -1, SGLang's "disabled"), presence/frequency penalties and
+``max_new_tokens`` map one to one. ``stop_token_ids`` become SGLang's ``stop_token_ids``.
+SGLang's ``ignore_eos`` also disables ``stop_token_ids``, so with ``ignore_eos`` the bridge
+sends ``ignore_eos=True`` and enforces the request's stop token IDs itself (the engine
+server ends the request with "stop" and aborts it inside SGLang). ``seed`` with a
+temperature above 0 becomes ``sampling_seed``, which SGLang honours only when started with
+``--engine-arg enable_deterministic_inference=true``; otherwise such a request is rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engines import require
+from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from scheduler_client.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
+from scheduler_client.scheduler_server import Rejected
+
+log = logging.getLogger("tokenmill.engine.sglang")
+
+_QUERY_TIMEOUT_S = 30.0
+
+
+def parse_engine_args(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> keyword arguments; values are JSON when they parse as JSON, else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+class SGLangBackend(Backend):
+    """``sglang.Engine`` on its own event-loop thread."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        engine_factory: Callable[..., Any] | None = None,
+        label: str | None = None,
+    ) -> None:
+        kwargs = dict(engine_kwargs or {})
+        if kwargs.get("skip_tokenizer_init") is False:
+            raise ValueError("the sglang backend feeds token IDs: skip_tokenizer_init must stay true")
+        kwargs["skip_tokenizer_init"] = True
+        kwargs["stream_output"] = True
+        self.engine_kwargs = kwargs
+        self._factory = engine_factory
+        self.label = label or str(kwargs.get("model_path") or "model")
+        self.engine: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._info: EngineInfo | None = None
+        self._deterministic = False
+        self._running: dict[str, concurrent.futures.Future] = {}  # rid -> its pump on the engine loop
+        self._aborting: set[str] = set()
+        self._peak = 0
+        self._cancelled = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SGLangBackend:
+        if not args.model:
+            raise ValueError("the sglang backend needs --model (a HuggingFace directory or hub name)")
+        kwargs: dict[str, Any] = {"model_path": args.model}
+        if args.max_model_len is not None:
+            kwargs["context_length"] = args.max_model_len
+        if args.max_running is not None:
+            kwargs["max_running_requests"] = args.max_running
+        if args.dtype != "auto":
+            kwargs["dtype"] = args.dtype
+        kwargs.update(parse_engine_args(args.engine_arg))
+        return cls(engine_kwargs=kwargs, label=args.model)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def prepare(self) -> None:
+        factory = self._factory
+        if factory is None:
+            require("sglang", "sglang")
+            import sglang
+
+            factory = sglang.Engine
+        # On the main thread, outside any running loop: Engine.__init__ launches its
+        # processes (and may install signal handlers) and creates engine.loop.
+        self.engine = factory(**self.engine_kwargs)
+        loop = getattr(self.engine, "loop", None)
+        if loop is None:
+            raise RuntimeError("this sglang.Engine has no event loop (engine.loop)")
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run_loop, name="sglang-loop", daemon=True)
+        self._thread.start()
+        server_args = getattr(self.engine, "server_args", None)
+        self._deterministic = bool(getattr(server_args, "enable_deterministic_inference", False))
+        try:
+            max_model_len, vocab_size, max_running = self._call(self._query_capacity()).result(_QUERY_TIMEOUT_S)
+        except BaseException:
+            self.engine.shutdown()
+            loop.call_soon_threadsafe(loop.stop)
+            raise
+        self._info = EngineInfo(
+            name=f"sglang:{self.label}",
+            vocab_size=vocab_size,
+            max_running_requests=max_running,
+            max_model_len=max_model_len,
+        )
+        log.info(
+            "sglang engine ready: max_model_len %s, vocab %s, max_running %s", max_model_len, vocab_size, max_running
+        )
+
+    def _run_loop(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            asyncio.set_event_loop(None)
+
+    def _call(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the engine's loop thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _query_capacity(self) -> tuple[int | None, int | None, int | None]:
+        """A state query, on the engine loop: context length, vocabulary, running-request limit."""
+        engine = self.engine
+        manager = getattr(engine, "tokenizer_manager", None)
+        server_args = getattr(engine, "server_args", None)
+        max_model_len = getattr(manager, "context_len", None) or getattr(server_args, "context_length", None)
+        vocab_size = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+        max_running = None
+        try:
+            states = await asyncio.wait_for(manager.get_internal_state(), 10.0)
+            if states:
+                max_running = states[0].get("max_running_requests")
+        except Exception as exc:  # optional: older versions, or a busy engine
+            log.debug("get_internal_state failed: %r", exc)
+        if max_running is None:
+            max_running = getattr(server_args, "max_running_requests", None)
+        return max_model_len, vocab_size, max_running
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("prepare() has not run")
+        return self._info
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self._thread is not None and not self._thread.is_alive():
+                log.error("the sglang event-loop thread has stopped")
+                return
+
+    async def close(self) -> None:
+        """Shut the engine down, then stop its loop thread."""
+        for future in list(self._running.values()):
+            future.cancel()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            await asyncio.to_thread(thread.join, 30)
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, gen: Generate) -> None:
+        s = gen.sampling
+        if s.seed is not None and s.temperature > 0:
+            if not self._deterministic:
+                raise Rejected(
+                    "this SGLang engine cannot seed a request: start it with "
+                    "--engine-arg enable_deterministic_inference=true, or leave seed unset"
+                )
+            if not -(2**63) <= s.seed < 2**63:
+                raise Rejected("seed must fit in a signed 64-bit integer for SGLang")
+
+    @staticmethod
+    def sampling_params(request: EngineRequest) -> dict[str, Any]:
+        s = request.sampling
+        params: dict[str, Any] = {
+            "max_new_tokens": request.max_new_tokens,
+            "temperature": float(s.temperature),
+            "top_p": float(s.top_p),
+            "top_k": int(s.top_k) if s.top_k > 0 else -1,
+            "presence_penalty": float(s.presence_penalty),
+            "frequency_penalty": float(s.frequency_penalty),
+        }
+        if request.ignore_eos:
+            params["ignore_eos"] = True  # SGLang then ignores stop_token_ids too: the server enforces them
+        elif request.stop_token_ids:
+            params["stop_token_ids"] = list(request.stop_token_ids)
+        if s.seed is not None and s.temperature > 0:
+            params["sampling_seed"] = int(s.seed)
+        return params
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        rid = request.rid
+        here = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        def emit(item) -> None:  # called on the engine loop thread
+            here.call_soon_threadsafe(chunks.put_nowait, item)
+
+        self._running[rid] = self._call(self._pump(request, emit))
+        self._peak = max(self._peak, len(self._running))
+        finished = False
+        try:
+            while True:
+                kind, payload = await chunks.get()
+                if kind == "chunk":
+                    finished = payload.finish is not None
+                    yield payload
+                    if finished:
+                        return
+                elif kind == "reject":
+                    finished = True
+                    raise EngineRejected(payload)
+                else:  # "error"
+                    finished = True
+                    yield Chunk(finish=FINISH_ERROR, error=payload)
+                    return
+        finally:
+            if not finished:
+                await self.abort(rid)
+            self._running.pop(rid, None)
+            self._aborting.discard(rid)
+
+    async def _pump(self, request: EngineRequest, emit: Callable[[tuple[str, Any]], None]) -> None:
+        """On the engine loop: run one request and hand its chunks over."""
+        sent = 0
+        try:
+            stream = await self.engine.async_generate(
+                input_ids=request.prompt,
+                sampling_params=self.sampling_params(request),
+                stream=True,
+                rid=request.rid,
+            )
+            async for out in stream:
+                chunk, sent = _to_chunk(out, sent)
+                emit(("chunk", chunk))
+                if chunk.finish is not None:
+                    return
+            emit(("error", "SGLang ended the request without a finish reason"))
+        except asyncio.CancelledError:
+            raise
+        except ValueError as exc:  # SGLang's request validation (length, parameters)
+            emit(("reject", str(exc)) if sent == 0 else ("error", str(exc)))
+        except Exception as exc:
+            emit(("error", f"{type(exc).__name__}: {exc}"))
+
+    async def abort(self, rid: str) -> None:
+        pump = self._running.get(rid)
+        if pump is None or rid in self._aborting:
+            return  # unknown, finished, or already being aborted
+        self._aborting.add(rid)
+        try:
+            await asyncio.wrap_future(self._call(self._abort_on_loop(rid)))
+        finally:
+            pump.cancel()  # the pump on the engine loop stops streaming
+        self._cancelled += 1
+
+    async def _abort_on_loop(self, rid: str) -> None:
+        self.engine.tokenizer_manager.abort_request(rid=rid)
+
+    def load(self) -> EngineLoad:
+        running = len(self._running)
+        self._peak = max(self._peak, running)
+        return EngineLoad(num_running=running, num_waiting=0, peak_running=self._peak, cancelled_total=self._cancelled)
+
+
+def _to_chunk(out: dict, sent: int) -> tuple[Chunk, int]:
+    """One SGLang output dict -> a Chunk of new tokens; ``sent`` counts tokens handed over so far."""
+    ids = list(out.get("output_ids") or [])
+    meta = out.get("meta_info") or {}
+    completion = meta.get("completion_tokens")
+    if isinstance(completion, int) and len(ids) > completion - sent >= 0:
+        ids = ids[len(ids) - (completion - sent) :]  # a cumulative (not incremental) output
+    reason = meta.get("finish_reason")
+    finish = error = None
+    if reason is not None:
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        if kind == "stop":
+            finish = FINISH_STOP
+            matched = reason.get("matched") if isinstance(reason, dict) else None
+            if isinstance(matched, int) and (not ids or ids[-1] != matched):
+                ids.append(matched)  # SGLang matched a stop token but trimmed it from the output
+        elif kind == "length":
+            finish = FINISH_LENGTH
+        elif kind == "abort":
+            finish = FINISH_ABORT
+            error = reason.get("message") if isinstance(reason, dict) else None
+        else:
+            finish, error = FINISH_ERROR, f"SGLang finished the request with {reason!r}"
+    cached = meta.get("cached_tokens")
+    return Chunk(ids, finish, error, cached if isinstance(cached, int) else None), sent + len(ids)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def from_args(args: argparse.Namespace) -> SGLangBackend:
+    """The backend ``tokenmill engine --backend ...`` asked for."""
+    return SGLangBackend.from_args(args)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """SGLang takes its options through the shared --model, --max-model-len, --max-running, --dtype
+    and --engine-arg KEY=VALUE (any ``sglang.Engine`` / ServerArgs keyword)."""
+    group.description = (
+        "--model, --max-model-len (context_length), --max-running (max_running_requests), --dtype, and "
+        "--engine-arg KEY=VALUE for any other sglang.Engine keyword, e.g. tp_size=2, mem_fraction_static=0.85"
+    )
+
+
+__all__ = ["from_args", "SGLangBackend", "parse_engine_args", "add_arguments"]

@@ -1,0 +1,763 @@
+"""The SGLang and vLLM bridges (engines/sglang_backend.py, engines/vllm_backend.py) and the shared
+engine server (engines/server.py), against fakes that keep the real engines' contracts.
+Neither SGLang nor vLLM needs to be installed.
+
+* FakeSGLangEngine behaves like ``sglang.Engine``: its constructor makes ``engine.loop`` (the
+  loop its tokenizer manager is bound to), its synchronous ``generate`` drives that loop with
+  ``run_until_complete`` (so it fails with "This event loop is already running" once the loop
+  runs elsewhere), ``async_generate`` and ``tokenizer_manager.abort_request`` refuse to run
+  anywhere but on that loop, and ``async_generate`` returns only once 8 requests are in flight
+  together — a bridge that serialised requests would time out.
+* FakeAsyncLLM behaves like vLLM's ``AsyncLLM``: ``generate`` is an async generator of DELTA
+  outputs, ``abort(request_id)`` ends a request with finish_reason "abort", closing or
+  cancelling the generator aborts the request (as AsyncLLM does), and request validation
+  errors are raised from the generator before its first output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engines import MissingBackend, backend_module
+from conftest import ROOT
+from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
+from engines.sglang_backend import SGLangBackend, parse_engine_args
+from engines.vllm_backend import VLLMBackend
+from scheduler_client.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Generate,
+    Hello,
+    Outputs,
+    SamplingParams,
+    Stats,
+    Welcome,
+    decode_from_scheduler,
+    encode,
+    frame_to_ids,
+    ids_to_frame,
+)
+from scheduler_client.scheduler_server import Rejected
+
+WAIT = 10.0
+IN_FLIGHT_GOAL = 8
+
+
+def next_token(prompt: list[int], generated: list[int]) -> int:
+    """The fakes' "model": deterministic tokens from the prompt."""
+    return (sum(prompt) * 31 + 7 * len(generated) + 3) % 1000 + 10
+
+
+# ---------------------------------------------------------------------------- fake SGLang
+
+
+class FakeTokenizerManager:
+    def __init__(self, engine: FakeSGLangEngine) -> None:
+        self.engine = engine
+        self.context_len = 1024
+        self.model_config = SimpleNamespace(vocab_size=5000)
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self.engine.on_engine_loop("abort_request")
+        self.engine.aborted.append(rid)
+        self.engine.abort_events.setdefault(rid, asyncio.Event()).set()
+
+    async def get_internal_state(self) -> list[dict]:
+        self.engine.on_engine_loop("get_internal_state")
+        return [{"max_running_requests": 48}]
+
+
+class FakeSGLangEngine:
+    """sglang.Engine's threading contract, with a toy model."""
+
+    def __init__(self, in_flight_goal: int = IN_FLIGHT_GOAL, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.in_flight_goal = in_flight_goal
+        try:  # as Engine.__init__: the running loop, else a new one for this engine
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = FakeTokenizerManager(self)
+        self.server_args = SimpleNamespace(
+            enable_deterministic_inference=kwargs.get("enable_deterministic_inference", False),
+            max_running_requests=None,
+            context_length=None,
+        )
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.abort_events: dict[str, asyncio.Event] = {}
+        self.violations: list[str] = []
+        self.shutdown_while_loop_ran: bool | None = None
+        self._all_in: asyncio.Event | None = None
+
+    def on_engine_loop(self, what: str) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self.loop:
+            self.violations.append(what)
+            raise RuntimeError(f"{what} called outside the engine's event loop")
+
+    def generate(self, input_ids=None, sampling_params=None, stream=False, rid=None):
+        """The synchronous API: drives the engine's loop itself, like sglang.Engine.generate."""
+        call = self.async_generate(input_ids, sampling_params, stream=False, rid=rid)
+        try:
+            return self.loop.run_until_complete(call)
+        finally:
+            call.close()
+
+    async def async_generate(self, input_ids=None, sampling_params=None, stream=False, rid=None):
+        self.on_engine_loop("async_generate")
+        assert stream is True, "the bridge streams"
+        if len(input_ids) > 100:
+            raise ValueError(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length (100 tokens)."
+            )
+        self.requests[rid] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params)}
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if self._all_in is None:
+            self._all_in = asyncio.Event()
+        if self.in_flight >= self.in_flight_goal:
+            self._all_in.set()
+        try:  # only once enough requests are in the engine together
+            await asyncio.wait_for(self._all_in.wait(), 5.0)
+        except TimeoutError:
+            self.in_flight -= 1
+            raise RuntimeError(
+                f"only {self.in_flight + 1} request(s) in flight: the bridge serialises requests"
+            ) from None
+        return self._stream(rid, list(input_ids), dict(sampling_params))
+
+    async def _stream(self, rid, prompt, params):
+        try:
+            generated: list[int] = []
+            stop = set(params.get("stop_token_ids") or [])
+            ignore_eos = params.get("ignore_eos", False)
+            aborted = self.abort_events.setdefault(rid, asyncio.Event())
+            while True:
+                self.on_engine_loop("streaming")
+                try:
+                    await asyncio.wait_for(aborted.wait(), 0.002)
+                except TimeoutError:
+                    pass
+                meta = {"prompt_tokens": len(prompt), "cached_tokens": 0}
+                if aborted.is_set():
+                    meta.update(
+                        completion_tokens=len(generated),
+                        finish_reason={"type": "abort", "message": "Abort in waiting queue"},
+                    )
+                    yield {"output_ids": [], "meta_info": meta}
+                    return
+                token = params.get("force_tokens", {}).get(len(generated)) or next_token(prompt, generated)
+                generated.append(token)
+                meta["completion_tokens"] = len(generated)
+                reason = None
+                if not ignore_eos and token in stop:  # SGLang's ignore_eos switches stop_token_ids off too
+                    reason = {"type": "stop", "matched": token}
+                elif len(generated) >= params["max_new_tokens"]:
+                    reason = {"type": "length", "length": len(generated)}
+                meta["finish_reason"] = reason
+                yield {"output_ids": [token], "meta_info": meta}  # stream_output=True: new tokens only
+                if reason:
+                    return
+        finally:
+            self.in_flight -= 1
+
+    def shutdown(self) -> None:
+        self.shutdown_while_loop_ran = self.loop.is_running()
+
+
+def sglang_backend(**engine_kwargs) -> tuple[SGLangBackend, FakeSGLangEngine]:
+    made: list[FakeSGLangEngine] = []
+
+    def factory(**kwargs):
+        made.append(FakeSGLangEngine(**kwargs))
+        return made[0]
+
+    backend = SGLangBackend(engine_kwargs={"model_path": "fake/model", **engine_kwargs}, engine_factory=factory)
+    backend.prepare()  # on this (main) thread, outside any running loop, as `tokenmill engine` does
+    return backend, made[0]
+
+
+def request(rid: str, prompt=(1, 2, 3), n: int = 5, stop=(), ignore_eos: bool = False, **sampling) -> EngineRequest:
+    return EngineRequest(
+        rid=rid, prompt=list(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
+        stop_token_ids=list(stop), ignore_eos=ignore_eos,
+    )  # fmt: skip
+
+
+async def collect(stream) -> tuple[list[int], str | None, str | None]:
+    tokens, finish, error = [], None, None
+    async for chunk in stream:
+        tokens += list(chunk.token_ids)
+        finish, error = chunk.finish, chunk.error
+    return tokens, finish, error
+
+
+def expected_tokens(prompt, n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(list(prompt), out))
+    return out
+
+
+# ---------------------------------------------------------------------------- SGLang bridge
+
+
+def test_sglang_requests_run_concurrently_on_the_engine_loop():
+    backend, engine = sglang_backend()
+    try:
+        assert engine.kwargs["skip_tokenizer_init"] is True and engine.kwargs["stream_output"] is True
+        info = backend.info()
+        assert (info.max_model_len, info.vocab_size, info.max_running_requests) == (1024, 5000, 48)
+        assert info.name == "sglang:fake/model"
+
+        async def main():
+            prompts = [(i, i + 1, i + 2) for i in range(IN_FLIGHT_GOAL)]
+            results = await asyncio.wait_for(
+                asyncio.gather(*(collect(backend.generate(request(f"r{i}", p, n=6))) for i, p in enumerate(prompts))),
+                WAIT,
+            )
+            for p, (tokens, finish, _) in zip(prompts, results, strict=True):
+                assert (tokens, finish) == (expected_tokens(p, 6), "length")
+            assert backend.load().peak_running == IN_FLIGHT_GOAL
+
+        asyncio.run(main())
+        assert engine.max_in_flight == IN_FLIGHT_GOAL
+        assert engine.violations == []
+        # why the bridge needs its own thread: the engine's loop is busy there, so the
+        # synchronous API fails exactly as sglang.Engine.generate does for a second caller
+        with pytest.raises(RuntimeError, match="already running"):
+            engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}, rid="sync")
+    finally:
+        asyncio.run(backend.close())
+    assert engine.shutdown_while_loop_ran is True  # the engine first ...
+    assert not backend._thread.is_alive()  # ... then the loop thread
+
+
+def test_sglang_abort_cancels_inside_the_engine():
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    try:
+
+        async def main():
+            stream = backend.generate(request("long", n=10_000))
+            got = []
+            async for chunk in stream:
+                got += chunk.token_ids
+                if len(got) >= 3:
+                    break
+            await backend.abort("long")
+            assert engine.aborted == ["long"]
+            await stream.aclose()
+            assert backend.load().cancelled_total == 1
+            await backend.abort("long")  # idempotent, and unknown IDs are ignored
+            await backend.abort("never-was")
+            assert engine.aborted == ["long"]
+
+            # closing the stream early aborts the request too
+            early = backend.generate(request("early", n=10_000))
+            await early.__anext__()
+            await early.aclose()
+            assert engine.aborted == ["long", "early"]
+            assert backend.load().num_running == 0
+
+        asyncio.run(main())
+        assert engine.violations == []
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_sglang_sampling_params_and_seed():
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    try:
+        greedy = SGLangBackend.sampling_params(request("g", n=9, stop=(5, 6), temperature=0.0, top_k=0))
+        assert greedy == {
+            "max_new_tokens": 9, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop_token_ids": [5, 6],
+        }  # fmt: skip
+        sampled = SGLangBackend.sampling_params(
+            request("s", stop=(5,), ignore_eos=True, temperature=0.7, top_p=0.9, top_k=40, presence_penalty=0.5)
+        )
+        assert sampled["ignore_eos"] is True and "stop_token_ids" not in sampled
+        assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["presence_penalty"]) == (
+            0.7,
+            0.9,
+            40,
+            0.5,
+        )
+
+        def gen(**sampling):
+            return Generate(request_id="x", prompt_token_count=1, max_new_tokens=1, sampling=SamplingParams(**sampling))
+
+        with pytest.raises(Rejected, match="enable_deterministic_inference"):
+            backend.check(gen(temperature=0.5, seed=3))
+        backend.check(gen(temperature=0.0, seed=3))  # greedy needs no seed
+    finally:
+        asyncio.run(backend.close())
+
+    seeded, _ = sglang_backend(enable_deterministic_inference=True)
+    try:
+        seeded.check(
+            Generate(
+                request_id="x", prompt_token_count=1, max_new_tokens=1, sampling=SamplingParams(temperature=0.5, seed=3)
+            )
+        )
+        assert SGLangBackend.sampling_params(request("s", temperature=0.5, seed=3))["sampling_seed"] == 3
+    finally:
+        asyncio.run(seeded.close())
+
+
+def test_sglang_validation_error_is_a_rejection():
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    try:
+
+        async def main():
+            with pytest.raises(EngineRejected, match="longer than the model's context length"):
+                await collect(backend.generate(request("big", prompt=range(101))))
+
+        asyncio.run(main())
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_parse_engine_args():
+    assert parse_engine_args(["tp_size=2", "mem-fraction-static=0.85", "attention_backend=triton", "x=true"]) == {
+        "tp_size": 2, "mem_fraction_static": 0.85, "attention_backend": "triton", "x": True,
+    }  # fmt: skip
+    with pytest.raises(ValueError):
+        parse_engine_args(["no-equals-sign"])
+
+
+# ---------------------------------------------------------------------------- fake vLLM
+
+
+class FakeAsyncLLM:
+    """vLLM's AsyncLLM contract: generate() is an async generator of DELTA outputs; abort()."""
+
+    def __init__(self) -> None:
+        model_config = SimpleNamespace(max_model_len=2048, get_vocab_size=lambda: 6000)
+        self.vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=32))
+        self.model_config = model_config
+        self.errored = False
+        self.aborted: list[tuple[str, bool]] = []
+        self.params: dict[str, dict] = {}
+        self._abort: dict[str, asyncio.Event] = {}
+        self.shut_down = False
+
+    async def generate(self, prompt, sampling_params, request_id):
+        assert set(prompt) == {"prompt_token_ids"}
+        ids = list(prompt["prompt_token_ids"])
+        params = sampling_params
+        assert params["detokenize"] is False and params["output_kind"] == "DELTA"
+        if len(ids) > 100:  # vLLM validates in add_request, i.e. at the first __anext__
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum number of tokens per batch"
+            )
+        self.params[request_id] = params
+        aborted = self._abort.setdefault(request_id, asyncio.Event())
+        generated: list[int] = []
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(aborted.wait(), 0.002)
+                except TimeoutError:
+                    pass
+                if aborted.is_set():
+                    yield _out([], "abort")
+                    return
+                token = next_token(ids, generated)
+                generated.append(token)
+                if not params["ignore_eos"] and token == 999:
+                    reason = "stop"
+                elif token in params["stop_token_ids"]:
+                    reason = "stop"
+                elif len(generated) >= params["max_tokens"]:
+                    reason = "length"
+                else:
+                    reason = None
+                yield _out([token], reason)
+                if reason:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.abort(request_id, internal=True)  # as AsyncLLM.generate does
+            raise
+
+    async def abort(self, request_id, internal: bool = False) -> None:
+        self.aborted.append((request_id, internal))
+        self._abort.setdefault(request_id, asyncio.Event()).set()
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def _out(tokens: list[int], reason: str | None):
+    completion = SimpleNamespace(token_ids=tokens, finish_reason=reason, stop_reason=None)
+    return SimpleNamespace(outputs=[completion], finished=reason is not None, num_cached_tokens=0)
+
+
+def vllm_backend() -> tuple[VLLMBackend, FakeAsyncLLM]:
+    engine = FakeAsyncLLM()
+    backend = VLLMBackend(
+        engine=engine,
+        engine_args={"model": "fake/model"},
+        make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"},
+    )
+    backend.prepare()
+    return backend, engine
+
+
+def test_vllm_tokens_finish_reasons_and_params():
+    backend, engine = vllm_backend()
+    info = backend.info()
+    assert (info.max_model_len, info.vocab_size, info.max_running_requests) == (2048, 6000, 32)
+    assert backend.engine_args["skip_tokenizer_init"] is True
+
+    async def main():
+        prompt = (4, 5, 6)
+        full = expected_tokens(prompt, 8)
+        tokens, finish, _ = await collect(backend.generate(request("a", prompt, n=8, temperature=0.0)))
+        assert (tokens, finish) == (full, "length")
+        tokens, finish, _ = await collect(backend.generate(request("b", prompt, n=8, stop=(full[3],), temperature=0.0)))
+        assert (tokens, finish) == (full[:4], "stop")  # the stop token included
+        params = engine.params["b"]
+        assert params["ignore_eos"] is True and params["stop_token_ids"] == [full[3]]
+        assert (params["temperature"], params["top_k"], params["max_tokens"], params["n"]) == (0.0, -1, 8, 1)
+        await collect(backend.generate(request("c", prompt, n=3, temperature=0.8, top_k=20, top_p=0.5, seed=42,
+                                               presence_penalty=0.1, frequency_penalty=-0.2)))  # fmt: skip
+        params = engine.params["c"]
+        assert (params["seed"], params["top_k"], params["top_p"], params["presence_penalty"], params["frequency_penalty"]) == (
+            42, 20, 0.5, 0.1, -0.2)  # fmt: skip
+
+    asyncio.run(main())
+    asyncio.run(backend.close())
+    assert engine.shut_down
+
+
+def test_vllm_abort_and_early_close():
+    backend, engine = vllm_backend()
+
+    async def main():
+        stream = backend.generate(request("long", n=10_000))
+        await stream.__anext__()
+        await backend.abort("long")
+        rest = [chunk async for chunk in stream]
+        assert rest[-1].finish == "abort"
+        assert engine.aborted[0] == ("long", False)
+        assert backend.load().cancelled_total == 1
+        await backend.abort("long")  # finished: ignored
+        assert backend.load().cancelled_total == 1
+
+        early = backend.generate(request("early", n=10_000))
+        await early.__anext__()
+        await early.aclose()  # AsyncLLM aborts a request whose generator is closed
+        assert ("early", True) in engine.aborted
+        assert backend.load().num_running == 0
+
+    asyncio.run(main())
+
+
+def test_vllm_validation_error_is_a_rejection():
+    backend, _ = vllm_backend()
+
+    async def main():
+        with pytest.raises(EngineRejected, match="longer than"):
+            await collect(backend.generate(request("big", prompt=range(101))))
+        assert backend.load().num_running == 0
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- the engine server
+
+
+class Frontend:
+    """A DEALER talking the protocol to an in-process EngineServer."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def hello(self) -> Welcome:
+        await self.sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))
+        return await self.recv(Welcome)
+
+    async def recv(self, kind=None):
+        while True:
+            message = decode_from_scheduler(await asyncio.wait_for(self.sock.recv(), WAIT))
+            if kind is None and not isinstance(message, Stats) or kind is not None and isinstance(message, kind):
+                return message
+
+    async def generate(self, rid: str, prompt, n: int, stop=(), ignore_eos=False, **sampling) -> None:
+        message = Generate(
+            request_id=rid, prompt_token_count=len(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
+            stop_token_ids=list(stop), ignore_eos=ignore_eos,
+        )  # fmt: skip
+        await self.sock.send_multipart([encode(message), ids_to_frame(list(prompt))])
+
+    async def results(self, rids) -> dict[str, tuple[list[int], str, object]]:
+        tokens = {rid: [] for rid in rids}
+        done: dict[str, tuple] = {}
+        while len(done) < len(rids):
+            message = await self.recv()
+            if isinstance(message, Error):
+                done[message.request_id] = ([], "rejected", message)
+                continue
+            assert isinstance(message, Outputs), message
+            for out in message.outputs:
+                tokens[out.request_id] += frame_to_ids(out.token_ids)
+                assert out.completion_tokens == len(tokens[out.request_id])
+                if out.finish_reason:
+                    done[out.request_id] = (tokens[out.request_id], out.finish_reason, out)
+        return done
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def serving(backend):
+    server = EngineServer(backend, stats_interval_s=0.05)
+    task = asyncio.create_task(server.serve("tcp://127.0.0.1:0"))
+    endpoint = await asyncio.wait_for(server.wait_ready(), WAIT)
+    return server, task, endpoint
+
+
+async def stop_serving(server, task) -> None:
+    await asyncio.wait_for(server.close(), WAIT)
+    await asyncio.wait_for(task, WAIT)
+
+
+def test_engine_server_with_sglang_end_to_end():
+    """The protocol through the SGLang bridge: 8 requests together, enforced stop IDs, aborts, errors."""
+    backend, engine = sglang_backend()
+
+    async def main():
+        await backend.start()
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert (welcome.scheduler_name, welcome.max_model_len, welcome.max_running_requests) == (
+                "sglang:fake/model",
+                1024,
+                48,
+            )
+            prompts = {f"r{i}": (i, 2 * i, 3) for i in range(IN_FLIGHT_GOAL)}
+            stop_at = expected_tokens(prompts["r1"], 6)[2]
+            for rid, prompt in prompts.items():
+                if rid == "r1":  # ignore_eos: SGLang would not stop; the server must, at the stop ID
+                    await fe.generate(rid, prompt, 6, stop=(stop_at,), ignore_eos=True)
+                else:
+                    await fe.generate(rid, prompt, 6, temperature=0.0)
+            done = await fe.results(list(prompts))
+            for rid, prompt in prompts.items():
+                tokens, reason, out = done[rid]
+                if rid == "r1":
+                    assert (tokens, reason) == (expected_tokens(prompt, 3), "stop")
+                else:
+                    assert (tokens, reason) == (expected_tokens(prompt, 6), "length")
+                assert out.prompt_tokens == 3
+            assert engine.max_in_flight == IN_FLIGHT_GOAL
+            for _ in range(100):  # the engine-side abort of r1 lands shortly after its final output
+                if engine.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            (r1_rid,) = [rid for rid, r in engine.requests.items() if r["input_ids"] == list(prompts["r1"])]
+            assert engine.aborted == [r1_rid]  # only r1 went on in the engine after its final output
+            assert engine.requests[r1_rid]["sampling_params"]["ignore_eos"] is True
+
+            # an abort from the front end stops the request inside the engine at once
+            engine.in_flight_goal = 1
+            await fe.generate("long", (9, 9), 100_000)
+            first = await fe.recv(Outputs)
+            assert first.outputs[0].request_id == "long" and first.outputs[0].finish_reason is None
+            await fe.sock.send(encode(Abort(request_ids=["long", "unknown"])))
+            got = first.outputs[0].completion_tokens
+            while True:
+                message = await fe.recv(Outputs)
+                final = [o for o in message.outputs if o.finish_reason]
+                got += sum(len(o.token_ids) // 4 for o in message.outputs)
+                if final:
+                    assert final[0].finish_reason == "abort" and final[0].completion_tokens == got
+                    break
+            stats = await fe.recv(Stats)
+            while stats.cancelled_total < 2 or stats.num_running:
+                stats = await fe.recv(Stats)
+            assert stats.peak_running >= IN_FLIGHT_GOAL
+
+            # an engine-side validation error is a protocol error carrying the request_id
+            await fe.generate("big", list(range(1, 102)), 4)
+            error = await fe.recv()
+            assert isinstance(error, Error) and error.request_id == "big" and "context length" in error.message
+            # a prompt token outside the engine's vocabulary never reaches it
+            await fe.generate("oov", (1, 5000), 4)
+            error = await fe.recv()
+            assert isinstance(error, Error) and error.request_id == "oov" and "vocabulary size 5000" in error.message
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+            await backend.close()
+        assert engine.violations == []
+
+    asyncio.run(main())
+
+
+class ScriptedBackend(Backend):
+    """A backend whose chunks the test scripts; records aborts and closed streams."""
+
+    name = "scripted"
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.aborted: list[str] = []
+        self.closed_streams: list[str] = []
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(name="scripted", vocab_size=100, max_running_requests=4, max_model_len=50)
+
+    async def generate(self, request: EngineRequest):
+        try:
+            async for chunk in self.script(request):
+                yield chunk
+        finally:
+            self.closed_streams.append(request.rid)
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_running=0)
+
+
+def test_engine_server_finish_rules_and_failures():
+    async def script(req: EngineRequest):
+        kind = req.prompt[0]
+        if kind == 1:  # an engine that ignores max_new_tokens and stops only when told
+            for t in range(10, 90):
+                yield Chunk([t, t])
+        elif kind == 2:  # fails after some tokens
+            yield Chunk([11])
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        elif kind == 3:  # ends without a finish reason
+            yield Chunk([12])
+        elif kind == 4:  # the engine's own stop, reported with the stop token
+            yield Chunk([13, 14], "stop")
+        elif kind == 5:  # the engine gives up on the request before any token
+            yield Chunk([], "abort", "out of KV cache")
+        elif kind == 6:  # the engine reports an error
+            yield Chunk([15], "error", "NaN in logits")
+        await asyncio.sleep(0)
+
+    backend = ScriptedBackend(script)
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert welcome.max_model_len == 50 and welcome.max_running_requests == 4
+            await fe.generate("len", (1,), 5)
+            await fe.generate("stop", (1, 1), 100, stop=(21,))
+            await fe.generate("clamped", (1, 1, 1), 100)  # max_model_len 50: 47 tokens at most
+            await fe.generate("fail", (2,), 5)
+            await fe.generate("noend", (3,), 5)
+            await fe.generate("own-stop", (4,), 5, stop=(99,))
+            await fe.generate("gave-up", (5,), 5)
+            await fe.generate("err", (6,), 5)
+            await fe.generate("too-long", tuple([1] * 50), 5)
+            done = await fe.results(
+                ["len", "stop", "clamped", "fail", "noend", "own-stop", "gave-up", "err", "too-long"]
+            )
+            assert done["len"][:2] == ([10, 10, 11, 11, 12], "length")
+            assert done["stop"][:2] == (
+                [10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15, 16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21],
+                "stop",
+            )
+            assert len(done["clamped"][0]) == 47 and done["clamped"][1] == "length"
+            assert (
+                done["fail"][0] == [11] and done["fail"][1] == "error" and "device-side assert" in done["fail"][2].error
+            )
+            assert done["noend"][1] == "error" and "without a finish reason" in done["noend"][2].error
+            assert done["own-stop"][:2] == ([13, 14], "stop")
+            assert done["gave-up"][1] == "rejected" and done["gave-up"][2].message == "out of KV cache"
+            assert done["err"][:2] == ([15], "error") and done["err"][2].error == "NaN in logits"
+            assert done["too-long"][1] == "rejected" and "at most 50 tokens" in done["too-long"][2].message
+            # requests the server ended while the engine went on were aborted inside it
+            for _ in range(200):
+                if len(backend.aborted) >= 3 and len(backend.closed_streams) >= 8:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(backend.aborted) == 3
+            assert len(backend.closed_streams) == 8  # every stream was closed
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_a_vanished_front_end_frees_its_requests_in_the_engine():
+    backend, engine = vllm_backend()
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            await fe.hello()
+            await fe.generate("a", (1, 2), 100_000)
+            await fe.recv(Outputs)
+            await fe.sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))  # a new session: "a" is stale
+            await fe.recv(Welcome)
+            for _ in range(200):
+                if engine.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            assert [rid for rid, _ in engine.aborted] == [next(iter(engine.params))]
+            assert backend.load().num_running == 0
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_missing_backend_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # "not installed", even where it is
+    backend = SGLangBackend(engine_kwargs={"model_path": "x"})
+    with pytest.raises(MissingBackend, match=r"pip install 'tokenmill\[sglang\]'"):
+        backend.prepare()
+    with pytest.raises(ValueError, match="unknown backend"):
+        backend_module("tensorrt")
+
+
+def test_engine_command_reports_a_missing_backend(tmp_path):
+    """`tokenmill engine --backend vllm` without vLLM: exit 2 and a line naming the extra."""
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", "x", "--bind", f"ipc://{tmp_path}/e.sock"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'tokenmill[vllm]'" in proc.stderr
