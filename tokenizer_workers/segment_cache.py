@@ -130,7 +130,25 @@ class SegmentEncoder:
         if not plain:
             return None
         plain.sort(key=len, reverse=True)  # longest first, like the added-token matcher
+        self.longest_token = len(plain[0])
         return re.compile("|".join(map(re.escape, plain)))
+
+    def _added_tokens(self, text: str, window: int = 1 << 15):
+        """Matches of added tokens, leftmost-longest, scanned window by window.
+
+        One regex call over a megabyte holds the GIL for tens of milliseconds, and the worker's
+        IO thread (which detokenizes running streams) needs it; windows keep each hold short.
+        """
+        pos, n, overlap = 0, len(text), self.longest_token
+        search = self.splitter.search
+        while pos < n:
+            end = min(n, pos + window)
+            match = search(text, pos, min(n, end + overlap))
+            if match is not None and match.start() < end:
+                yield match
+                pos = match.end()
+            else:
+                pos = end
 
     # ---- the split ---------------------------------------------------------------------------
 
@@ -138,7 +156,7 @@ class SegmentEncoder:
         """Text pieces and added-token IDs, in order."""
         out: list[str | int] = []
         pos = 0
-        for match in self.splitter.finditer(text):
+        for match in self._added_tokens(text):
             if match.start() > pos:
                 out.append(text[pos : match.start()])
             out.append(self.ids_of[match.group()])

@@ -6,6 +6,10 @@ Two threads, so that streams keep flowing while a long prompt converts:
 - the conversion thread renders and tokenizes one request at a time. ``encode_batch``
   releases the GIL, so the IO thread runs while a 250k-token prompt is being encoded.
 
+The conversion thread runs at a lower CPU priority (nice, per thread), and so do the
+tokenizers thread-pool threads it creates: on a busy node the gateway, the scheduler and
+this worker's IO thread win the CPU, and conversion uses what is left.
+
 Started by the gateway as ``python -m tokenizer_workers.worker --connect EP --index N``
 with its settings in the TOKENMILL_WORKER_SETTINGS environment variable.
 """
@@ -35,11 +39,16 @@ SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
 
 
 class Worker:
+    CONVERSION_NICE = 10
+
     def __init__(self, index: int, endpoint: str, settings: ConverterSettings, ctx: zmq.Context | None = None):
         self.index = index
         self.endpoint = endpoint
-        self.converter = Converter(settings)
-        self.detokenizer = Detokenizer(self.converter.tokenizer)
+        self.settings = settings
+        self.converter: Converter | None = None
+        self.detokenizer: Detokenizer | None = None
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
         self.ctx = ctx or zmq.Context.instance()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
@@ -54,6 +63,10 @@ class Worker:
         wake_rx = self.ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        self.detokenizer = Detokenizer(self.converter.tokenizer)
         sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
                                               self.converter.segments.enabled, self.converter.segments.self_test_reason)))
         poller = zmq.Poller()
@@ -93,6 +106,17 @@ class Worker:
     def _convert_loop(self) -> None:
         wake = self.ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.CONVERSION_NICE)
+        except (OSError, AttributeError):
+            pass
+        try:  # the model loads here, so the tokenizers thread pool is born with this thread's priority
+            self.converter = Converter(self.settings)
+        except BaseException as exc:
+            self._load_error = exc
+            return
+        finally:
+            self._loaded.set()
         while True:
             job, body, received = self.jobs.get()
             started = time.perf_counter()
@@ -130,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the gateway decides
+    # Hand the GIL between the conversion thread and the IO thread every millisecond (not 5):
+    # detokenization of running streams waits at most that long behind a conversion.
+    sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
     Worker(args.index, args.connect, settings).run()
     return 0
