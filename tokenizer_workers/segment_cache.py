@@ -47,6 +47,27 @@ class EncodeStats:
     mismatches: int = 0
 
 
+def _trie_regex(words: list[str]) -> re.Pattern:
+    """One regex matching any of the words, longest first at each position (leftmost-longest,
+    like tokenizers' added-token matcher). Nested by shared prefixes, so at a candidate
+    position the engine follows one branch instead of trying a thousand alternatives."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer word wins
+
+    return re.compile(build(trie))
+
+
 class SegmentCache:
     """Piece hash -> token IDs, bounded in bytes, segmented LRU (probation, then protected)."""
 
@@ -129,9 +150,8 @@ class SegmentEncoder:
             plain.append(tok.content)
         if not plain:
             return None
-        plain.sort(key=len, reverse=True)  # longest first, like the added-token matcher
-        self.longest_token = len(plain[0])
-        return re.compile("|".join(map(re.escape, plain)))
+        self.longest_token = max(map(len, plain))
+        return _trie_regex(plain)
 
     def _added_tokens(self, text: str, window: int = 1 << 15):
         """Matches of added tokens, leftmost-longest, scanned window by window.
