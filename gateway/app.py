@@ -66,12 +66,7 @@ class App:
         self.paths = {path for _, path in self.routes}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # uvicorn runs with lifespan="off": the gateway owns start and stop
             return
         path = scope["path"].rstrip("/") or "/"
         handler = self.routes.get((scope["method"], path))

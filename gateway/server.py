@@ -58,7 +58,6 @@ class Gateway:
         self.runtime_dir: str | None = None
         self._own_runtime_dir = False
         self.simulator: asyncio.subprocess.Process | None = None
-        self.stopped = asyncio.Event()
         self.lag_samples = array("f")
 
     @property
@@ -267,7 +266,6 @@ class Gateway:
             return 0
         finally:
             await self.close()
-            self.stopped.set()
 
 
 def run(settings: ServeSettings, on_ready=None) -> int:

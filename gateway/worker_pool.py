@@ -115,6 +115,7 @@ class WorkerPool:
         self.affinity = affinity
         # consistent-hash ring: 64 points per worker, so a worker's share moves little if the pool changes
         self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in range(size) for v in range(64))
+        self.moved: dict[int, int] = {}  # conversation key -> worker it moved to (insertion-ordered, bounded)
         self.metrics = metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
@@ -318,14 +319,24 @@ class WorkerPool:
         """The worker holding this conversation's segments, unless it already has more than its share."""
         if not self.affinity or job.affinity is None:
             return None
-        point = bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)
-        worker = self.workers[self.ring[point][1]]
+        index = self.moved.get(job.affinity)
+        if index is None:
+            index = self.ring[bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)][1]
+        worker = self.workers[index]
         alive = [w for w in self.workers if w.ready]
         if not worker.ready:
             return None
         total = sum((w.job is not None) + len(w.lane) for w in alive) + len(self.queue) + 1
         bound = max(1, math.ceil(1.25 * total / len(alive)))
         return worker if (worker.job is not None) + len(worker.lane) < bound else None
+
+    def _moved_to(self, key: int, index: int) -> None:
+        """A conversation converted away from its owner stays with its new worker, which now
+        holds its segments: the load moves once instead of missing the cache on every turn."""
+        self.moved.pop(key, None)
+        self.moved[key] = index
+        if len(self.moved) > 65536:
+            del self.moved[next(iter(self.moved))]
 
     def _take(self, worker: _Worker) -> _Job | None:
         """Its own lane first, then the shared queue, then the oldest job of the longest other lane."""
@@ -337,6 +348,8 @@ class WorkerPool:
                 self.queued_bytes -= len(job.body)
                 if not job.future.done():
                     job.lane = None
+                    if job.affinity is not None and lane is not worker.lane:
+                        self._moved_to(job.affinity, worker.index)
                     return job
                 self.jobs.pop(job.job_id, None)
         return None
