@@ -19,6 +19,8 @@ chosen.
 from __future__ import annotations
 
 import importlib
+import json
+from typing import Any
 
 #: backend name -> (module, the pip extra that installs its engine)
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -58,3 +60,32 @@ def require(backend: str, *modules: str) -> None:
             if exc.name is not None and exc.name.split(".")[0] != name.split(".")[0]:
                 raise  # the library is there but one of its own dependencies is broken
             raise MissingBackend(backend, name) from exc
+
+
+def parse_engine_args(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> keyword arguments; values are JSON when they parse as JSON, else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def engine_kwargs(args, backend: str, model_key: str, max_len_key: str, max_running_key: str) -> dict[str, Any]:
+    """The common ``tokenmill engine`` options under one engine's own argument names, then --engine-arg."""
+    if not args.model:
+        raise ValueError(f"the {backend} backend needs --model (a HuggingFace directory or hub name)")
+    kwargs: dict[str, Any] = {model_key: args.model}
+    if args.max_model_len is not None:
+        kwargs[max_len_key] = args.max_model_len
+    if args.max_running is not None:
+        kwargs[max_running_key] = args.max_running
+    if args.dtype != "auto":
+        kwargs["dtype"] = args.dtype
+    kwargs.update(parse_engine_args(args.engine_arg))
+    return kwargs

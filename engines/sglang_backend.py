@@ -38,7 +38,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines import require
+from engines import engine_kwargs, parse_engine_args, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
 from scheduler_client.scheduler_server import Rejected
@@ -46,20 +46,6 @@ from scheduler_client.scheduler_server import Rejected
 log = logging.getLogger("tokenmill.engine.sglang")
 
 _QUERY_TIMEOUT_S = 30.0
-
-
-def parse_engine_args(pairs: list[str] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` strings -> keyword arguments; values are JSON when they parse as JSON, else strings."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except ValueError:
-            out[key.replace("-", "_")] = value
-    return out
 
 
 class SGLangBackend(Backend):
@@ -94,16 +80,7 @@ class SGLangBackend(Backend):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SGLangBackend:
-        if not args.model:
-            raise ValueError("the sglang backend needs --model (a HuggingFace directory or hub name)")
-        kwargs: dict[str, Any] = {"model_path": args.model}
-        if args.max_model_len is not None:
-            kwargs["context_length"] = args.max_model_len
-        if args.max_running is not None:
-            kwargs["max_running_requests"] = args.max_running
-        if args.dtype != "auto":
-            kwargs["dtype"] = args.dtype
-        kwargs.update(parse_engine_args(args.engine_arg))
+        kwargs = engine_kwargs(args, "sglang", "model_path", "context_length", "max_running_requests")
         return cls(engine_kwargs=kwargs, label=args.model)
 
     # ------------------------------------------------------------------ lifecycle

@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines import require
+from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
@@ -80,18 +80,7 @@ class VLLMBackend(Backend):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> VLLMBackend:
-        from engines.sglang_backend import parse_engine_args
-
-        if not args.model:
-            raise ValueError("the vllm backend needs --model (a HuggingFace directory or hub name)")
-        engine_args: dict[str, Any] = {"model": args.model}
-        if args.max_model_len is not None:
-            engine_args["max_model_len"] = args.max_model_len
-        if args.max_running is not None:
-            engine_args["max_num_seqs"] = args.max_running
-        if args.dtype != "auto":
-            engine_args["dtype"] = args.dtype
-        engine_args.update(parse_engine_args(args.engine_arg))
+        engine_args = engine_kwargs(args, "vllm", "model", "max_model_len", "max_num_seqs")
         return cls(engine_args=engine_args, label=args.model)
 
     # ------------------------------------------------------------------ lifecycle
