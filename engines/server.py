@@ -123,6 +123,7 @@ class Backend(ABC):
     ``abort``, ``load`` and ``check`` concurrently, and finally ``await close()``."""
 
     name = "engine"
+    _info: EngineInfo | None = None  # set by prepare()
 
     def prepare(self) -> None:
         """Heavy, blocking initialisation (load weights, launch engine processes)."""
@@ -130,8 +131,11 @@ class Backend(ABC):
     async def start(self) -> None:
         """Initialisation that needs the running event loop."""
 
-    @abstractmethod
-    def info(self) -> EngineInfo: ...
+    def info(self) -> EngineInfo:
+        """What prepare() learned: name, vocabulary, context length, capacity."""
+        if self._info is None:
+            raise RuntimeError("prepare() has not run")
+        return self._info
 
     def check(self, gen: Generate) -> None:
         """Reject what this engine cannot do: raise ``Rejected`` with a clear message."""

@@ -149,11 +149,6 @@ class SGLangBackend(Backend):
             max_running = getattr(server_args, "max_running_requests", None)
         return max_model_len, vocab_size, max_running
 
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise RuntimeError("prepare() has not run")
-        return self._info
-
     async def watch(self) -> None:
         while True:
             await asyncio.sleep(1.0)

@@ -324,11 +324,6 @@ class TransformersBackend(Backend):
     async def start(self) -> None:
         self._confirm_task = asyncio.create_task(self._confirm_cancellations())
 
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise RuntimeError("prepare() has not run")
-        return self._info
-
     async def watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)

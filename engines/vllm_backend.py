@@ -108,11 +108,6 @@ class VLLMBackend(Backend):
             name=f"vllm:{self.label}", vocab_size=vocab, max_running_requests=max_running, max_model_len=max_model_len
         )
 
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise RuntimeError("prepare() has not run")
-        return self._info
-
     async def watch(self) -> None:
         while True:
             await asyncio.sleep(1.0)
