@@ -214,6 +214,11 @@ class App:
         if result is None:
             return
         done = result.done
+        if gw.closing:  # converted just as the drain ended: free its decoder state, start nothing
+            watcher.cancel()
+            gw.conversion.release(result.owner, [c.request_id for c in done.choices])
+            await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
+            return
         gen = Generation(
             request_id,
             result.owner,

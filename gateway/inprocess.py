@@ -37,6 +37,9 @@ class InProcessConversion:
     def check_capacity(self, nbytes: int) -> None:
         pass  # the baselines have no queue of their own
 
+    def fail_pending(self, error) -> None:
+        pass
+
     async def wait_ready(self, count=None, timeout=None) -> bool:
         return True
 

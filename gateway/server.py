@@ -54,6 +54,7 @@ class Gateway:
         )
         self.started_at = int(time.time())
         self.draining = False
+        self.closing = False
         self.metrics = Metrics(self.model_name)
         self.runtime_dir: str | None = None
         self._own_runtime_dir = False
@@ -209,9 +210,12 @@ class Gateway:
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while (len(self.generations) or self.conversion.busy or self.conversion.queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.closing = True  # from here on nothing new starts, not even a conversion finishing now
+        shutdown = ApiError(503, "The server is shutting down; the request was aborted.",
+                            "ServiceUnavailableError", None, "shutdown")
+        self.conversion.fail_pending(shutdown)
         for gen in list(self.generations.live):
-            self.generations.fail(gen, ApiError(503, "The server is shutting down; the request was aborted.",
-                                                "ServiceUnavailableError", None, "shutdown"), reason="shutdown")
+            self.generations.fail(gen, shutdown, reason="shutdown")
         await asyncio.sleep(0.05)  # let handlers write those errors
 
     async def close(self) -> None:
@@ -241,6 +245,7 @@ class Gateway:
             config = uvicorn.Config(
                 App(self), host=s.host, port=s.port, http="httptools", loop="none", lifespan="off",
                 log_level=s.log_level, access_log=False, timeout_keep_alive=s.timeout_keep_alive,
+                timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
             )  # fmt: skip
             server = _Server(config)
             server_task = asyncio.create_task(server.serve())

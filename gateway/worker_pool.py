@@ -386,6 +386,11 @@ class WorkerPool:
                 self.metrics.conversion_timeouts.inc()
             worker.process.kill()
 
+    def fail_pending(self, error: m.ApiError) -> None:
+        """Answer every conversion still queued or running with this error (shutdown)."""
+        for job in list(self.jobs.values()):
+            self._fail(job, error)
+
     def _fail(self, job: _Job, error: m.ApiError) -> None:
         self.jobs.pop(job.job_id, None)
         if not job.future.done():
