@@ -68,6 +68,8 @@ class Metrics:
         self.scheduler_connected = g("tokenmill_scheduler_connected", "1 while the GPU scheduler is connected.")
         self.tokenize_cpu_seconds = c("tokenmill_tokenize_cpu_seconds", "CPU seconds workers spent tokenizing chat prompts.")
         self.cache_hits = c("tokenmill_tokenize_cache_hits", "Prompt pieces whose token IDs came from a worker's cache.")
+        self.prefix_reuses = c("tokenmill_tokenize_prefix_reuses",
+                               "Prompts that began with the token IDs of an earlier prompt in the same worker.")
         self.cache_misses = c("tokenmill_tokenize_cache_misses", "Cacheable prompt pieces that had to be tokenized.")
         self.cache_tokens = c("tokenmill_prompt_tokens_from_cache", "Prompt tokens served from the tokenization cache.")
         self.fresh_tokens = c("tokenmill_prompt_tokens_tokenized", "Prompt tokens tokenized afresh.")
@@ -106,6 +108,7 @@ class Metrics:
         if cache is not None:
             self.cache_hits.inc(cache.hits)
             self.cache_misses.inc(cache.misses)
+            self.prefix_reuses.inc(cache.prefix_hits)
             self.cache_tokens.inc(cache.cached_tokens)
             self.fresh_tokens.inc(cache.fresh_tokens)
             self.cache_mismatches.inc(cache.mismatches)

@@ -7,7 +7,7 @@ import os
 from array import array
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -59,7 +59,71 @@ def test_long_prompt_cut_and_cached_is_exact(default_tokenizer):
     first, _ = enc.encode(text)
     again, stats = enc.encode(text)
     assert list(first) == list(again) == default_tokenizer.encode(text, add_special_tokens=False).ids
-    assert stats.misses == 0 and stats.hits >= 3  # the long piece was cut, and every cut came from the cache
+    assert stats.prefix_hits == 1 and stats.cached_tokens == len(first)  # the same prompt again: all reused
+    # Another head (no shared prefix) before the same long piece: the cut pieces come from the cache.
+    other = "<｜System｜>Be brief.<｜User｜>" + corpus(300_000) + "<｜Assistant｜>"
+    ids, stats = enc.encode(other)
+    assert list(ids) == default_tokenizer.encode(other, add_special_tokens=False).ids
+    assert stats.prefix_hits == 0 and stats.misses <= 1 and stats.hits >= 3
+
+
+def test_next_turn_reuses_the_previous_prompt(default_tokenizer):
+    from tokenmill.bench import corpus
+
+    enc = SegmentEncoder(default_tokenizer, 64 << 20)
+    history = "<｜begin▁of▁sentence｜>You are an agent."
+    text = corpus(120_000)
+    total = []
+    for turn in range(4):
+        history += "<｜User｜>" + text[turn * 30_000 : (turn + 1) * 30_000] + "<｜Assistant｜>"
+        ids, stats = enc.encode(history)
+        assert list(ids) == default_tokenizer.encode(history, add_special_tokens=False).ids
+        total.append((stats.prefix_hits, stats.cached_tokens, len(ids)))
+        history += f"Done with part {turn}.<｜end▁of▁sentence｜>"
+    assert total[0][:2] == (0, 0)
+    for hits, cached, n in total[1:]:  # later turns: the previous prompt's IDs, up to its last safe added token
+        assert hits == 1 and cached > 0.4 * n
+
+
+def _nested_tokenizer() -> Tokenizer:
+    """Byte-level BPE whose added tokens include one that is a prefix of another ("<x>" and "<x>y")."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = __import__("tokenizers").decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, again and again: x y <x> <x>y"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                special_tokens=["<x>", "<x>y", "<end>"]))  # fmt: skip
+    return tok
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 400), st.lists(st.sampled_from(
+    ["<x>", "<x>y", "<end>", "y", "x", " ", "\n", "hello", "again", "日本", "\nZed", "<x", ">"]), max_size=12)),
+    min_size=1, max_size=8))  # fmt: skip
+@example(steps=[(0, ["hello", "<x>"]), (400, ["y", " again"])])  # "<x>" at the end becomes "<x>y"
+@example(steps=[(0, ["hello", "<x", ">", "y"]), (8, ["<end>"])])  # cut inside an added token
+def test_prefix_reuse_is_exact_at_every_cut(steps):
+    """Prompts that share prefixes cut anywhere (inside a would-be longer added token too) stay exact."""
+    enc = _prefix_encoder()
+    head = "<end>hello world, " * 20  # prompts are grouped by their first 256 characters
+    prompt, reused = head, 0
+    for keep, tail in steps:
+        prompt = prompt[: len(head) + keep] + "".join(tail)
+        ids, stats = enc.encode(prompt)
+        assert list(ids) == enc.tokenizer.encode(prompt, add_special_tokens=False).ids, prompt
+        reused += stats.prefix_hits
+    assert reused >= len(steps) - 1  # every prompt after the first found its predecessor
+
+
+_PREFIX_ENCODER = []
+
+
+def _prefix_encoder() -> SegmentEncoder:
+    if not _PREFIX_ENCODER:
+        enc = SegmentEncoder(_nested_tokenizer(), 1 << 20, min_chars=1, split_chars=8)
+        assert enc.enabled, enc.self_test_reason
+        _PREFIX_ENCODER.append(enc)
+    return _PREFIX_ENCODER[0]
 
 
 def test_metaspace_first_tokenizer_is_refused():

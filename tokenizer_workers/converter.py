@@ -74,9 +74,9 @@ class Converter:
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
         ids, stats = self.segments.encode(prompt)
-        cache = self.segments.cache
+        segments = self.segments
         report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,
-                             cache.evictions, cache.bytes_used)  # fmt: skip
+                             segments.cache.evictions, segments.bytes_used, stats.prefix_hits)  # fmt: skip
         return ids, report
 
     # ---- entry point ----------------------------------------------------------------

@@ -63,6 +63,7 @@ class CacheReport(msgspec.Struct, array_like=True):
     mismatches: int
     evictions_total: int
     bytes_used: int
+    prefix_hits: int = 0  # 1 when the prompt began with the IDs of an earlier prompt of this worker
 
 
 class ApiError(msgspec.Struct):

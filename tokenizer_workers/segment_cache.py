@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from tokenizer_workers.prompt_prefixes import Prompt, PromptPrefixes
+
 log = logging.getLogger("tokenmill.segment_cache")
 
 _ENTRY_OVERHEAD = 120  # bytes per cached piece beyond its IDs: key, array header, dict slot
@@ -45,6 +47,7 @@ class EncodeStats:
     cached_tokens: int = 0
     fresh_tokens: int = 0
     mismatches: int = 0
+    prefix_hits: int = 0  # prompts that began with the IDs of an earlier prompt
 
 
 def _trie_regex(words: list[str]) -> re.Pattern:
@@ -129,13 +132,15 @@ class SegmentEncoder:
         self.min_chars = min_chars
         self.verify = verify
         self.split_chars = 0  # soft splitting is off until the self-test has checked it
-        self.cache = SegmentCache(budget_bytes)
+        # a quarter of the budget keeps whole recent prompts (one per conversation), the rest pieces
+        self.cache = SegmentCache(budget_bytes - budget_bytes // 4)
         self.ids_of: dict[str, int] = {}
         self.splitter = self._splitter()
         self.separable, self.self_test_reason = self.self_test() if self.splitter else (False, "no added tokens")
         if self.separable and self.soft_split_test():
             self.split_chars = split_chars
         self.enabled = budget_bytes > 0 and self.separable
+        self.prefixes = PromptPrefixes(budget_bytes // 4, self.longest_token if self.splitter else 0)
         log.info("tokenization cache %s (%s)", "on" if self.enabled else "off", self.self_test_reason)
 
     def _splitter(self) -> re.Pattern | None:
@@ -174,18 +179,25 @@ class SegmentEncoder:
 
     def pieces(self, text: str) -> list[str | int]:
         """Text pieces and added-token IDs, in order."""
+        return self._split(text)[0]
+
+    def _split(self, text: str) -> tuple[list[str | int], array, array]:
+        """Pieces, and the start and end in text of each added token among them."""
         out: list[str | int] = []
+        starts, ends = array("Q"), array("Q")
         pos = 0
         for match in self._added_tokens(text):
             if match.start() > pos:
                 out.append(text[pos : match.start()])
             out.append(self.ids_of[match.group()])
+            starts.append(match.start())
+            ends.append(match.end())
             pos = match.end()
         if pos < len(text):
             out.append(text[pos:])
         if self.split_chars:
             out = [sub for part in out for sub in (self._soft_split(part) if isinstance(part, str) else (part,))]
-        return out
+        return out, starts, ends
 
     def _soft_split(self, text: str) -> list[str]:
         """Cut a long piece at soft boundaries about split_chars apart (deterministic in its content)."""
@@ -201,7 +213,9 @@ class SegmentEncoder:
         out.append(text[start:])
         return out
 
-    def _encode_pieces(self, parts: list[str | int], stats: EncodeStats, use_cache: bool) -> array:
+    def _encode_pieces(self, parts: list[str | int], stats: EncodeStats, use_cache: bool,
+                       out: array | None = None, marks: array | None = None) -> array:
+        """IDs of the pieces appended to out; marks gets len(out) after each added token."""
         found: dict[int, array] = {}
         todo_idx, todo_text, todo_keys = [], [], []
         for i, part in enumerate(parts):
@@ -228,14 +242,36 @@ class SegmentEncoder:
                 stats.fresh_tokens += len(ids)
                 if key is not None:
                     self.cache.put(key, ids)
-        out = array("I")
+        out = array("I") if out is None else out
         for i, part in enumerate(parts):
             if isinstance(part, int):
                 out.append(part)
                 stats.fresh_tokens += 1
+                if marks is not None:
+                    marks.append(len(out))
             else:
                 out.extend(found[i])
         return out
+
+    def _encode_cached(self, text: str, stats: EncodeStats) -> tuple[array, Prompt, Prompt | None]:
+        """Through the prompt prefixes, then the segment cache for whatever follows the reused prefix."""
+        reuse = self.prefixes.find(text)
+        if reuse is None:
+            base, starts, ends, tokens, at = array("I"), array("Q"), array("Q"), array("I"), 0
+        else:
+            old = reuse.prompt
+            base, tokens = old.ids[: reuse.tokens], old.tokens[: reuse.marks]
+            starts, ends, at = old.starts[: reuse.marks], old.ends[: reuse.marks], reuse.chars
+            stats.prefix_hits += 1
+            stats.cached_tokens += reuse.tokens
+        parts, tail_starts, tail_ends = self._split(text[at:] if at else text)
+        if at:
+            tail_starts = array("Q", (p + at for p in tail_starts))
+            tail_ends = array("Q", (p + at for p in tail_ends))
+        starts.extend(tail_starts)
+        ends.extend(tail_ends)
+        ids = self._encode_pieces(parts, stats, use_cache=True, out=base, marks=tokens)
+        return ids, Prompt(text, ids, starts, ends, tokens), reuse.prompt if reuse else None
 
     def encode(self, text: str) -> tuple[array, EncodeStats]:
         stats = EncodeStats()
@@ -245,14 +281,19 @@ class SegmentEncoder:
             ids = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
             stats.fresh_tokens = len(ids)
             return ids, stats
-        ids = self._encode_pieces(self.pieces(text), stats, use_cache=True)
+        ids, prompt, extended = self._encode_cached(text, stats)
         if self.verify:
             whole = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
             if whole != ids:
                 stats.mismatches += 1
                 log.error("tokenization cache mismatch on a %d-character prompt; using the whole encoding", len(text))
                 return whole, stats
+        self.prefixes.remember(prompt, replaces=extended)
         return ids, stats
+
+    @property
+    def bytes_used(self) -> int:
+        return self.cache.bytes_used + self.prefixes.bytes_used
 
     # ---- the self-tests ----------------------------------------------------------------------
 

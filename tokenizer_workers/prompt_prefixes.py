@@ -1,0 +1,122 @@
+"""Recent prompts of a worker, so that an agent's next turn reuses the IDs of its last one.
+
+An agent resends its whole history each turn, and the new prompt usually begins with the
+whole previous prompt (or most of it, where a template rewrites the last turns). Looking
+that prefix up by content costs one memcmp, where the segment cache would have to scan the
+whole prompt for added tokens, hash every piece and join their IDs again.
+
+Each remembered prompt keeps its IDs and, for every added token in it, where the token
+starts and ends in the text and how many IDs precede its end. A new prompt can take the
+IDs up to the end of an added token that starts at least ``longest added token`` characters
+before the shared prefix ends: the added-token scan (leftmost-longest) finds the same
+matches up to there, so the pieces before it are the same pieces, with the same IDs.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass
+
+HEAD_CHARS = 256  # prompts are grouped by their first characters
+CANDIDATES = 256  # newest prompts compared per group (one memcmp each, stopping at the first difference)
+PARTIAL_CANDIDATES = 8  # newest prompts searched for a partly shared prefix when none is a whole prefix
+
+
+@dataclass(slots=True, eq=False)
+class Prompt:
+    text: str
+    ids: array  # uint32 IDs of the whole text
+    starts: array  # per added token: start in text
+    ends: array  # per added token: end in text
+    tokens: array  # per added token: number of IDs up to and including it
+
+    def nbytes(self) -> int:
+        arrays = (self.ids, self.starts, self.ends, self.tokens)
+        return sys.getsizeof(self.text) + sum(len(a) * a.itemsize for a in arrays) + 200
+
+
+@dataclass(slots=True)
+class Reuse:
+    prompt: Prompt
+    chars: int  # the new text's first `chars` characters ...
+    marks: int  # ... hold the first `marks` added tokens of `prompt`, and
+    tokens: int  # the IDs prompt.ids[:tokens]
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix, by bisection over memcmp (no per-character loop)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PromptPrefixes:
+    """The newest prompts under a byte budget, least recently used evicted first."""
+
+    def __init__(self, budget_bytes: int, longest_token: int):
+        self.budget = budget_bytes
+        self.longest_token = longest_token
+        self.lru: OrderedDict[int, Prompt] = OrderedDict()  # id(prompt) -> prompt
+        self.by_head: dict[str, list[Prompt]] = {}
+        self.bytes_used = 0
+
+    def find(self, text: str) -> Reuse | None:
+        """The remembered prompt sharing the longest usable prefix with text, if any."""
+        group = self.by_head.get(text[:HEAD_CHARS])
+        if not group:
+            return None
+        best, best_len = None, 0
+        for prompt in reversed(group[-CANDIDATES:]):
+            if len(prompt.text) > best_len and text.startswith(prompt.text):
+                best, best_len = prompt, len(prompt.text)
+        if best is None:
+            for prompt in reversed(group[-PARTIAL_CANDIDATES:]):
+                shared = common_prefix_len(text, prompt.text)
+                if shared > best_len:
+                    best, best_len = prompt, shared
+        if best is None:
+            return None
+        self.lru.move_to_end(id(best))
+        if best_len == len(text) == len(best.text):  # the same prompt again (a retry, n>1 fan-out)
+            return Reuse(best, best_len, len(best.starts), len(best.ids))
+        marks = bisect_right(best.starts, best_len - self.longest_token)
+        if marks == 0:
+            return None
+        return Reuse(best, best.ends[marks - 1], marks, best.tokens[marks - 1])
+
+    def remember(self, prompt: Prompt, replaces: Prompt | None = None) -> None:
+        """Keep prompt; drop the one it was built from (its conversation has moved past it)."""
+        if replaces is not None:
+            self._drop(replaces)
+        size = prompt.nbytes()
+        if size > self.budget:
+            return
+        self.lru[id(prompt)] = prompt
+        group = self.by_head.setdefault(prompt.text[:HEAD_CHARS], [])
+        group.append(prompt)
+        if len(group) > CANDIDATES:
+            self._drop(group[0])
+        self.bytes_used += size
+        while self.bytes_used > self.budget and self.lru:
+            self._drop(next(iter(self.lru.values())))
+
+    def _drop(self, prompt: Prompt) -> None:
+        if self.lru.pop(id(prompt), None) is None:
+            return
+        self.bytes_used -= prompt.nbytes()
+        head = prompt.text[:HEAD_CHARS]
+        group = self.by_head[head]
+        group.remove(prompt)
+        if not group:
+            del self.by_head[head]
+
+    def __len__(self) -> int:
+        return len(self.lru)
