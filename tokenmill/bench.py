@@ -41,6 +41,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
     parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers in pool mode (default: as serve).")
     parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of inline,thread,pool.")
+    parser.add_argument("--conversations", type=int, help="multiturn: conversations replayed at once (default 16; quick 4).")
+    parser.add_argument("--turns", type=int, help="multiturn: turns per conversation (default 30; quick 10).")
+    parser.add_argument("--append-tokens", metavar="LO-HI",
+                        help="multiturn: tokens of tool output appended per turn (default 2000-8000; quick 1000-3000).")
 
 
 # ---- percentiles ---------------------------------------------------------------------------
