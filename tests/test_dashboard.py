@@ -1,5 +1,6 @@
 """deploy/grafana and deploy/prometheus: every series the dashboard and the alert rules query is one a
-real tokenmill exports, with the labels they use, and the files are what Grafana and Prometheus load.
+real tokenmill exports, with the labels (and, for `=` matchers, the label values) they use, and the
+files are what Grafana and Prometheus load.
 
 PromQL is checked by a small lexer/walker below, not by Prometheus: it finds every metric
 selector, label matcher and grouping label, checks bracket balance and function names, and
@@ -19,6 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, Server, http
+from gateway.metrics import Metrics
 
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "tokenmill-dashboard.json"
@@ -262,8 +264,69 @@ def test_dashboard_structure():
     titles = " | ".join(p["title"] for p in panels).lower()
     for topic in ["requests by status", "errors", "time to first token", "inter-token", "end-to-end", "queue wait",
                   "event-loop lag", "tokenizer workers", "worker restarts", "token throughput", "running and waiting",
-                  "render", "tokenize", "detokenize", "aborts by reason", "rejections by reason"]:  # fmt: skip
+                  "render", "tokenize", "detokenize", "aborts by reason", "rejections by reason",
+                  "tokenization cache", "prompt tokens from cache", "tokenize cpu per chat request", "tokenization cpu",
+                  "cache bytes per worker", "evictions", "cache mismatches", "cache enabled"]:  # fmt: skip
         assert topic in titles, f"no panel about {topic}"
+
+
+def row_panels(d: dict, title: str) -> list[dict]:
+    """The panels under row `title` of an open dashboard (or inside it, when the row is collapsed)."""
+    panels = d["panels"]
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title)
+    inside = list(panels[start].get("panels", []))
+    for p in panels[start + 1:]:
+        if p["type"] == "row":
+            break
+        inside.append(p)
+    return inside
+
+
+# every family of the workers' tokenization cache (gateway/metrics.py), as the samples Prometheus stores
+CACHE_FAMILY = re.compile(
+    r"tokenmill_(tokenize_(cache_\w+|cpu_seconds|prefix_reuses)|prompt_tokens_(from_cache|tokenized))")
+
+
+def cache_series() -> set[str]:
+    families = [f for f in Metrics("m").registry.collect() if CACHE_FAMILY.fullmatch(f.name)]
+    return {f.name + "_total" if f.type == "counter" else f.name for f in families}
+
+
+def test_tokenization_cache_row():
+    """The "Tokenization cache" row reads every cache series gateway/metrics.py defines, and its stats alarm right."""
+    d = dashboard()
+    panels = row_panels(d, "Tokenization cache")
+    by_title = {p["title"]: p for p in panels}
+    used = {s.metric for p in panels for t in p["targets"] for s in parse(t["expr"]).selectors}
+    wanted = cache_series()
+    assert len(wanted) == 10, sorted(wanted)  # the pattern still finds them all (a new one needs a panel too)
+    assert wanted <= used, f"not on the Tokenization cache row: {sorted(wanted - used)}"
+
+    def steps(title):
+        p = by_title[title]
+        assert p["type"] == "stat" and p["fieldConfig"]["defaults"]["color"]["mode"] == "thresholds", title
+        return [(s["color"], s["value"]) for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+    # mismatches: a count (ceil of the increase), green at 0, red from the first one
+    mismatches = by_title["Tokenization cache mismatches"]
+    assert [s.metric for t in mismatches["targets"] for s in parse(t["expr"]).selectors] == [
+        "tokenmill_tokenize_cache_mismatches_total"]
+    assert mismatches["targets"][0]["expr"].startswith("ceil(")
+    assert steps("Tokenization cache mismatches") == [("green", None), ("red", 1)]
+    # enabled: red unless 1
+    assert steps("Tokenization cache enabled") == [("red", None), ("green", 1)]
+
+    # the share is from_cache / (from_cache + tokenized); CPU per request divides by chat completions answered
+    share = parse(by_title["Prompt tokens from cache"]["targets"][0]["expr"])
+    assert [s.metric for s in share.selectors] == ["tokenmill_prompt_tokens_from_cache_total",
+                                                   "tokenmill_prompt_tokens_from_cache_total",
+                                                   "tokenmill_prompt_tokens_tokenized_total"]  # fmt: skip
+    per_request = parse(by_title["Tokenize CPU per chat request"]["targets"][0]["expr"])
+    assert [(s.metric, s.matchers.get("endpoint")) for s in per_request.selectors] == [
+        ("tokenmill_tokenize_cpu_seconds_total", None),
+        ("tokenmill_requests_total", ("=", "/v1/chat/completions"))]
+    assert by_title["Tokenization cache bytes per worker"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert "worker" in parse(by_title["Tokenization cache bytes per worker"]["targets"][0]["expr"]).grouping
 
 
 def test_every_dashboard_selector_filters_by_model():
@@ -326,7 +389,8 @@ def drive_traffic(srv: Server) -> None:
 
 
 def scrape(srv: Server) -> dict[str, dict]:
-    """sample name -> {"type": family type, "labels": label names seen, "value": total}."""
+    """sample name -> {"type": family type, "labels": label names seen, "values": label -> values seen,
+    "value": total}."""
     status, _, text = http("GET", srv.url + "/metrics")
     assert status == 200
     series: dict[str, dict] = {}
@@ -334,8 +398,10 @@ def scrape(srv: Server) -> dict[str, dict]:
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
-            entry = series.setdefault(sample.name, {"type": family.type, "labels": set(), "value": 0.0})
+            entry = series.setdefault(sample.name, {"type": family.type, "labels": set(), "values": {}, "value": 0.0})
             entry["labels"].update(sample.labels)
+            for label, value in sample.labels.items():
+                entry["values"].setdefault(label, set()).add(value)
             entry["value"] += sample.value
     return series
 
@@ -372,6 +438,10 @@ def check_queries(queries: list[tuple[str, str]], series: dict[str, dict]) -> li
             labels_here |= labels
             for label in set(s.matchers) - labels:
                 problems.append(f"{where}: {s.metric} has no label {label!r}")
+            for label, (op, value) in s.matchers.items():
+                seen = series[s.metric]["values"].get(label)
+                if op == "=" and seen is not None and value not in seen:
+                    problems.append(f"{where}: {s.metric} never has {label}={value!r} (seen: {sorted(seen)})")
             cumulative = kind in ("counter", "histogram", "summary")
             read_as_counter = any(f in COUNTER_READERS for f in s.functions)
             if cumulative and not read_as_counter:
@@ -406,6 +476,16 @@ def test_histograms_on_the_dashboard_have_data(exported):
     assert not empty, f"no observations: {empty}"
 
 
+def test_tokenization_cache_series_are_live(exported):
+    """The test model passes the cache's self-test, so the cache row is checked against series with data."""
+    assert exported["tokenmill_tokenize_cache_enabled"]["value"] == 1
+    assert exported["tokenmill_tokenize_cache_bytes"]["values"]["worker"] == {"0"}
+    tokens = ("tokenmill_prompt_tokens_from_cache_total", "tokenmill_prompt_tokens_tokenized_total")
+    assert sum(exported[name]["value"] for name in tokens) > 0
+    assert exported["tokenmill_tokenize_cpu_seconds_total"]["value"] > 0
+    assert cache_series() <= set(exported)
+
+
 def test_checker_catches_mistakes(exported):
     """The check fails on the usual slips: a counter without _total, a bucket read raw, a gauge rated, a typo'd label."""
     mistakes = [
@@ -417,7 +497,12 @@ def test_checker_catches_mistakes(exported):
         'sum by (reasons) (rate(tokenmill_aborts_total[5m]))',
         'sum(rate(tokenmill_aborts_total{reasn="x"}[5m]))',
         "rate(tokenmill_no_such_metric_total[5m])",
+        'sum(rate(tokenmill_requests_total{endpoint="/v1/chat/completion"}[5m]))',  # a value never exported
+        "rate(tokenmill_tokenize_cache_bytes[5m])",  # a gauge
+        "tokenmill_tokenize_cache_mismatches_total",  # a counter read raw
     ]
     for expr in mistakes:
         assert check_queries([("t", expr)], exported), f"not caught: {expr}"
-    assert check_queries([("t", 'sum by (reason) (rate(tokenmill_aborts_total{reason="x"}[5m]))')], exported) == []
+    assert check_queries([("t", 'sum by (reason) (rate(tokenmill_aborts_total{reason=~"x"}[5m]))')], exported) == []
+    chat = 'sum(rate(tokenmill_requests_total{endpoint="/v1/chat/completions", status="200"}[5m]))'
+    assert check_queries([("t", chat)], exported) == []
