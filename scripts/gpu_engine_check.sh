@@ -37,6 +37,8 @@
 #   WORKERS        tokenizer workers of the gateway (default 4)
 #   SKIP_WHEELS=1  skip step 1;  WHEELS  wheelhouse (default <repo>/.gpu_wheels)
 #   DEADLINE_S     the whole run (default 380);  OUT  where results go (default /tmp)
+#   PROTOCOL_BASELINE=0  skip the baseline run of the engine alone after the HTTP load
+#                  (scripts/gpu_protocol_client.py, the gateway still connected but idle)
 #   ENGINE=simulated  no engine: the gateway's simulated scheduler (checks everything but torch)
 set -uo pipefail
 
@@ -47,7 +49,7 @@ DEADLINE_S=${DEADLINE_S:-380}
 RESERVE_S=45 # kept back for shutdown and collecting logs
 OUT=${OUT:-/tmp}
 mkdir -p "$OUT" || exit 2
-rm -f "$OUT"/gpu_engine_check.json "$OUT"/gpu_engine_check.*.log "$OUT"/gpu_engine_check.*.csv "$OUT"/gpu_engine_check.console.txt
+rm -f "$OUT"/gpu_engine_check.ps.txt "$OUT"/gpu_protocol_check.json "$OUT"/gpu_engine_check.json "$OUT"/gpu_engine_check.*.log "$OUT"/gpu_engine_check.*.csv "$OUT"/gpu_engine_check.console.txt
 if [ -z "${PY:-}" ]; then
   if [ -x /opt/torch/.venv/bin/python3 ]; then PY=/opt/torch/.venv/bin/python3; else PY=python3; fi
 fi
@@ -153,7 +155,7 @@ cleanup() {
   [ "$CLEANED" = 1 ] && return
   CLEANED=1
   trap - INT TERM
-  for pid in "$BG_PID" "$SMI_PID" "$TAIL_PID"; do # an interrupted step, the samplers (all bounded anyway)
+  for pid in "$BG_PID" "$SMI_PID" "$TAIL_PID" "${PS_PID:-}"; do # an interrupted step, the samplers (all bounded anyway)
     if alive "$pid"; then kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; fi
   done
   if alive "$GATEWAY_PID" || alive "$ENGINE_PID"; then say "stopping the gateway and the engine (SIGTERM)"; fi
@@ -390,6 +392,10 @@ if command -v nvidia-smi >/dev/null && [ "$DEVICE" != cpu ]; then
     >>"$WORK/smi.csv" 2>&1 &
   SMI_PID=$!
 fi
+(for _ in $(seq 1 $((load_s / 5 + 8))); do
+  date +%s.%N; ps -eo pid,times,rss,nlwp,args | grep -E "[p]ython|PID" | cut -c1-150; sleep 5
+done) >"$OUT/gpu_engine_check.ps.txt" 2>&1 &
+PS_PID=$!
 say "load: concurrencies $CONCURRENCIES, ~$PROMPT_TOKENS-token prompts, max_tokens $MAX_TOKENS, budget ${load_s}s"
 # levels stop starting requests when the budget is spent; requests in flight get 30 s more at most
 : >"$WORK/client.txt"
@@ -405,6 +411,7 @@ kill "$TAIL_PID" 2>/dev/null
 wait "$TAIL_PID" 2>/dev/null
 TAIL_PID=
 cat "$WORK/client.txt" >>"$CONSOLE"
+kill "${PS_PID:-}" 2>/dev/null
 fact load_client_status "$STATUS"
 [ "$STATUS" = 124 ] && say "the load client ran past its time limit"
 [ "$ENGINE" = simulated ] || alive "$ENGINE_PID" || say "the engine is gone after the load: $(tail -n 10 "$WORK/engine.log" | tr '\n' ' ' | cut -c1-1200)"
@@ -418,6 +425,16 @@ if [ -n "$SMI_PID" ]; then
   peak=$(awk -F', ' 'NR > 1 && $2 + 0 > u { u = $2 + 0 } NR > 1 && $3 + 0 > m { m = $3 + 0 } END { print "utilization max " u "%, memory.used max " m " MiB" }' "$WORK/smi.csv")
   say "nvidia-smi during the load: $peak"
   fact nvidia_smi_during_load "$peak"
+fi
+if [ "$ENGINE" != simulated ] && [ "${PROTOCOL_BASELINE:-1}" = 1 ]; then
+  # the engine alone, over the protocol (same levels): what the HTTP figures add is the gateway's
+  STAGE=protocol_baseline
+  say "baseline: the engine over the scheduler protocol, without HTTP and tokenizer workers"
+  run_bg "$WORK/protocol.txt" timeout "$(budget 120)" "$PY" "$REPO/scripts/gpu_protocol_client.py" --endpoint "$SOCK" \
+    --concurrencies "$CONCURRENCIES" --requests-factor "$REQUESTS_FACTOR" --prompt-tokens 497 \
+    --max-tokens "$MAX_TOKENS" --json "$OUT/gpu_protocol_check.json"
+  fact protocol_baseline_status "$?"
+  tee -a "$CONSOLE" <"$WORK/protocol.txt"
 fi
 STAGE=shutdown
 cleanup

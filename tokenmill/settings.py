@@ -105,7 +105,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
     "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler (see docs/security.md)."),
-    "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact segment tokenization cache (0 = off)."),
+    "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
+                             "pieces, one quarter for recent whole prompts (0 = off)."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
