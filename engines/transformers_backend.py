@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -250,6 +251,12 @@ class TransformersBackend(Backend):
         )  # fmt: skip
 
         cpu = device == "cpu"
+        if not cpu and "OMP_NUM_THREADS" not in os.environ:
+            # On a GPU the generation thread's CPU tensor work is tiny, and a pool of spinning
+            # intra-op threads (one per core) stalls whenever another process (the gateway, a
+            # tokenizer worker) wakes on one of those cores. vLLM sets one thread for the same reason.
+            torch.set_num_threads(1)
+            log.info("torch intra-op threads: 1 (set OMP_NUM_THREADS to choose)")
         defaults = CPU_CACHE_DEFAULTS if cpu else {}
         cb_config = ContinuousBatchingConfig(
             num_blocks=self.num_blocks if self.num_blocks is not None else defaults.get("num_blocks"),
