@@ -85,6 +85,25 @@ def test_next_turn_reuses_the_previous_prompt(default_tokenizer):
         assert hits == 1 and cached > 0.4 * n
 
 
+def test_a_conversation_sharing_only_the_system_prompt_leaves_the_other_in_place(default_tokenizer):
+    from tokenmill.bench import corpus
+
+    enc = SegmentEncoder(default_tokenizer, 64 << 20)
+    text = corpus(200_000)
+    system = "<｜begin▁of▁sentence｜>" + text[:2_000]
+    a = system + "<｜User｜>" + text[10_000:60_000] + "<｜Assistant｜>"
+    enc.encode(a)
+    b = system + "<｜User｜>" + text[100_000:150_000] + "<｜Assistant｜>"  # another agent, same system prompt
+    ids, stats = enc.encode(b)
+    assert list(ids) == default_tokenizer.encode(b, add_special_tokens=False).ids
+    assert stats.prefix_hits == 1 and 0 < stats.cached_tokens < 1_000  # the system prompt's IDs
+    a2 = a + "Read it.<｜end▁of▁sentence｜><｜User｜>" + text[60_000:70_000] + "<｜Assistant｜>"
+    ids, stats = enc.encode(a2)  # a's next turn still finds a whole
+    assert list(ids) == default_tokenizer.encode(a2, add_special_tokens=False).ids
+    assert stats.prefix_hits == 1 and stats.cached_tokens > 10_000
+    assert len(enc.prefixes) == 2  # a2 replaced a; b stays
+
+
 def _nested_tokenizer() -> Tokenizer:
     """Byte-level BPE whose added tokens include one that is a prefix of another ("<x>" and "<x>y")."""
     tok = Tokenizer(models.BPE())

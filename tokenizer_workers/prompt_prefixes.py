@@ -44,6 +44,13 @@ class Reuse:
     chars: int  # the new text's first `chars` characters ...
     marks: int  # ... hold the first `marks` added tokens of `prompt`, and
     tokens: int  # the IDs prompt.ids[:tokens]
+    shared: int  # characters the two texts have in common from the start
+
+    @property
+    def supersedes(self) -> bool:
+        """The new prompt continues this one (its next turn, a rewritten last turn, a retry), rather
+        than being another conversation that only shares a system prompt with it."""
+        return 2 * self.shared >= len(self.prompt.text)
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -86,16 +93,16 @@ class PromptPrefixes:
             return None
         self.lru.move_to_end(id(best))
         if best_len == len(text) == len(best.text):  # the same prompt again (a retry, n>1 fan-out)
-            return Reuse(best, best_len, len(best.starts), len(best.ids))
+            return Reuse(best, best_len, len(best.starts), len(best.ids), best_len)
         marks = bisect_right(best.starts, best_len - self.longest_token)
         if marks == 0:
             return None
-        return Reuse(best, best.ends[marks - 1], marks, best.tokens[marks - 1])
+        return Reuse(best, best.ends[marks - 1], marks, best.tokens[marks - 1], best_len)
 
-    def remember(self, prompt: Prompt, replaces: Prompt | None = None) -> None:
-        """Keep prompt; drop the one it was built from (its conversation has moved past it)."""
-        if replaces is not None:
-            self._drop(replaces)
+    def remember(self, prompt: Prompt, reuse: Reuse | None = None) -> None:
+        """Keep prompt; drop the one it continues (its conversation has moved past it)."""
+        if reuse is not None and reuse.supersedes:
+            self._drop(reuse.prompt)
         size = prompt.nbytes()
         if size > self.budget:
             return

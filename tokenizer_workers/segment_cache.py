@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from tokenizer_workers.prompt_prefixes import Prompt, PromptPrefixes
+from tokenizer_workers.prompt_prefixes import Prompt, PromptPrefixes, Reuse
 
 log = logging.getLogger("tokenmill.segment_cache")
 
@@ -253,7 +253,7 @@ class SegmentEncoder:
                 out.extend(found[i])
         return out
 
-    def _encode_cached(self, text: str, stats: EncodeStats) -> tuple[array, Prompt, Prompt | None]:
+    def _encode_cached(self, text: str, stats: EncodeStats) -> tuple[array, Prompt, Reuse | None]:
         """Through the prompt prefixes, then the segment cache for whatever follows the reused prefix."""
         reuse = self.prefixes.find(text)
         if reuse is None:
@@ -271,7 +271,7 @@ class SegmentEncoder:
         starts.extend(tail_starts)
         ends.extend(tail_ends)
         ids = self._encode_pieces(parts, stats, use_cache=True, out=base, marks=tokens)
-        return ids, Prompt(text, ids, starts, ends, tokens), reuse.prompt if reuse else None
+        return ids, Prompt(text, ids, starts, ends, tokens), reuse
 
     def encode(self, text: str) -> tuple[array, EncodeStats]:
         stats = EncodeStats()
@@ -281,14 +281,14 @@ class SegmentEncoder:
             ids = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
             stats.fresh_tokens = len(ids)
             return ids, stats
-        ids, prompt, extended = self._encode_cached(text, stats)
+        ids, prompt, reuse = self._encode_cached(text, stats)
         if self.verify:
             whole = array("I", self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
             if whole != ids:
                 stats.mismatches += 1
                 log.error("tokenization cache mismatch on a %d-character prompt; using the whole encoding", len(text))
                 return whole, stats
-        self.prefixes.remember(prompt, replaces=extended)
+        self.prefixes.remember(prompt, reuse)
         return ids, stats
 
     @property
