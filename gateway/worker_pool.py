@@ -2,7 +2,9 @@
 
 Dispatch is pull-based: each worker converts one request at a time and the gateway hands
 the next queued request to whichever worker is free, so a 250k-token conversion never
-holds up short requests while another worker is idle. Detokenization goes to the worker
+holds up short requests while another worker is idle. A turn of a conversation whose cache
+another worker holds waits for that worker at most as long as converting it afresh would
+take (a short request: no time at all). Detokenization goes to the worker
 that converted the request (it holds that request's decoder state) and is answered
 between conversions, since a worker's IO thread runs while its conversion thread encodes.
 
@@ -115,7 +117,9 @@ class WorkerPool:
         self.affinity = affinity
         # consistent-hash ring: 64 points per worker, so a worker's share moves little if the pool changes
         self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in range(size) for v in range(64))
-        self.moved: dict[int, int] = {}  # conversation key -> worker it moved to (insertion-ordered, bounded)
+        self.homes: dict[int, int] = {}  # conversation key -> worker that converted it last (insertion-ordered, bounded)
+        self.cold_s_per_byte = 1e-6  # conversion time per body byte with nothing cached (running average)
+        self._steal_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
@@ -172,6 +176,8 @@ class WorkerPool:
 
     async def close(self) -> None:
         self._closing = True
+        if self._steal_timer is not None:
+            self._steal_timer.cancel()
         for worker in self.workers:
             if worker.process and worker.process.returncode is None:
                 worker.process.terminate()
@@ -262,6 +268,7 @@ class WorkerPool:
         if worker.owned:
             owned, worker.owned = worker.owned, set()
             self.on_owner_lost(worker.index, owned)
+        self.homes = {key: index for key, index in self.homes.items() if index != worker.index}  # its cache is gone
         while worker.lane:  # whoever is free takes what waited for this worker
             job = worker.lane.popleft()
             job.lane = self.queue
@@ -319,7 +326,7 @@ class WorkerPool:
         """The worker holding this conversation's segments, unless it already has more than its share."""
         if not self.affinity or job.affinity is None:
             return None
-        index = self.moved.get(job.affinity)
+        index = self.homes.get(job.affinity)
         if index is None:
             index = self.ring[bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)][1]
         worker = self.workers[index]
@@ -330,37 +337,75 @@ class WorkerPool:
         bound = max(1, math.ceil(1.25 * total / len(alive)))
         return worker if (worker.job is not None) + len(worker.lane) < bound else None
 
-    def _moved_to(self, key: int, index: int) -> None:
-        """A conversation converted away from its owner stays with its new worker, which now
-        holds its segments: the load moves once instead of missing the cache on every turn."""
-        self.moved.pop(key, None)
-        self.moved[key] = index
-        if len(self.moved) > 65536:
-            del self.moved[next(iter(self.moved))]
+    def _set_home(self, key: int, index: int) -> None:
+        """A conversation converted by a worker stays with it: that worker now holds its segments,
+        so load moves once instead of missing the cache on every turn."""
+        self.homes.pop(key, None)
+        self.homes[key] = index
+        if len(self.homes) > 65536:
+            del self.homes[next(iter(self.homes))]
+
+    def _ripe(self, job: _Job) -> float:
+        """When another worker may take a job waiting for its conversation's worker (rent or buy).
+
+        Converting it elsewhere tokenizes its whole history again; waiting costs time. So an idle
+        worker waits for the owner at most as long as converting the job cold would take: a short
+        request is taken at once (a long conversion never holds it up), and a long conversation
+        whose owner frees up within that time keeps its cache. Neither choice costs more than
+        twice the better one. A conversation no worker has converted yet is taken at once.
+        """
+        if job.affinity is None or job.affinity not in self.homes:
+            return job.enqueued
+        return job.enqueued + self.cold_s_per_byte * len(job.body)
 
     def _take(self, worker: _Worker) -> _Job | None:
-        """Its own lane first, then the shared queue, then the oldest job of the longest other lane."""
-        lanes = [worker.lane, self.queue] + sorted((w.lane for w in self.workers if w is not worker and w.lane),
-                                                   key=len, reverse=True)  # fmt: skip
-        for lane in lanes:
+        """Its own lane first, then the shared queue, then the ripe jobs of other lanes, longest lane first."""
+        for lane in (worker.lane, self.queue):
             while lane:
                 job = lane.popleft()
                 self.queued_bytes -= len(job.body)
                 if not job.future.done():
                     job.lane = None
-                    if job.affinity is not None and lane is not worker.lane:
-                        self._moved_to(job.affinity, worker.index)
                     return job
                 self.jobs.pop(job.job_id, None)
+        now, wake = time.monotonic(), None
+        for lane in sorted((w.lane for w in self.workers if w is not worker and w.lane), key=len, reverse=True):
+            for job in list(lane):
+                if job.future.done():
+                    lane.remove(job)
+                    self.queued_bytes -= len(job.body)
+                    self.jobs.pop(job.job_id, None)
+                    continue
+                ripe = self._ripe(job)
+                if ripe <= now:
+                    lane.remove(job)
+                    self.queued_bytes -= len(job.body)
+                    job.lane = None
+                    return job
+                wake = ripe if wake is None else min(wake, ripe)
+        if wake is not None:
+            self._dispatch_later(wake - now)
         return None
+
+    def _dispatch_later(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        if self._steal_timer is not None:
+            if self._steal_timer.when() <= when:
+                return
+            self._steal_timer.cancel()
+        self._steal_timer = loop.call_at(when, self._on_steal_timer)
+
+    def _on_steal_timer(self) -> None:
+        self._steal_timer = None
+        self._dispatch()
 
     def _dispatch(self) -> None:
         for worker in self.workers:
             if worker.ready and worker.job is None:
                 job = self._take(worker)
-                if job is None:
-                    return
-                self._send_job(worker, job)
+                if job is not None:
+                    self._send_job(worker, job)
 
     def _send_job(self, worker: _Worker, job: _Job) -> None:
         header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id))
@@ -373,6 +418,8 @@ class WorkerPool:
         job.attempts += 1
         job.worker = worker.index
         worker.job = job
+        if job.affinity is not None:
+            self._set_home(job.affinity, worker.index)
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - job.enqueued)
         if self.conversion_timeout > 0:
@@ -448,6 +495,10 @@ class WorkerPool:
 
     def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:
         job = self.jobs.pop(done.job_id, None)
+        cache = done.cache
+        if job is not None and cache is not None and cache.cached_tokens == 0 and len(job.body) >= 16384:
+            rate = (done.render_s + done.tokenize_s) / len(job.body)  # a cold conversion: what a move costs
+            self.cold_s_per_byte += 0.2 * (rate - self.cold_s_per_byte)
         if worker.job is not None and worker.job.job_id == done.job_id:
             if worker.job.timer:
                 worker.job.timer.cancel()

@@ -1,0 +1,124 @@
+"""When an idle worker takes a job that waits for another worker's cache (rent or buy).
+
+The dispatcher's policy on its own, its socket replaced by a list of what it sent: which jobs an
+idle worker takes from a busy worker's lane, and which it leaves for their owner. The same
+dispatcher runs with real workers in test_loop_isolation.py and test_segment_cache.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.worker_pool import WorkerPool, _Job
+from tokenizer_workers import messages
+from tokenizer_workers.converter import ConverterSettings
+
+
+class _Socket:
+    """Stands in for the pool's ROUTER socket: records which worker got which request."""
+
+    def __init__(self, sent: list):
+        self.sent = sent
+
+    def send_multipart(self, frames, copy=True):
+        identity, header = frames[0], frames[1]
+        self.sent.append((int(identity[1:]), messages.to_worker.decode(header).request_id))
+
+    def close(self, linger=None):
+        pass
+
+
+def _pool() -> tuple[WorkerPool, list]:
+    pool = WorkerPool(2, "ipc:///nonexistent", ConverterSettings(), lambda out: None, lambda i, ids: None,
+                      conversion_timeout=0)  # fmt: skip
+    sent = []
+    pool.sock = _Socket(sent)
+    for worker in pool.workers:
+        worker.ready = True
+    pool.cold_s_per_byte = 1e-6  # 1 MB converts cold in 1 s
+    return pool, sent
+
+
+def _job(pool: WorkerPool, name: str, nbytes: int, key: int, age_s: float = 0.0) -> _Job:
+    job = _Job(len(pool.jobs) + 1, "chat", name, b"x" * nbytes, asyncio.get_running_loop().create_future(),
+               time.monotonic() - age_s, affinity=key)  # fmt: skip
+    pool.jobs[job.job_id] = job
+    return job
+
+
+def _busy(pool: WorkerPool, index: int) -> None:
+    pool.workers[index].job = _job(pool, f"busy-{index}", 10, key=999 + index)
+
+
+def test_a_long_conversation_waits_for_its_worker_a_short_request_does_not():
+    async def body():
+        pool, sent = _pool()
+        pool.homes = {1: 1, 2: 1}  # both conversations were converted by worker 1
+        _busy(pool, 0)
+        _busy(pool, 1)
+        pool._enqueue(_job(pool, "long-turn", 1_000_000, key=1))
+        pool._enqueue(_job(pool, "short-turn", 2_000, key=2, age_s=0.01))  # older than its 2 ms cold cost
+        assert [j.request_id for j in pool.workers[1].lane] == ["long-turn", "short-turn"]
+        pool.workers[0].job = None  # worker 0 is free
+        pool._dispatch()
+        assert sent == [(0, "short-turn")]  # behind the long job, but cheap to convert anywhere
+        sent.clear()
+        pool.workers[0].job = None
+        pool._dispatch()
+        assert sent == []  # the long turn waits: its worker may be free before a cold conversion would end
+        assert pool._steal_timer is not None  # ... but not longer than that
+        assert 0.5 < pool._steal_timer.when() - asyncio.get_running_loop().time() <= 1.0
+        pool.workers[1].job = None  # its worker frees up first: it converts the turn with its cache
+        pool._dispatch()
+        assert sent == [(1, "long-turn")]
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_a_long_conversation_moves_once_waiting_would_cost_more_than_converting():
+    async def body():
+        pool, sent = _pool()
+        pool.homes = {1: 1}
+        _busy(pool, 1)
+        pool._enqueue(_job(pool, "long-turn", 1_000_000, key=1, age_s=1.5))  # waited longer than 1 s of cold work
+        pool._dispatch()
+        assert sent == [(0, "long-turn")]
+        assert pool.homes[1] == 0  # the conversation now lives with worker 0
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_a_conversation_no_worker_has_seen_is_taken_at_once():
+    async def body():
+        pool, sent = _pool()
+        _busy(pool, 1)
+        job = _job(pool, "first-turn", 1_000_000, key=7)
+        pool.workers[1].lane.append(job)  # placed with worker 1 by the hash ring, nothing cached anywhere
+        job.lane = pool.workers[1].lane
+        pool.queued_bytes += len(job.body)
+        pool._dispatch()
+        assert sent == [(0, "first-turn")] and pool.homes[7] == 0
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_the_cold_rate_follows_observed_cold_conversions():
+    from tokenizer_workers.messages import CacheReport, ConvertDone
+
+    async def body():
+        pool, _ = _pool()
+        worker = pool.workers[0]
+        for i in range(30):
+            job = _job(pool, f"cold-{i}", 100_000, key=100 + i)
+            worker.job = job
+            done = ConvertDone(job.job_id, render_s=0.05, tokenize_s=0.25,
+                               cache=CacheReport(0, 1, 0, 25_000, 0, 0, 0))  # fmt: skip
+            pool._on_done(worker, done, [])
+        assert abs(pool.cold_s_per_byte - 3e-6) < 1e-7  # 0.3 s per 100 kB
+        await pool.close()
+
+    asyncio.run(body())
