@@ -96,7 +96,7 @@ def test_a_conversation_sharing_only_the_system_prompt_leaves_the_other_in_place
     b = system + "<｜User｜>" + text[100_000:150_000] + "<｜Assistant｜>"  # another agent, same system prompt
     ids, stats = enc.encode(b)
     assert list(ids) == default_tokenizer.encode(b, add_special_tokens=False).ids
-    assert stats.prefix_hits == 1 and 0 < stats.cached_tokens < 1_000  # the system prompt's IDs
+    assert stats.prefix_hits == 1 and 300 < stats.cached_tokens < 1_000  # the system prompt's IDs
     a2 = a + "Read it.<｜end▁of▁sentence｜><｜User｜>" + text[60_000:70_000] + "<｜Assistant｜>"
     ids, stats = enc.encode(a2)  # a's next turn still finds a whole
     assert list(ids) == default_tokenizer.encode(a2, add_special_tokens=False).ids

@@ -7,13 +7,16 @@ whole prompt for added tokens, hash every piece and join their IDs again.
 
 Each remembered prompt keeps its IDs and, for every added token in it, where the token
 starts and ends in the text and how many IDs precede its end. A new prompt can take the
-IDs up to the end of an added token that starts at least ``longest added token`` characters
-before the shared prefix ends: the added-token scan (leftmost-longest) finds the same
-matches up to there, so the pieces before it are the same pieces, with the same IDs.
+IDs up to the end of an added token that the added-token scan (leftmost-longest) provably
+finds in the new text too: the pieces before it are then the same pieces, with the same
+IDs. A token that starts at least one longest-added-token before the shared prefix ends
+needs no check; a later one is checked by searching the few characters where a longer or
+earlier rival could begin.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from bisect import bisect_right
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 HEAD_CHARS = 256  # prompts are grouped by their first characters
 CANDIDATES = 256  # newest prompts compared per group (one memcmp each, stopping at the first difference)
 PARTIAL_CANDIDATES = 8  # newest prompts searched for a partly shared prefix when none is a whole prefix
+REWRITTEN_TAIL_CHARS = 1024  # how much of a prompt's end its next turn may render differently
 
 
 @dataclass(slots=True, eq=False)
@@ -48,9 +52,10 @@ class Reuse:
 
     @property
     def supersedes(self) -> bool:
-        """The new prompt continues this one (its next turn, a rewritten last turn, a retry), rather
-        than being another conversation that only shares a system prompt with it."""
-        return 2 * self.shared >= len(self.prompt.text)
+        """The new prompt continues this one (its next turn, a retry, or a template that rewrites the
+        generation prompt or the last turn's end), rather than being another conversation that only
+        shares a system prompt with it."""
+        return self.shared >= len(self.prompt.text) - REWRITTEN_TAIL_CHARS
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -68,9 +73,10 @@ def common_prefix_len(a: str, b: str) -> int:
 class PromptPrefixes:
     """The newest prompts under a byte budget, least recently used evicted first."""
 
-    def __init__(self, budget_bytes: int, longest_token: int):
+    def __init__(self, budget_bytes: int, longest_token: int, added_tokens: re.Pattern | None):
         self.budget = budget_bytes
         self.longest_token = longest_token
+        self.added_tokens = added_tokens  # the encoder's leftmost-longest added-token matcher
         self.lru: OrderedDict[int, Prompt] = OrderedDict()  # id(prompt) -> prompt
         self.by_head: dict[str, list[Prompt]] = {}
         self.bytes_used = 0
@@ -82,8 +88,9 @@ class PromptPrefixes:
             return None
         best, best_len = None, 0
         for prompt in reversed(group[-CANDIDATES:]):
-            if len(prompt.text) > best_len and text.startswith(prompt.text):
-                best, best_len = prompt, len(prompt.text)
+            n = len(prompt.text)  # its last characters first: they tell conversations apart cheaply
+            if n > best_len and text.startswith(prompt.text[-64:], max(0, n - 64)) and text.startswith(prompt.text):
+                best, best_len = prompt, n
         if best is None:
             for prompt in reversed(group[-PARTIAL_CANDIDATES:]):
                 shared = common_prefix_len(text, prompt.text)
@@ -94,10 +101,27 @@ class PromptPrefixes:
         self.lru.move_to_end(id(best))
         if best_len == len(text) == len(best.text):  # the same prompt again (a retry, n>1 fan-out)
             return Reuse(best, best_len, len(best.starts), len(best.ids), best_len)
-        marks = bisect_right(best.starts, best_len - self.longest_token)
-        if marks == 0:
+        k = bisect_right(best.ends, best_len) - 1  # the last added token inside the shared part ...
+        while k >= 0 and not self._same_match(text, best, k, best_len):
+            k -= 1  # ... that the new text's scan provably matches too
+        if k < 0:
             return None
-        return Reuse(best, best.ends[marks - 1], marks, best.tokens[marks - 1], best_len)
+        return Reuse(best, best.ends[k], k + 1, best.tokens[k], best_len)
+
+    def _same_match(self, text: str, prompt: Prompt, k: int, shared: int) -> bool:
+        """Whether scanning text finds prompt's k-th added token, given the first `shared` characters agree.
+
+        Before position q (the end of the token before it, or `shared` minus the longest added
+        token, whichever is later) any match lies wholly inside the shared part and so is one
+        the old scan found: there are none between the two tokens. From q on, a match may reach
+        past the shared part, so search there: the first match must be the same token.
+        """
+        start, end = prompt.starts[k], prompt.ends[k]
+        q = max(prompt.ends[k - 1] if k else 0, shared - self.longest_token)
+        if q > start:  # it and every rival it could have lie inside the shared part
+            return True
+        match = self.added_tokens.search(text, q, min(len(text), start + self.longest_token))
+        return match is not None and match.start() == start and match.end() == end
 
     def remember(self, prompt: Prompt, reuse: Reuse | None = None) -> None:
         """Keep prompt; drop the one it continues (its conversation has moved past it)."""

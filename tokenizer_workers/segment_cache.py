@@ -140,7 +140,7 @@ class SegmentEncoder:
         if self.separable and self.soft_split_test():
             self.split_chars = split_chars
         self.enabled = budget_bytes > 0 and self.separable
-        self.prefixes = PromptPrefixes(budget_bytes // 4, self.longest_token if self.splitter else 0)
+        self.prefixes = PromptPrefixes(budget_bytes // 4, self.longest_token if self.splitter else 0, self.splitter)
         log.info("tokenization cache %s (%s)", "on" if self.enabled else "off", self.self_test_reason)
 
     def _splitter(self) -> re.Pattern | None:
