@@ -87,7 +87,7 @@ class PromptPrefixes:
         if not group:
             return None
         best, best_len = None, 0
-        for prompt in reversed(group[-CANDIDATES:]):
+        for prompt in reversed(group):  # at most CANDIDATES, newest last
             n = len(prompt.text)  # its last characters first: they tell conversations apart cheaply
             if n > best_len and text.startswith(prompt.text[-64:], max(0, n - 64)) and text.startswith(prompt.text):
                 best, best_len = prompt, n

@@ -158,13 +158,13 @@ class SegmentEncoder:
         self.longest_token = max(map(len, plain))
         return _trie_regex(plain)
 
-    def _added_tokens(self, text: str, window: int = 1 << 15):
+    def _added_tokens(self, text: str, pos: int = 0, window: int = 1 << 15):
         """Matches of added tokens, leftmost-longest, scanned window by window.
 
         One regex call over a megabyte holds the GIL for tens of milliseconds, and the worker's
         IO thread (which detokenizes running streams) needs it; windows keep each hold short.
         """
-        pos, n, overlap = 0, len(text), self.longest_token
+        n, overlap = len(text), self.longest_token
         search = self.splitter.search
         while pos < n:
             end = min(n, pos + window)
@@ -181,12 +181,11 @@ class SegmentEncoder:
         """Text pieces and added-token IDs, in order."""
         return self._split(text)[0]
 
-    def _split(self, text: str) -> tuple[list[str | int], array, array]:
-        """Pieces, and the start and end in text of each added token among them."""
+    def _split(self, text: str, pos: int = 0) -> tuple[list[str | int], array, array]:
+        """Pieces of text[pos:], and the start and end in text of each added token among them."""
         out: list[str | int] = []
         starts, ends = array("Q"), array("Q")
-        pos = 0
-        for match in self._added_tokens(text):
+        for match in self._added_tokens(text, pos):
             if match.start() > pos:
                 out.append(text[pos : match.start()])
             out.append(self.ids_of[match.group()])
@@ -264,10 +263,7 @@ class SegmentEncoder:
             starts, ends, at = old.starts[: reuse.marks], old.ends[: reuse.marks], reuse.chars
             stats.prefix_hits += 1
             stats.cached_tokens += reuse.tokens
-        parts, tail_starts, tail_ends = self._split(text[at:] if at else text)
-        if at:
-            tail_starts = array("Q", (p + at for p in tail_starts))
-            tail_ends = array("Q", (p + at for p in tail_ends))
+        parts, tail_starts, tail_ends = self._split(text, at)
         starts.extend(tail_starts)
         ends.extend(tail_ends)
         ids = self._encode_pieces(parts, stats, use_cache=True, out=base, marks=tokens)
