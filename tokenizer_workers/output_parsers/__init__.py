@@ -1,0 +1,120 @@
+"""Tool-call and reasoning parsers for model output, run in the tokenizer workers.
+
+One module per format; each registers under vLLM's parser name below. Adding a format
+is a new module and one line here. ``OutputParser`` chains a reasoning parser and a tool
+parser for one choice, as vLLM's server does: reasoning first, tool calls in the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+
+from tokenizer_workers.output_parsers.base import (
+    CALL,
+    CONTENT,
+    REASONING,
+    Piece,
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+    join_pieces,
+)
+
+# vLLM's name -> "module:Class" (modules of this package)
+TOOL_PARSERS = {
+    "hermes": "hermes:HermesParser",
+    "qwen3_coder": "qwen3_coder:Qwen3CoderParser",
+    "llama3_json": "llama3_json:Llama3JsonParser",
+    "mistral": "mistral:MistralParser",
+    "deepseek_v3": "deepseek_v3:DeepSeekV3Parser",
+    "deepseek_v31": "deepseek_v31:DeepSeekV31Parser",
+    "deepseek_v4": "deepseek_v4:DeepSeekV4Parser",
+    "kimi_k2": "kimi_k2:KimiK2Parser",
+    "glm45": "glm45:Glm45Parser",
+    "openai": "harmony:HarmonyToolParser",
+}
+REASONING_PARSERS = {
+    "deepseek_r1": "think:DeepSeekR1Parser",
+    "deepseek_v3": "think:DeepSeekV3ReasoningParser",
+    "qwen3": "think:Qwen3ReasoningParser",
+    "glm45": "think:Glm45ReasoningParser",
+    "kimi_k2": "kimi_k2:KimiK2ReasoningParser",
+    "openai_gptoss": "harmony:HarmonyReasoningParser",
+    "granite": "granite:GraniteReasoningParser",
+}
+
+__all__ = [
+    "CALL", "CONTENT", "REASONING", "TOOL_PARSERS", "REASONING_PARSERS", "OutputParser", "Piece", "ToolCall",
+    "join_pieces", "reasoning_parser_class", "tool_parser_class", "detect",
+]  # fmt: skip
+
+
+def _load(table: dict[str, str], name: str, what: str):
+    target = table.get(name)
+    if target is None:
+        raise ValueError(f"unknown {what} parser {name!r}; known: {', '.join(sorted(table))}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def tool_parser_class(name: str) -> type[ToolParser]:
+    return _load(TOOL_PARSERS, name, "tool-call")
+
+
+def reasoning_parser_class(name: str) -> type[ReasoningParser]:
+    return _load(REASONING_PARSERS, name, "reasoning")
+
+
+def detect(template: str, table: dict[str, str], loader) -> str | None:
+    """The format whose signature the chat template holds (the most specific one), or None."""
+    best, best_len = None, 0
+    for name in table:
+        signature = loader(name).template_signature
+        if signature and all(s in template for s in signature) and len(signature) > best_len:
+            best, best_len = name, len(signature)
+    return best
+
+
+class OutputParser:
+    """Reasoning, then tool calls, over one choice's output; calls get their index and id here."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.calls = 0
+
+    @property
+    def failures(self) -> int:
+        return self.tools.failures if self.tools else 0
+
+    def feed(self, text: str) -> list[Piece]:
+        pieces = self.reasoning.feed(text) if self.reasoning else [(CONTENT, text)]
+        return self._through_tools(pieces)
+
+    def finish(self) -> list[Piece]:
+        pieces = self._through_tools(self.reasoning.finish()) if self.reasoning else []
+        if self.tools:
+            pieces += self._named(self.tools.finish())
+        return join_pieces(pieces)
+
+    def _through_tools(self, pieces: list[Piece]) -> list[Piece]:
+        if not self.tools:
+            return join_pieces(pieces)
+        out: list[Piece] = []
+        for kind, value in pieces:
+            if kind == CONTENT:
+                out += self._named(self.tools.feed(value))
+            else:
+                out.append((kind, value))
+        return join_pieces(out)
+
+    def _named(self, pieces: list[Piece]) -> list[Piece]:
+        out = []
+        for kind, value in pieces:
+            if kind == CALL:
+                call_id = value.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
+                value = ToolCall(value.name, value.arguments, call_id)
+                self.calls += 1
+            out.append((kind, value))
+        return out

@@ -1,0 +1,187 @@
+"""What every output parser shares: the pieces it yields, its interface, and a marker scanner.
+
+A parser reads a model's output text as it streams in, in pieces cut anywhere (inside a
+marker, a JSON string escape or a multi-byte character's text), and yields *pieces*:
+
+    ("content", text)     text for the user
+    ("reasoning", text)   the model's thinking
+    ("call", ToolCall)    one whole tool call
+
+Three rules make the stream exact (issue: vLLM and SGLang break each of them):
+
+* **Chunking-invariant.** The pieces of ``feed(a); feed(b); finish()``, with adjacent texts of
+  one kind joined, equal those of ``feed(a + b); finish()`` for every cut. A parser decides
+  nothing on a chunk boundary: text that could still become a marker is held back, and a
+  call is yielded only once it is complete and valid.
+* **Linear.** Each character is looked at a bounded number of times: the scanner keeps only
+  the short tail that could begin a marker, and call bodies are collected in lists and
+  joined once.
+* **Nothing lost.** Text the parser could not turn into a call (invalid JSON, a function not
+  in ``tools``, a call cut off by ``max_tokens``) comes back as content, word for word, and
+  is counted in ``failures``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+CONTENT = "content"
+REASONING = "reasoning"
+CALL = "call"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, serialized as json.dumps(..., ensure_ascii=False)
+    id: str | None = None  # set when the format names its calls (Kimi K2's functions.NAME:IDX)
+
+
+Piece = tuple[str, Any]  # (CONTENT | REASONING, str) or (CALL, ToolCall)
+
+
+class MarkerScanner:
+    """Finds markers in text that arrives in pieces, holding back only what could begin one.
+
+    ``push(text)`` adds text; ``scan(markers)`` consumes up to and including the earliest
+    marker (the longest one where several start at the same place) and returns
+    ``(text before it, marker)``; with no marker in sight it returns ``(text, None)``,
+    keeping back the longest tail that is a proper prefix of a marker. ``rest()`` hands
+    back what was held when the output ends.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def push(self, text: str) -> None:
+        self._pending += text
+
+    def scan(self, markers: tuple[str, ...]) -> tuple[str, str | None]:
+        text = self._pending
+        best, found = -1, None
+        for marker in markers:
+            i = text.find(marker)
+            if i >= 0 and (best < 0 or i < best or (i == best and len(marker) > len(found))):
+                best, found = i, marker
+        if found is not None:
+            self._pending = text[best + len(found) :]
+            return text[:best], found
+        keep = _held_tail(text, markers)
+        self._pending = text[len(text) - keep :] if keep else ""
+        return (text[: len(text) - keep] if keep else text), None
+
+    def peek(self) -> str:
+        return self._pending
+
+    def rest(self) -> str:
+        text, self._pending = self._pending, ""
+        return text
+
+
+def _held_tail(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``markers``."""
+    longest = min(len(text), max((len(m) for m in markers), default=1) - 1)
+    for k in range(longest, 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Turns streamed output text into content and tool calls; one instance per choice.
+
+    Subclasses set ``name`` (vLLM's parser name), ``markers`` (the texts the parser must see:
+    the worker keeps them in the text even where they are special tokens that
+    ``skip_special_tokens`` would drop) and implement ``feed`` and ``finish``.
+    """
+
+    name: ClassVar[str] = ""
+    markers: ClassVar[tuple[str, ...]] = ()
+    # a template containing all of these is taken to speak this format (--tool-call-parser auto)
+    template_signature: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.tools = {t["name"]: t for t in _functions(tools)}
+        self.failures = 0  # calls that came back as content
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+    # ---- helpers for subclasses -------------------------------------------------------
+
+    def call_or_content(self, name: str, arguments: Any, raw: str, call_id: str | None = None) -> Piece:
+        """A call when ``name`` is a declared tool and ``arguments`` a JSON object (or its
+        text), else ``raw`` as content, counted as a failure."""
+        name = name.strip() if isinstance(name, str) else name
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                arguments = None
+        if not isinstance(name, str) or not name or not isinstance(arguments, dict) or (
+            self.tools and name not in self.tools
+        ):
+            self.failures += 1
+            return (CONTENT, raw)
+        return (CALL, ToolCall(name, json.dumps(arguments, ensure_ascii=False), call_id))
+
+    def parameter_schema(self, function: str, parameter: str) -> dict:
+        """The JSON schema of one parameter of a declared function ({} when unknown)."""
+        params = (self.tools.get(function) or {}).get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        schema = props.get(parameter) if isinstance(props, dict) else None
+        return schema if isinstance(schema, dict) else {}
+
+
+class ReasoningParser:
+    """Splits streamed output text into reasoning and content; one instance per choice.
+
+    ``prompt`` is the rendered prompt: a template that opened the thinking block in the
+    generation prompt (``...<think>``) or closed it (thinking off: ``...</think>``) decides
+    how the output starts, which the output alone cannot tell.
+    """
+
+    name: ClassVar[str] = ""
+    markers: ClassVar[tuple[str, ...]] = ()
+    template_signature: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, prompt: str = "") -> None:
+        self.prompt = prompt
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+def _functions(tools: list[dict] | None) -> list[dict]:
+    """The function definitions of an OpenAI ``tools`` list (entries without a name skipped)."""
+    out = []
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out.append(fn)
+    return out
+
+
+def join_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent texts of one kind joined, empty texts dropped: the canonical form of a stream."""
+    out: list[Piece] = []
+    for kind, value in pieces:
+        if kind == CALL:
+            out.append((kind, value))
+        elif value:
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1] + value)
+            else:
+                out.append((kind, value))
+    return out
