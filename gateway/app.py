@@ -270,6 +270,10 @@ class App:
                 kind = event[0]
                 if kind == "text":
                     parts.append(framer.text_chunk(event[1], event[2]))
+                elif kind == "reasoning":
+                    parts.append(framer.reasoning_chunk(event[1], event[2]))
+                elif kind == "call":
+                    parts.append(framer.call_chunks(event[1], event[2]))
                 elif kind == "finish":
                     parts.append(framer.finish_chunk(event[1], event[2]))
                     self.gw.metrics.finished(event[2])
@@ -290,12 +294,18 @@ class App:
 
     async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=()) -> None:
         texts = [[] for _ in gen.choices]
+        reasoning = [[] for _ in gen.choices]
+        calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
         open_choices = len(gen.choices)
         while open_choices:
             event = await gen.events.get()
             if event[0] == "text":
                 texts[event[1]].append(event[2])
+            elif event[0] == "reasoning":
+                reasoning[event[1]].append(event[2])
+            elif event[0] == "call":
+                calls[event[1]].append(event[2])
             elif event[0] == "finish":
                 reasons[event[1]] = event[2]
                 self.gw.metrics.finished(event[2])
@@ -305,7 +315,7 @@ class App:
                 return
             elif event[0] == "disconnected":
                 return
-        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen))
+        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls)
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:

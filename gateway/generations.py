@@ -24,6 +24,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None  # as the scheduler or a stop string decided
+    tool_calls: int = 0  # calls parsed out of its output
     error: str | None = None
     done: bool = False  # its final text has arrived
     scheduler_done: bool = False
@@ -48,6 +49,8 @@ class Generation:
 
 # Events put on Generation.events:
 #   ("text", choice_index, text)
+#   ("reasoning", choice_index, text)
+#   ("call", choice_index, OutPiece)  -- one whole tool call
 #   ("finish", choice_index, finish_reason)
 #   ("error", ApiError)            -- the whole request failed; nothing follows
 
@@ -121,6 +124,9 @@ class Generations:
     # ---- from the workers -------------------------------------------------------------
 
     def on_detok(self, out: DetokOut) -> None:
+        if out.parse_failures and self.metrics:
+            for parser, count in out.parse_failures.items():
+                self.metrics.tool_parse_failures.labels(parser=parser).inc(count)
         for delta in out.items:
             entry = self.by_request.get(delta.request_id)
             if entry is None:
@@ -128,6 +134,12 @@ class Generations:
             gen, choice = entry
             if delta.text:
                 gen.events.put_nowait(("text", choice.index, delta.text))
+            for piece in delta.pieces:
+                if piece.kind == "call":
+                    choice.tool_calls += 1
+                    gen.events.put_nowait(("call", choice.index, piece))
+                else:  # "content" and "text" events are the same thing
+                    gen.events.put_nowait(("text" if piece.kind == "content" else piece.kind, choice.index, piece.text))
             if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
                 choice.finish_reason = protocol.FINISH_STOP
                 if not choice.scheduler_done:
@@ -139,7 +151,7 @@ class Generations:
                     self.fail(gen, ApiError(500, f"The scheduler failed the request: {choice.error or 'unknown error'}",
                                             "InternalServerError", None, "scheduler_error"))
                     continue
-                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice.finish_reason)))
+                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice)))
                 if gen.finished:
                     self.live.discard(gen)
 
@@ -173,6 +185,9 @@ class Generations:
         self._drop(gen)
 
 
-def _openai_finish(reason: str | None) -> str:
-    # OpenAI knows stop and length; an abort ends the text like a stop would.
-    return "length" if reason == protocol.FINISH_LENGTH else "stop"
+def _openai_finish(choice: Choice) -> str:
+    # OpenAI knows stop, length and tool_calls; an abort ends the text like a stop would. As vLLM
+    # does, "tool_calls" needs calls and a model that stopped by itself: a length cut stays "length".
+    if choice.finish_reason == protocol.FINISH_LENGTH:
+        return "length"
+    return "tool_calls" if choice.tool_calls else "stop"

@@ -26,6 +26,8 @@ class InProcessConversion:
         self.converter = Converter(settings)
         self.detokenizer = Detokenizer(self.converter.tokenizer)
         self.max_model_len = self.converter.max_model_len
+        parsers = self.converter.parsers
+        self.parsers = {"tool_call_parser": parsers.tool_name or None, "reasoning_parser": parsers.reasoning_name or None}
         self.on_detok = on_detok
         self.threaded = threaded
         self.metrics = metrics
@@ -61,7 +63,7 @@ class InProcessConversion:
     def detokenize(self, owner: int, items) -> None:
         t0 = time.perf_counter()
         deltas = self.detokenizer.step(items)
-        self.on_detok(DetokOut(deltas, time.perf_counter() - t0))
+        self.on_detok(DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures()))
 
     def release(self, owner: int, request_ids) -> None:
         self.detokenizer.release(request_ids)

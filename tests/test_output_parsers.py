@@ -123,3 +123,79 @@ def test_chunking_invariant(example) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_one_character_at_a_time(case: Case) -> None:
     assert parse_chunks(case, list(case.text)) == parse_chunks(case, [case.text])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizer_workers.model import load_model
+
+    return load_model(None).tokenizer
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(CASES), data=st.data())
+def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
+    """The worker's path: token IDs in frames of any size (cuts inside multi-byte characters too),
+    DecodeStream, the parser; the joined pieces equal a parse of the decoded text."""
+    from scheduler_client.protocol import ids_to_frame
+    from tokenizer_workers.converter import DetokSpec
+    from tokenizer_workers.detokenizer import Detokenizer
+    from tokenizer_workers.messages import DetokItem
+
+    ids = tokenizer.encode(case.text, add_special_tokens=False).ids
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids)))
+    detok = Detokenizer(tokenizer)
+    parser = make_parser(case)
+    detok.open(DetokSpec("r", [], True, parser, parser.markers, True, case.tool_parser or ""))
+    pieces, start = [], 0
+    for size in sizes:
+        if start >= len(ids):
+            break
+        frame = ids_to_frame(ids[start : start + size])
+        start += size
+        [delta] = detok.step([DetokItem("r", frame, start >= len(ids))])
+        pieces += [(p.kind, (p.name, json.loads(p.text)) if p.kind == CALL else p.text) for p in delta.pieces]
+    if start == 0:  # an empty output: the scheduler's final frame carries no token
+        [delta] = detok.step([DetokItem("r", b"", True)])
+        pieces += [(p.kind, p.text) for p in delta.pieces]
+    assert join_pieces(pieces) == parse_chunks(case, [text])
+
+
+AUTO = {  # template -> (tool-call parser, reasoning parser) that --*-parser auto must pick
+    "deepseek-r1.jinja": ("deepseek_v3", "deepseek_r1"),
+    "deepseek-v3.jinja": ("deepseek_v3", None),
+    "deepseek-v3.2.jinja": ("deepseek_v4", "deepseek_r1"),
+    "glm-4.5.jinja": ("glm45", "glm45"),
+    "granite-3.3-2b-instruct.jinja": (None, "granite"),
+    "hermes-2-pro-llama-3-8b-tool_use.jinja": ("hermes", None),
+    "kimi-k2-instruct.jinja": ("kimi_k2", None),
+    "llama-3.1-8b-instruct.jinja": ("llama3_json", None),
+    "llama-3.3-70b-instruct.jinja": ("llama3_json", None),
+    "mistral-7b-instruct-v0.3.jinja": ("mistral", None),
+    "mistral-nemo-instruct-2407.jinja": ("mistral", None),
+    "qwen2.5-7b-instruct.jinja": ("hermes", None),
+    "qwen3-0.6b.jinja": ("hermes", "qwen3"),
+    "qwen3-coder-30b-a3b-instruct.jinja": ("qwen3_coder", None),
+    "qwq-32b.jinja": ("hermes", "qwen3"),
+    "llama-2-7b-chat.jinja": (None, None),
+    "gemma-3-it.jinja": (None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTO))
+def test_auto_picks_the_format_from_the_template(name):
+    from conftest import require_shared
+    from tokenizer_workers.output_parsers import choose_parsers
+
+    template = (require_shared() / "chat_templates" / name).read_text(encoding="utf-8")
+    chosen = choose_parsers("auto", "auto", template)
+    assert (chosen.tool_name or None, chosen.reasoning_name or None) == AUTO[name]
+
+
+def test_auto_on_the_embedded_model():
+    from tokenizer_workers.model import _DEFAULT_TEMPLATE
+    from tokenizer_workers.output_parsers import choose_parsers
+
+    chosen = choose_parsers("auto", "auto", _DEFAULT_TEMPLATE.read_text(encoding="utf-8"))
+    assert (chosen.tool_name, chosen.reasoning_name) == ("deepseek_v31", "deepseek_r1")

@@ -20,6 +20,7 @@ from tokenizer_workers.chat_messages import to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
 from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob
 from tokenizer_workers.model import Model, load_model
+from tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
 from tokenizer_workers.segment_cache import SegmentEncoder
 
 _json = msgspec.json.Encoder()
@@ -38,6 +39,8 @@ class ConverterSettings(msgspec.Struct):
     trust_request_chat_template: bool = False
     tokenize_cache_bytes: int = 256 << 20
     verify_tokenize_cache: bool = False
+    tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
+    reasoning_parser: str = ""
 
 
 @dataclass
@@ -47,6 +50,10 @@ class DetokSpec:
     request_id: str
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
+    markers: tuple[str, ...] = ()  # the parser's markers: kept even where they are special tokens
+    include_reasoning: bool = True
+    tool_parser_name: str = ""
 
 
 @dataclass
@@ -69,6 +76,9 @@ class Converter:
         )
         self.segments = SegmentEncoder(
             self.tokenizer, settings.tokenize_cache_bytes, verify=settings.verify_tokenize_cache
+        )
+        self.parsers: ParserChoice = choose_parsers(
+            settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
 
     def encode_chat(self, prompt: str) -> tuple:
@@ -105,6 +115,7 @@ class Converter:
         req: oa.ChatCompletionRequest = oa.parse("chat", body)
         self._check_model(req.model)
         oa.check_sampling(req)
+        parse_tools = self._tool_choice(req)  # refuse a tool_choice we cannot honour before rendering
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         t0 = time.perf_counter()
@@ -113,6 +124,7 @@ class Converter:
         ids, report = self.encode_chat(prompt)
         t2, cpu = time.perf_counter(), time.process_time() - cpu
         conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1)
+        self._attach_parser(conversion.detok[0], req, prompt, parse_tools)
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         return conversion
@@ -166,6 +178,31 @@ class Converter:
         return Conversion(ConvertDone(job.job_id, body=_json.encode({"prompt": text})))
 
     # ---- pieces ---------------------------------------------------------------------
+
+    @staticmethod
+    def _tool_choice(req) -> bool:
+        """Whether to parse tool calls out of the output (tool_choice auto with tools), or a 400."""
+        choice = req.tool_choice
+        if isinstance(choice, dict) or choice == "required":
+            raise oa.InvalidRequest(
+                "tool_choice 'required' and a named function need constrained decoding, which this server does not "
+                "offer yet; use tool_choice 'auto' (the model decides, and its calls are parsed) or 'none'.",
+                "tool_choice",
+            )
+        if choice not in (None, "auto", "none"):
+            raise oa.InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
+                                    "tool_choice")
+        if req.tools is not None and not isinstance(req.tools, list):
+            raise oa.InvalidRequest("tools must be a list of function tools.", "tools")
+        return bool(req.tools) and choice != "none"
+
+    def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool) -> None:
+        parser = self.parsers.make(req.tools if parse_tools else None, prompt[-256:])
+        if parser is not None:
+            spec.parser = parser
+            spec.markers = parser.markers
+            spec.include_reasoning = req.include_reasoning
+            spec.tool_parser_name = self.parsers.tool_name
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -5,6 +5,11 @@ incomplete UTF-8. Stop strings are matched on the text: a possible stop-string p
 at the end is held back until it is decided, and text from a match on is never sent.
 When the request ends, a full decode of all its tokens settles the tail, so the text a
 client receives is exactly ``decode(all token ids)`` (cut at the first stop string).
+
+A request with an output parser (tool calls, reasoning) is decoded with special tokens
+kept, so the parser sees its markers even where they are special tokens; special tokens
+that are not markers are dropped before decoding when ``skip_special_tokens`` asks for it.
+The text then goes through the parser, and the delta carries its pieces in order.
 """
 
 from __future__ import annotations
@@ -16,20 +21,27 @@ from tokenizers.decoders import DecodeStream
 
 from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers.converter import DetokSpec
-from tokenizer_workers.messages import DetokDelta, DetokItem
+from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
+from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
 
 class _Stream:
-    __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending")
+    __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
+                 "include_reasoning", "parser_name")  # fmt: skip
 
-    def __init__(self, spec: DetokSpec):
-        self.stream = DecodeStream(skip_special_tokens=spec.skip_special_tokens)
+    def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
+        self.parser: OutputParser | None = spec.parser
+        # with a parser, DecodeStream keeps specials and drop_ids does what skip_special_tokens would
+        self.skip_special = spec.skip_special_tokens and self.parser is None
+        self.drop_ids = drop_ids if self.parser is not None and spec.skip_special_tokens else frozenset()
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special)
         self.ids: list[int] = []
         self.stop = spec.stop
         self.hold = max((len(s) for s in spec.stop), default=1) - 1
-        self.skip_special = spec.skip_special_tokens
         self.streamed = ""  # everything DecodeStream produced (the decode of ids so far)
         self.pending = ""  # produced but not yet sent, because it may start a stop string
+        self.include_reasoning = spec.include_reasoning
+        self.parser_name = spec.tool_parser_name
 
 
 class Detokenizer:
@@ -39,9 +51,18 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.max_states = max_states
         self.states: OrderedDict[str, _Stream] = OrderedDict()
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._drop_ids: dict[tuple, frozenset] = {}
+        self.parse_failures: dict[str, int] = {}  # since the last take_failures()
 
     def open(self, spec: DetokSpec) -> None:
-        self.states[spec.request_id] = _Stream(spec)
+        drop = frozenset()
+        if spec.parser is not None:
+            drop = self._drop_ids.get(spec.markers)
+            if drop is None:  # special tokens skip_special_tokens drops, less the parser's markers
+                keep = {self.tokenizer.token_to_id(m) for m in spec.markers}
+                drop = self._drop_ids[spec.markers] = self.special_ids - keep
+        self.states[spec.request_id] = _Stream(spec, drop)
         while len(self.states) > self.max_states:
             self.states.popitem(last=False)
 
@@ -59,8 +80,14 @@ class Detokenizer:
             out.append(self._advance(item.request_id, state, item.token_ids, item.finished))
         return out
 
+    def take_failures(self) -> dict[str, int]:
+        out, self.parse_failures = self.parse_failures, {}
+        return out
+
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
         new_ids = frame_to_ids(frame)
+        if state.drop_ids:
+            new_ids = [t for t in new_ids if t not in state.drop_ids]
         state.ids.extend(new_ids)
         for tid in new_ids:
             try:
@@ -78,7 +105,25 @@ class Detokenizer:
         text, stopped = self._cut(state, finished)
         if stopped or finished:
             del self.states[rid]
-        return DetokDelta(rid, text, stopped, stopped or finished)
+        if state.parser is None:
+            return DetokDelta(rid, text, stopped, stopped or finished)
+        return DetokDelta(rid, "", stopped, stopped or finished, self._parse(state, text, stopped or finished))
+
+    def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
+        parser = state.parser
+        pieces = parser.feed(text) if text else []
+        if last:
+            pieces += parser.finish()
+            if parser.failures:
+                name = state.parser_name
+                self.parse_failures[name] = self.parse_failures.get(name, 0) + parser.failures
+        out = []
+        for kind, value in pieces:
+            if kind == CALL:
+                out.append(OutPiece(kind, value.arguments, value.name, value.id or "", value.index))
+            elif kind != REASONING or state.include_reasoning:
+                out.append(OutPiece(kind, value))
+        return out
 
     @staticmethod
     def _cut(state: _Stream, finished: bool) -> tuple[str, bool]:

@@ -51,6 +51,8 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     tokenize_cache: bool = False  # the segment-separability self-test passed and the cache is on
     tokenize_cache_reason: str = ""
+    tool_call_parser: str = ""  # the parsers the worker applies ("" = none), "auto" resolved
+    reasoning_parser: str = ""
 
 
 class CacheReport(msgspec.Struct, array_like=True):
@@ -104,16 +106,28 @@ class ConvertDone(msgspec.Struct, tag="done"):
     cache: CacheReport | None = None
 
 
+class OutPiece(msgspec.Struct, array_like=True):
+    """One parsed piece of a choice's output, in order (requests with a tool or reasoning parser)."""
+
+    kind: str  # "content" | "reasoning" | "call"
+    text: str  # the content or reasoning text; a call's arguments (a JSON object)
+    name: str = ""  # a call's function name
+    call_id: str = ""
+    index: int = 0  # a call's index among the choice's calls
+
+
 class DetokDelta(msgspec.Struct, array_like=True):
     request_id: str
-    text: str
+    text: str  # the new text (requests without parsers; with parsers it is in ``pieces``)
     stopped: bool  # a stop string matched: the gateway ends the choice and aborts it
     final: bool  # the worker has freed this request's state; no more deltas follow
+    pieces: list[OutPiece] = []
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):
     items: list[DetokDelta]
     detok_s: float = 0.0
+    parse_failures: dict[str, int] = {}  # tool-call parser name -> calls returned as content
 
 
 FromWorker = WorkerReady | ConvertDone | DetokOut

@@ -37,6 +37,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

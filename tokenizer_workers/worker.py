@@ -67,8 +67,10 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
+        parsers = self.converter.parsers
         sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
-                                              self.converter.segments.enabled, self.converter.segments.self_test_reason)))
+                                              self.converter.segments.enabled, self.converter.segments.self_test_reason,
+                                              parsers.tool_name, parsers.reasoning_name)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
@@ -93,7 +95,7 @@ class Worker:
         if isinstance(msg, m.DetokBatch):
             t0 = time.perf_counter()
             deltas = self.detokenizer.step(msg.items)
-            out = m.DetokOut(deltas, time.perf_counter() - t0)
+            out = m.DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures())
             sock.send(m.encoder.encode(out))
         elif isinstance(msg, m.ConvertJob):
             self.jobs.put((msg, frames[1].bytes if len(frames) > 1 else b"", time.perf_counter()))

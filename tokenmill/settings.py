@@ -13,6 +13,8 @@ import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+
 
 def _default_workers() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
@@ -64,11 +66,14 @@ class ServeSettings:
     tokenize_cache_bytes: int = 256 << 20
     verify_tokenize_cache: bool = False
     affinity: bool = True
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
     conversion_mode: str = "pool"
     sim_prefill_tokens_per_s: float = 200000.0
     sim_inter_token_latency_ms: float = 20.0
     sim_max_running: int = 256
     sim_mode: str = "random"
+    sim_replies: str | None = None
     log_level: str = "info"
 
     def __post_init__(self):
@@ -109,14 +114,24 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                              "pieces, one quarter for recent whole prompts (0 = off)."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
+    "tool_call_parser": (str, "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
+                         "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
+                         "auto (from the chat template), or none. Default: auto for the embedded model, else none."),
+    "reasoning_parser": (str, "Separate reasoning from content: deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, "
+                         "openai_gptoss, granite, auto, or none. Default: auto for the embedded model, else none."),
     "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
     "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
     "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
+    "sim_replies": (str, 'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
+                    "(docs/scheduler-protocol.md §10)."),
     "log_level": (str, "debug, info, warning or error."),
 }
+_PARSER_NAMES = ("auto", "none")
 CHOICES = {
+    "tool_call_parser": (*_PARSER_NAMES, *TOOL_PARSERS),
+    "reasoning_parser": (*_PARSER_NAMES, *REASONING_PARSERS),
     "chat_template_content_format": ("auto", "string", "openai"),
     "conversion_mode": ("pool", "inline", "thread"),
     "sim_mode": ("random", "echo"),

@@ -41,6 +41,16 @@ def tokenizer(markers: tuple[str, ...]):
     return tok
 
 
+class _HarmonyDecoder:
+    """openai_harmony's o200k encoding where HarmonyParser decodes an unfinished message."""
+
+    def __init__(self, encoding) -> None:
+        self.encoding = encoding
+
+    def decode(self, ids, **_) -> str:
+        return self.encoding.decode(list(ids))
+
+
 def run(case: dict) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser import ParserManager
@@ -49,11 +59,20 @@ def run(case: dict) -> dict:
     kwargs = case.get("chat_template_kwargs") or {}
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                     tools=case.get("tools"), chat_template_kwargs=kwargs or None)
+    # gpt-oss: vLLM picks HarmonyParser by the model type (not the parser names) and parses
+    # token ids of openai_harmony's own encoding (bundled with openai_harmony: works offline)
+    harmony = case.get("tool_parser") == "openai" or case.get("reasoning_parser") == "openai_gptoss"
     cls = ParserManager.get_parser(tool_parser_name=case.get("tool_parser"),
                                    reasoning_parser_name=case.get("reasoning_parser"),
-                                   enable_auto_tools=bool(case.get("tool_parser")))
+                                   enable_auto_tools=bool(case.get("tool_parser")), is_harmony=harmony)
     parser = cls(tok, request.tools, chat_template_kwargs=kwargs)
-    ids = tok.encode(case["text"], add_special_tokens=False)
+    if harmony:
+        from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
+
+        parser.model_tokenizer = _HarmonyDecoder(get_encoding())
+        ids = get_encoding().encode(case["text"], allowed_special="all")
+    else:
+        ids = tok.encode(case["text"], add_special_tokens=False)
     reasoning, content, calls = parser.parse(case["text"], request, enable_auto_tools=True,
                                              model_output_token_ids=ids)
     out_calls = []

@@ -46,7 +46,7 @@ REASONING_PARSERS = {
 
 __all__ = [
     "CALL", "CONTENT", "REASONING", "TOOL_PARSERS", "REASONING_PARSERS", "OutputParser", "Piece", "ToolCall",
-    "join_pieces", "reasoning_parser_class", "tool_parser_class", "detect",
+    "join_pieces", "reasoning_parser_class", "tool_parser_class", "detect", "ParserChoice", "choose_parsers",
 ]  # fmt: skip
 
 
@@ -76,6 +76,38 @@ def detect(template: str, table: dict[str, str], loader) -> str | None:
     return best
 
 
+class ParserChoice:
+    """The server's parsers (names resolved), making one OutputParser per chat choice."""
+
+    def __init__(self, tool_cls: type[ToolParser] | None, reasoning_cls: type[ReasoningParser] | None) -> None:
+        self.tool_cls = tool_cls
+        self.reasoning_cls = reasoning_cls
+        self.tool_name = tool_cls.name if tool_cls else ""
+        self.reasoning_name = reasoning_cls.name if reasoning_cls else ""
+
+    def make(self, tools: list[dict] | None, prompt_tail: str) -> OutputParser | None:
+        """A parser for one choice: tool calls only when ``tools`` are to be parsed."""
+        tool_parser = self.tool_cls(tools) if self.tool_cls and tools else None
+        reasoning = self.reasoning_cls(prompt_tail) if self.reasoning_cls else None
+        if tool_parser is None and reasoning is None:
+            return None
+        return OutputParser(reasoning, tool_parser)
+
+
+def choose_parsers(tool_name: str, reasoning_name: str, template: str) -> ParserChoice:
+    """Resolve --tool-call-parser / --reasoning-parser: a name, "auto" (from the chat template), or ""."""
+    tool_cls = reasoning_cls = None
+    if tool_name == "auto":
+        tool_name = detect(template, TOOL_PARSERS, tool_parser_class) or ""
+    if reasoning_name == "auto":
+        reasoning_name = detect(template, REASONING_PARSERS, reasoning_parser_class) or ""
+    if tool_name:
+        tool_cls = tool_parser_class(tool_name)
+    if reasoning_name:
+        reasoning_cls = reasoning_parser_class(reasoning_name)
+    return ParserChoice(tool_cls, reasoning_cls)
+
+
 class OutputParser:
     """Reasoning, then tool calls, over one choice's output; calls get their index and id here."""
 
@@ -83,6 +115,11 @@ class OutputParser:
         self.reasoning = reasoning
         self.tools = tools
         self.calls = 0
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What the worker must keep in the text even where it is a special token."""
+        return (self.reasoning.markers if self.reasoning else ()) + (self.tools.markers if self.tools else ())
 
     @property
     def failures(self) -> int:
@@ -114,7 +151,7 @@ class OutputParser:
         for kind, value in pieces:
             if kind == CALL:
                 call_id = value.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
-                value = ToolCall(value.name, value.arguments, call_id)
+                value = ToolCall(value.name, value.arguments, call_id, self.calls)
                 self.calls += 1
             out.append((kind, value))
         return out

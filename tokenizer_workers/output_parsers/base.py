@@ -37,6 +37,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, serialized as json.dumps(..., ensure_ascii=False)
     id: str | None = None  # set when the format names its calls (Kimi K2's functions.NAME:IDX)
+    index: int = 0  # the call's place among the choice's calls (set by OutputParser)
 
 
 Piece = tuple[str, Any]  # (CONTENT | REASONING, str) or (CALL, ToolCall)

@@ -83,7 +83,7 @@ class ThinkParser(ReasoningParser):
 class DeepSeekR1Parser(ThinkParser):
     name = "deepseek_r1"
     reasoning_first = True
-    template_signature = ("<think>", "</think>")
+    template_signature = ("</think>",)  # R1's own template only strips thinking from history
 
 
 class DeepSeekV3ReasoningParser(ThinkParser):
@@ -94,7 +94,9 @@ class DeepSeekV3ReasoningParser(ThinkParser):
 
 class Qwen3ReasoningParser(ThinkParser):
     name = "qwen3"
+    template_signature = ("<think>", "</think>", "<|im_start|>")
 
 
 class Glm45ReasoningParser(ThinkParser):
     name = "glm45"
+    template_signature = ("<think>", "</think>", "<|assistant|>")
