@@ -27,6 +27,9 @@ class Case:
     # {"reasoning": str|None, "content": str|None, "tool_calls": [{"name", "arguments": {...}}]}.
     vllm_differs: str | None = None
     expect: dict | None = None
+    # the markers vLLM's tokenizer gets, where they pick its mode (default: the parsers' markers);
+    # e.g. mistral without [ARGS] in the vocabulary is vLLM's pre-v11 mode
+    vllm_markers: tuple[str, ...] | None = None
 
 
 def tool(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:

@@ -38,3 +38,10 @@ CASES = [
          '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>',
          P, "qwen3", tools=TOOLS, prompt="<|im_start|>assistant\n"),
 ]
+CASES.append(
+    Case("hermes-nan-argument", '<tool_call>\n{"name": "search", "arguments": {"score": NaN}}\n</tool_call>', P, tools=TOOLS,
+         vllm_differs="vLLM passes NaN through, and its arguments string is then not JSON; tokenmill returns the "
+                      "call's text as content",
+         expect={"reasoning": None, "content": '<tool_call>\n{"name": "search", "arguments": {"score": NaN}}\n</tool_call>',
+                 "tool_calls": []})
+)

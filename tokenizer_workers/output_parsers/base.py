@@ -24,6 +24,7 @@ Three rules make the stream exact (issue: vLLM and SGLang break each of them):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -124,7 +125,7 @@ class ToolParser:
         name = name.strip() if isinstance(name, str) else name
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = json_value(arguments) if arguments.strip() else {}
             except ValueError:
                 arguments = None
         if not isinstance(name, str) or not name or not isinstance(arguments, dict) or (
@@ -162,6 +163,26 @@ class ReasoningParser:
 
     def finish(self) -> list[Piece]:
         raise NotImplementedError
+
+
+def finite_number(text: str) -> float:
+    number = float(text)
+    if math.isinf(number) or math.isnan(number):
+        raise ValueError(f"{text} is no finite number")
+    return number
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def json_value(text: str) -> Any:
+    """``json.loads``, refusing what could not be written back as JSON (NaN, Infinity, 1e999) or is
+    nested too deeply to read (ValueError in every case)."""
+    try:
+        return json.loads(text, parse_float=finite_number, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _functions(tools: list[dict] | None) -> list[dict]:

@@ -61,6 +61,7 @@ class DelimitedCallsParser(ToolParser):
                     return out
                 self._held_space = ""  # whitespace between calls (or sections) is dropped
                 self._state = _SECTION if self.section_start else _CALL
+                self._after_call = True  # and so is whitespace between a section's start and its first call
             elif self._state == _SECTION:
                 before, marker = self._scanner.scan(self._section_markers)
                 self._text(before, out)

@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-import json
-
-from tokenizer_workers.output_parsers.base import Piece
+from tokenizer_workers.output_parsers.base import Piece, json_value
 from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 
@@ -26,14 +24,14 @@ class HermesParser(DelimitedCallsParser):
     def parse_unclosed(self, body: str, index: int) -> Piece | None:
         # vLLM takes a call whose closing tag never came if its JSON is whole
         try:
-            json.loads(body)
+            json_value(body)
         except ValueError:
             return None
         return self._piece(body, self.call_start + body)
 
     def _piece(self, body: str, raw: str) -> Piece:
         try:
-            obj = json.loads(body)
+            obj = json_value(body)
         except ValueError:
             obj = None
         if not isinstance(obj, dict):
