@@ -17,8 +17,8 @@ Three rules make the stream exact (issue: vLLM and SGLang break each of them):
   the short tail that could begin a marker, and call bodies are collected in lists and
   joined once.
 * **Nothing lost.** Text the parser could not turn into a call (invalid JSON, a function not
-  in ``tools``, a call cut off by ``max_tokens``) comes back as content, word for word, and
-  is counted in ``failures``.
+  in ``tools``, a call cut off by ``max_tokens``) comes back as content, the call's own text
+  word for word, and is counted in ``failures``.
 """
 
 from __future__ import annotations
@@ -181,6 +181,17 @@ def json_value(text: str) -> Any:
     nested too deeply to read (ValueError in every case)."""
     try:
         return json.loads(text, parse_float=finite_number, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+_DECODER = json.JSONDecoder(parse_float=finite_number, parse_constant=_no_constant)
+
+
+def json_prefix(text: str, at: int = 0) -> tuple[Any, int]:
+    """The JSON value starting at ``at`` and where it ends, with json_value's refusals (ValueError)."""
+    try:
+        return _DECODER.raw_decode(text, at)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 

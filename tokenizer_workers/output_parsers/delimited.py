@@ -98,8 +98,7 @@ class DelimitedCallsParser(ToolParser):
             piece = self.parse_unclosed(body, self._calls)
             if piece is None:
                 self.failures += 1
-                opener = self.call_start if not self.section_start else self.call_start
-                out.append((CONTENT, opener + body))
+                out.append((CONTENT, self.call_start + body))
             else:
                 out.append(piece)
         else:

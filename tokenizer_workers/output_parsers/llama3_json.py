@@ -15,14 +15,12 @@ after the last call. An output whose first object is no call is content as a who
 
 from __future__ import annotations
 
-import json
 import re
 
-from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser
+from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
 
 TAG = "<|python_tag|>"
 _SEPARATORS = re.compile(r"(?:\s|;|<\|python_tag\|>)*")
-_DECODER = json.JSONDecoder()
 _START, _TEXT, _CALLS = 0, 1, 2
 
 
@@ -97,7 +95,7 @@ class Llama3JsonParser(ToolParser):
             try:
                 if text[at] != "{":
                     raise ValueError
-                obj, stop = _DECODER.raw_decode(text, at)
+                obj, stop = json_prefix(text, at)
             except (ValueError, IndexError):
                 return self._rest(out, text, end, start)
             key = "arguments" if "arguments" in obj else "parameters"

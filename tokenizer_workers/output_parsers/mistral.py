@@ -13,14 +13,12 @@ entry naming an unknown function, text after a call's JSON.
 
 from __future__ import annotations
 
-import json
 import re
 
-from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser
+from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
-_DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"\s*")
 
 
@@ -85,7 +83,7 @@ class MistralParser(ToolParser):
         try:
             if seg[at : at + 1] != "{":
                 raise ValueError
-            args, end = _DECODER.raw_decode(seg, at)
+            args, end = json_prefix(seg, at)
         except ValueError:
             return self._failed(seg)
         piece = self.call_or_content(name, args, BOT + seg)
@@ -95,7 +93,7 @@ class MistralParser(ToolParser):
         items = []  # (object, its text)
         try:
             if seg[at] == "{":
-                obj, end = _DECODER.raw_decode(seg, at)
+                obj, end = json_prefix(seg, at)
                 items.append((obj, seg[at:end]))
             else:  # walk the array entry by entry, to know each one's text
                 end = at + 1
@@ -104,7 +102,7 @@ class MistralParser(ToolParser):
                     if seg[end : end + 1] == "]" and not items:
                         end += 1
                         break
-                    obj, stop = _DECODER.raw_decode(seg, end)
+                    obj, stop = json_prefix(seg, end)
                     items.append((obj, seg[end:stop]))
                     end = _SPACE.match(seg, stop).end()
                     if seg[end : end + 1] == "]":
