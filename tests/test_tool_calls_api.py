@@ -233,3 +233,30 @@ def test_markers_that_are_special_tokens_are_seen_whatever_skip_special_tokens_s
     finally:
         srv.stop()
     shutil.rmtree(model, ignore_errors=True)
+
+
+def test_without_a_parser_tools_leave_the_text_alone(tmp_path):
+    replies = write_replies(tmp_path / "replies.jsonl")
+    srv = Server("--workers", "1", "--tool-call-parser", "none", "--reasoning-parser", "none",
+                 "--sim-inter-token-latency-ms", "0", "--sim-replies", replies)  # fmt: skip
+    try:
+        got = whole(srv.client(), ask("weather in Paris", tools=TOOLS))
+        assert got == {"content": REPLIES[0][1], "reasoning": None, "finish": "stop", "calls": []}
+        thinking = whole(srv.client(), ask("think first", chat_template_kwargs={"enable_thinking": True}))
+        assert thinking["reasoning"] is None and thinking["content"] == REPLIES[3][1]
+        assert http("GET", srv.url + "/debug/state")[2]["parsers"] == {"tool_call_parser": None, "reasoning_parser": None}
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("line", ['{"match": "", "text": "x"}', "not json", '{"match": "a"}'])
+def test_a_bad_replies_file_stops_the_simulator_with_its_line(tmp_path, line):
+    import subprocess
+    import sys
+
+    path = tmp_path / "replies.jsonl"
+    path.write_text('{"match": "ok", "text": "fine"}\n' + line + "\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "simulate-scheduler", "--bind",
+                           f"ipc://{tmp_path}/s.sock", "--replies", str(path)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and f"{path}:2:" in proc.stderr, proc.stderr
