@@ -489,6 +489,8 @@ class WorkerPool:
                                 "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
                 if self.metrics:
                     self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
+                    if msg.tool_call_parser:  # exported at 0 from the start, so dashboards and alerts see it
+                        self.metrics.tool_parse_failures.labels(parser=msg.tool_call_parser)
                 if not msg.tokenize_cache:
                     log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
                 worker.ready = True
