@@ -260,3 +260,20 @@ def test_a_bad_replies_file_stops_the_simulator_with_its_line(tmp_path, line):
                            f"ipc://{tmp_path}/s.sock", "--replies", str(path)],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and f"{path}:2:" in proc.stderr, proc.stderr
+
+
+def test_reasoning_sent_back_renders_under_either_name(scripted):
+    """vLLM's `reasoning` and the older `reasoning_content` reach the template the same way."""
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+
+    def prompt(key: str) -> str:
+        messages = [{"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "content": "", key: "Add two and two.", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "4"}]  # fmt: skip
+        status, _, body = http("POST", scripted.url + "/tokenize", {"messages": messages, "tools": TOOLS})
+        assert status == 200, body
+        return http("POST", scripted.url + "/detokenize", {"tokens": body["tokens"]})[2]["prompt"]
+
+    rendered = prompt("reasoning")
+    assert "<think>Add two and two.</think>" in rendered
+    assert rendered == prompt("reasoning_content")
