@@ -32,8 +32,9 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn"),
-                        help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache.")
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers"),
+                        help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
+                             "parsers: tool-call and reasoning parsing cost per token.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -45,6 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--turns", type=int, help="multiturn: turns per conversation (default 30; quick 10).")
     parser.add_argument("--append-tokens", metavar="LO-HI",
                         help="multiturn: tokens of tool output appended per turn (default 2000-8000; quick 1000-3000).")
+    from tokenmill import bench_parsers  # stdlib imports only
+
+    bench_parsers.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -402,6 +406,10 @@ def run(args) -> int:
         from tokenmill import bench_multiturn
 
         return bench_multiturn.run(args)
+    if args.scenario == "parsers":
+        from tokenmill import bench_parsers
+
+        return bench_parsers.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)

@@ -14,7 +14,7 @@ COMMANDS = {
     "engine": ("engines.server", "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol."),
     "render": ("tokenmill.render_command", "Render conversations with a model's chat template and tokenize them."),
     "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link."),
-    "bench": ("tokenmill.bench", "Benchmark the front loop under long-context load (or the multiturn cache)."),
+    "bench": ("tokenmill.bench", "Benchmark the front loop under long-context load (or the multiturn cache, or the output parsers)."),
 }
 
 
