@@ -129,7 +129,7 @@ def check_sampling(req: SamplingFields) -> None:
         raise InvalidRequest("stop strings must not be empty.", "stop")
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise InvalidRequest("stop_token_ids must be non-negative token IDs.", "stop_token_ids")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:  # a signed 64-bit integer, as OpenAI and vLLM take
         raise InvalidRequest("seed is out of range.", "seed")
 
 
