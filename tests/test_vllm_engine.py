@@ -1,0 +1,793 @@
+"""A real vLLM behind tokenmill, side by side with vLLM's own OpenAI server on the same model.
+
+One tiny random-weight Llama (tokenmill/tiny_model.py, made here, no download) is
+served twice, on the CPU build of vLLM (the `.venv-vllm` that ./scripts/test.sh builds):
+
+* by vLLM's own server: `python -m vllm.entrypoints.openai.api_server --model DIR ...`;
+* by `tokenmill engine --backend vllm` (vLLM's AsyncLLM fed token IDs) behind `tokenmill serve`.
+
+Both vLLM processes start together (~40 s on 2 cores with `enforce_eager`) and run with the same
+engine settings, so the same prompt IDs and sampling parameters give the same tokens. The tests
+check that what a client sees is the same on both: /tokenize IDs, greedy and seeded sampled
+completions (streamed and not), usage and finish reasons; that every difference is one of the
+documented ones (docs/engines.md, "A real vLLM in the tests"), asserted as that difference; and
+the bridge's contract with the real engine: client disconnects abort inside vLLM, over-long
+prompts and out-of-vocabulary IDs are clean 400s, vLLM's own validation reaches the client,
+`stop_token_ids` / `ignore_eos` as docs/scheduler-protocol.md says, and an engine killed
+mid-stream (the last test: it costs another engine start).
+
+Skipped where vLLM's CPU build cannot run (tests/vllm_env.py says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from http.client import HTTPConnection
+from pathlib import Path
+
+import pytest
+
+from vllm_env import VLLM_PYTHON, missing_reason
+
+_why = missing_reason()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+import openai  # noqa: E402
+import zmq  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from conftest import ROOT, Server, free_port, http  # noqa: E402
+from scheduler_client.protocol import (  # noqa: E402
+    PROTOCOL_VERSION,
+    Error,
+    Generate,
+    Hello,
+    Outputs,
+    SamplingParams,
+    Welcome,
+    decode_from_scheduler,
+    encode,
+    ids_to_frame,
+)
+
+NAME = "tiny-llama"
+MAX_MODEL_LEN = 4096
+VOCAB = 129280
+EOS, EOS_TEXT = 1, "<｜end▁of▁sentence｜>"
+STARTUP_TIMEOUT = 420.0  # each vLLM start takes ~40 s here, ~2 min when compiling; leave room for a busy machine
+MAKE_MODEL = ["-m", "tokenmill.tiny_model"]
+
+# Identical engine settings in both vLLMs. enforce_eager skips torch.compile (a minute of start-up
+# on 2 cores); without a prefix cache a request's numerics do not depend on earlier requests.
+# enable_log_requests: the engine log (shown when a test fails) lists every request vLLM adds and ends.
+VLLM_SERVER_FLAGS = ["--enforce-eager", "--no-enable-prefix-caching"]
+ENGINE_FLAGS = ["--engine-arg", "enforce_eager=true", "--engine-arg", "enable_prefix_caching=false",
+                "--engine-arg", "enable_log_requests=true"]  # fmt: skip
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: 2M tokens of this model's cache, plenty
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",  # vLLM logs to stdout: the tests read the log file as it grows
+}
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+
+def _die_with_the_tests() -> None:
+    """In the child, before exec: SIGTERM when the test process dies (even by SIGKILL), so that a killed
+    pytest leaves no vLLM behind (SIGTERM lets vLLM stop its own engine-core and worker processes)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class Proc:
+    """A vLLM-venv subprocess in its own process group (vLLM's engine-core and worker processes
+    included), logging to a file; stop() ends the whole group."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env={**os.environ, **VLLM_ENV}, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_the_tests,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_alive(self, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group: vLLM's children, orphans of a killed parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class VLLMServer(Proc):
+    def __init__(self, model: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1",
+             "--port", str(self.port), *VLLM_SERVER_FLAGS],
+            log_path,
+        )  # fmt: skip
+
+    def ready(self) -> bool:
+        self.check_alive("vLLM's server")
+        try:
+            return http("GET", self.url + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+class Engine(Proc):
+    def __init__(self, model: Path, endpoint: str, log_path: Path) -> None:
+        self.endpoint = endpoint
+        self._seen = len(log_path.read_text(errors="replace")) if log_path.exists() else 0  # a restart appends
+        super().__init__(
+            [str(VLLM_PYTHON), "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", str(model),
+             "--max-model-len", str(MAX_MODEL_LEN), "--bind", endpoint, "--stats-interval-s", "0.2", *ENGINE_FLAGS],
+            log_path,
+        )  # fmt: skip
+
+    def ready(self) -> bool:
+        self.check_alive("tokenmill engine --backend vllm")
+        return "listening on" in self.log()[self._seen :]
+
+
+def wait_all(*procs, timeout: float = STARTUP_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if not p.ready()]
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {timeout:.0f} s:\n" + "\n".join(p.log()[-4000:] for p in pending))
+        time.sleep(0.5)
+
+
+@dataclass
+class Stack:
+    dir: Path
+    model: Path
+    vllm: VLLMServer
+    engine: Engine
+    front: Server
+    tokenizer: Tokenizer
+    started_s: float
+
+    def __post_init__(self) -> None:
+        self.v = self.vllm.client()  # one client each: their connections are reused
+        self.t = self.front.client()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    t0 = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="tmvllm-"))  # short: ipc paths are limited to ~100 bytes
+    model = root / NAME
+    procs: list = []
+    s: Stack | None = None
+    try:
+        made = subprocess.run([str(VLLM_PYTHON), *MAKE_MODEL, str(model)], cwd=ROOT,
+                              env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
+        procs.append(VLLMServer(model, root / "vllm.log"))
+        procs.append(Engine(model, f"ipc://{root}/engine.sock", root / "engine.log"))
+        wait_all(*procs)
+        front = Server("--model", str(model), "--scheduler", procs[1].endpoint, "--served-model-name", NAME,
+                       "--max-model-len", str(MAX_MODEL_LEN), "--workers", "1", timeout=120)  # fmt: skip
+        procs.append(front)
+        s = Stack(root, model, procs[0], procs[1], front, Tokenizer.from_file(str(model / "tokenizer.json")),
+                  time.monotonic() - t0)  # fmt: skip
+        print(f"\nvLLM stack ready in {s.started_s:.1f} s")
+        yield s
+    finally:
+        if s is not None:
+            procs[1] = s.engine  # the kill test starts a new one
+        statuses = [(p, p.stop()) for p in reversed(procs)]
+        shutil.rmtree(root, ignore_errors=True)
+    for p, status in statuses:  # after a normal run: every process shut down cleanly on SIGTERM
+        assert status == 0 or getattr(p, "killed", False), f"{type(p).__name__} exited with {status}"
+    print(f"\nvLLM module wall time {time.monotonic() - t0:.1f} s")
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Out:
+    text: str
+    finish: str | None
+    usage: tuple[int, int, int] | None
+    ids: list[int] | None  # generated token IDs (vLLM's return_token_ids)
+
+
+def _usage(u) -> tuple[int, int, int] | None:
+    return None if u is None else (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+
+
+# request fields the openai client does not know: they go in extra_body
+NOT_OPENAI = {"chat_template_kwargs", "continue_final_message", "add_generation_prompt", "skip_special_tokens",
+              "stop_token_ids", "ignore_eos", "top_k"}  # fmt: skip
+
+
+def _extra(body: dict) -> dict:
+    extra = dict(body.pop("extra_body", None) or {})
+    for key in NOT_OPENAI & set(body):
+        extra[key] = body.pop(key)
+    return extra
+
+
+def chat(client: openai.OpenAI, stream: bool = False, ids: bool = False, **body) -> Out:
+    extra = _extra(body)
+    if ids:
+        extra["return_token_ids"] = True
+    if not stream:
+        r = client.chat.completions.create(model=NAME, extra_body=extra or None, **body)
+        c = r.choices[0]
+        return Out(c.message.content or "", c.finish_reason, _usage(r.usage), getattr(c, "token_ids", None))
+    chunks = list(client.chat.completions.create(
+        model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
+    ))  # fmt: skip
+    return _joined(chunks, lambda c: c.delta.content, ids)
+
+
+def complete(client: openai.OpenAI, stream: bool = False, ids: bool = False, **body) -> Out:
+    extra = _extra(body)
+    if ids:
+        extra["return_token_ids"] = True
+    if not stream:
+        r = client.completions.create(model=NAME, extra_body=extra or None, **body)
+        c = r.choices[0]
+        return Out(c.text, c.finish_reason, _usage(r.usage), getattr(c, "token_ids", None))
+    chunks = list(client.completions.create(
+        model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
+    ))  # fmt: skip
+    return _joined(chunks, lambda c: c.text, ids)
+
+
+def _joined(chunks, piece, ids: bool) -> Out:
+    text, finishes, token_ids = "", [], []
+    for chunk in chunks:
+        for c in chunk.choices:
+            text += piece(c) or ""
+            token_ids += getattr(c, "token_ids", None) or []
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert len(finishes) == 1, finishes
+    assert chunks[-1].usage is not None and not chunks[-1].choices  # the usage chunk comes last
+    return Out(text, finishes[0], _usage(chunks[-1].usage), token_ids if ids else None)
+
+
+def pairs(stack: Stack, *requests: tuple) -> list[tuple[Out, Out]]:
+    """Each (kind, body) request sent to vLLM's server (asking for its generated token IDs) and to
+    tokenmill: [(vllm_out, tokenmill_out), ...]. All go to one server, then all to the other: after a
+    request, an idle vLLM keeps polling its queues for about a second (shm_broadcast's busy loop), which
+    on 2 cores slows the other server's next request ~10x when they alternate."""
+    vs = [kind(stack.v, ids=True, **json.loads(json.dumps(body))) for kind, body in requests]
+    ts = [kind(stack.t, **body) for kind, body in requests]
+    return list(zip(vs, ts))
+
+
+def streamed_and_not(kind, **body) -> list[tuple]:
+    return [(kind, dict(body, stream=False)), (kind, dict(body, stream=True))]
+
+
+def held_back(tokenizer: Tokenizer, ids: list[int], skip_special: bool = True) -> str:
+    """What an incremental detokenizer has sent once the tokens end: the decode of the longest prefix of
+    ids whose text does not end in U+FFFD (DecodeStream holds back text that may still complete)."""
+    for n in range(len(ids), -1, -1):
+        text = tokenizer.decode(ids[:n], skip_special_tokens=skip_special)
+        if not text.endswith("\ufffd"):
+            return text
+    return ""
+
+
+def assert_equivalent(stack: Stack, v: Out, t: Out, skip_special: bool = True) -> str | None:
+    """Same tokens, finish reason and usage; the same text, or else the one documented difference of
+    free-running generations: the tokens end inside a UTF-8 sequence (tokenmill returns
+    tokenizer.decode, vLLM drops the held-back tail). Returns the difference's name or None."""
+    assert v.ids is not None and len(v.ids) == v.usage[1]
+    assert (t.finish, t.usage) == (v.finish, v.usage)
+    full = stack.tokenizer.decode(v.ids, skip_special_tokens=skip_special)
+    assert t.text == full, "tokenmill's text is not the decode of vLLM's tokens: they generated other tokens"
+    if v.text == t.text:
+        return None
+    assert full.endswith("\ufffd") and v.text == held_back(stack.tokenizer, v.ids, skip_special), (v.text, t.text)
+    return "incomplete-utf8-tail"
+
+
+def tokenize(url: str, body: dict) -> dict:
+    status, _, answer = http("POST", url + "/tokenize", {"model": NAME, **body}, timeout=60)
+    assert status == 200, answer
+    return answer
+
+
+def metric(stack: Stack, name: str) -> float:
+    status, _, text = http("GET", stack.front.url + "/metrics")
+    assert status == 200
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    match = re.search(rf'^{name}\{{model_name="{NAME}"\}} (\S+)$', text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for(predicate, timeout: float, what: str, detail=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{detail()}")
+        time.sleep(0.1)
+
+
+# ---- conversations --------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}  # fmt: skip
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+CONVERSATIONS = {
+    "plain": {"messages": [{"role": "user", "content": "Hello!"}]},
+    "system_multi_turn": {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour"},
+        {"role": "user", "content": "Ça va ?"}]},
+    "unicode": {"messages": [{"role": "user", "content":
+        "Emoji 🎉👩‍👩‍👧, CJK 漢字かな, Arabic مرحبا, é vs e\u0301, zero\u200bwidth, tabs\tand\n"
+        "newlines"}]},
+    "tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]},
+    "tool_round_trip": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"}], "tools": [WEATHER]},
+    "thinking": {"messages": [{"role": "user", "content": "Think first."}],
+                 "chat_template_kwargs": {"enable_thinking": True}},
+    "thinking_off": {"messages": [{"role": "user", "content": "Do not think."}],
+                     "chat_template_kwargs": {"enable_thinking": False}},
+    "earlier_reasoning": {"messages": [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning": "hmm"},
+        {"role": "user", "content": "Q2"}], "chat_template_kwargs": {"thinking": True}},
+    "content_parts": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}]},
+    "developer_role": {"messages": [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "x"}]},
+    "special_tokens_in_text": {"messages": [{"role": "user", "content": "<｜end▁of▁sentence｜> and <think>"}]},
+    "continue_final_message": {"messages": [
+        {"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}],
+        "continue_final_message": True, "add_generation_prompt": False},
+}  # fmt: skip
+
+
+# ---- equivalence ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_tokenize_ids_equal_vllm(stack, name):
+    """POST /tokenize with messages (and tools, template kwargs, ...): the same IDs, count and limit."""
+    body = CONVERSATIONS[name]
+    v, t = tokenize(stack.vllm.url, body), tokenize(stack.front.url, body)
+    assert t == v
+    assert t["max_model_len"] == MAX_MODEL_LEN and t["count"] == len(t["tokens"]) > 2
+
+
+def test_tokenize_prompt_equals_vllm(stack):
+    for body in ({"prompt": "Hello world, ça va? 漢字"}, {"prompt": "x", "add_special_tokens": True},
+                 {"prompt": "<think>hi</think>", "add_special_tokens": False}):  # fmt: skip
+        assert tokenize(stack.front.url, body) == tokenize(stack.vllm.url, body), body
+
+
+def test_reasoning_content_field_is_rendered_by_tokenmill_only(stack):
+    """Known difference: vLLM 0.32 passes an assistant message's `reasoning` to the template but drops
+    `reasoning_content`; tokenmill passes either under both names."""
+    base = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    with_field = lambda key: [base[0], {**base[1], key: "hmm"}]  # noqa: E731
+    ids = {}
+    for key in ("reasoning", "reasoning_content", None):
+        messages = with_field(key) if key else base
+        for side, url in (("v", stack.vllm.url), ("t", stack.front.url)):
+            ids[side, key] = tokenize(url, {"messages": messages, "add_generation_prompt": False})["tokens"]
+    assert ids["t", "reasoning"] == ids["v", "reasoning"] == ids["t", "reasoning_content"]
+    assert ids["v", "reasoning_content"] == ids["v", None] == ids["t", None] != ids["t", "reasoning_content"]
+
+
+def test_greedy_chat_equals_vllm(stack):
+    """Greedy chat completions of every conversation, streamed and not: the same text, finish reason
+    and usage."""
+    requests = []
+    for body in CONVERSATIONS.values():
+        body = dict(body, max_tokens=6, temperature=0)
+        if "tools" in body:
+            body["tool_choice"] = "none"  # vLLM refuses "auto" (the default) without a tool parser: see below
+        requests += streamed_and_not(chat, **body)
+    names = [name for name in CONVERSATIONS for _ in range(2)]
+    for name, (v, t) in zip(names, pairs(stack, *requests), strict=True):
+        assert v.finish == "length" and v.usage[1] == 6, name
+        assert assert_equivalent(stack, v, t) in (None, "incomplete-utf8-tail"), name
+
+
+def test_tools_without_tool_choice(stack):
+    """Known difference: tools in a request that leaves tool_choice unset ("auto") on a server without a
+    tool-call parser. vLLM refuses it (400); tokenmill renders the tools and returns the model's text as
+    content, as it does with tool_choice "none"."""
+    body = dict(CONVERSATIONS["tools"], max_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="auto.* tool choice requires --enable-auto-tool-choice"):
+        chat(stack.v, **body)
+    v = chat(stack.v, ids=True, tool_choice="none", **body)
+    t = chat(stack.t, **body)
+    assert assert_equivalent(stack, v, t) in (None, "incomplete-utf8-tail")
+
+
+SAMPLING = [
+    dict(temperature=1.0, seed=11),
+    dict(temperature=1.0, seed=12, top_p=0.9),
+    dict(temperature=0.7, seed=13, top_k=50),
+    dict(temperature=1.0, seed=14, presence_penalty=0.5, frequency_penalty=0.5),
+    dict(temperature=1.3, seed=2**40 + 15, top_k=1000, top_p=0.95),
+]
+
+
+def test_seeded_sampling_equals_vllm(stack):
+    """The same seed draws the same tokens in both, for each set of sampling parameters: chat and
+    completions, streamed and not. Sampling at temperature 1 from this model is close to uniform over
+    the vocabulary, so the texts are full of partial UTF-8 byte tokens and special tokens."""
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story about a cat."}]
+    requests = []
+    for params in SAMPLING:
+        requests += streamed_and_not(chat, messages=messages, max_tokens=12, **params)
+        requests += streamed_and_not(complete, prompt="Once upon a time", max_tokens=12, **params)
+    results = pairs(stack, *requests)
+    for (kind, body), (v, t) in zip(requests, results, strict=True):
+        assert v.usage[1] == 12 or v.finish == "stop"
+        assert_equivalent(stack, v, t)
+    texts = [t.text for _, t in results]
+    assert len(set(texts)) == len(texts) // 2  # streamed == not streamed; another seed, another text
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(stack):
+    messages = [{"role": "user", "content": "Roll the dice."}]
+    a = chat(stack.t, messages=messages, max_tokens=10, temperature=1, seed=5)
+    b = chat(stack.t, messages=messages, max_tokens=10, temperature=1, seed=5, stream=True)
+    c = chat(stack.t, messages=messages, max_tokens=10, temperature=1, seed=6)
+    assert a.text == b.text != c.text
+
+
+def test_greedy_completions_equal_vllm(stack):
+    """/v1/completions from text and from token IDs, streamed and not."""
+    requests = []
+    for prompt in ("The river wound slowly", [2581, 9605, 100, 200, 300, 400], "漢字かな🎉"):
+        requests += streamed_and_not(complete, prompt=prompt, max_tokens=8, temperature=0)
+    for v, t in pairs(stack, *requests):
+        assert v.finish == "length"
+        assert assert_equivalent(stack, v, t) in (None, "incomplete-utf8-tail")
+
+
+# ---- stopping -------------------------------------------------------------------------------------
+
+FAREWELL = "We wave farewell"  # the model's cue: " farewell" -> " goodbye" -> EOS (tokenmill/tiny_model.py)
+GOODBYE_IDS = [55411, EOS]
+
+
+def test_eos_ends_with_stop_like_vllm(stack):
+    """The model says " goodbye" then EOS: finish "stop", the EOS counted but not shown."""
+    requests = streamed_and_not(complete, prompt=FAREWELL, max_tokens=8, temperature=0)
+    messages = [{"role": "user", "content": "Leave"}, {"role": "assistant", "content": FAREWELL}]
+    requests += streamed_and_not(chat, max_tokens=8, temperature=0, continue_final_message=True,
+                                 add_generation_prompt=False, messages=messages)  # fmt: skip
+    for v, t in pairs(stack, *requests):
+        assert v.ids == GOODBYE_IDS and (v.text, v.finish, v.usage[1]) == (" goodbye", "stop", 2)
+        assert assert_equivalent(stack, v, t) is None
+
+
+def test_skip_special_tokens_false_shows_eos_in_tokenmill_only(stack):
+    """Known difference: with skip_special_tokens false, tokenmill's text is decode(all tokens), the EOS
+    that ended the request included; vLLM never shows the token that stopped a request."""
+    requests = streamed_and_not(complete, prompt=FAREWELL, max_tokens=8, temperature=0, skip_special_tokens=False)
+    for v, t in pairs(stack, *requests):
+        assert (v.finish, v.usage) == (t.finish, t.usage) and v.finish == "stop" and v.ids == GOODBYE_IDS
+        assert v.text == " goodbye"
+        assert t.text == " goodbye" + EOS_TEXT == stack.tokenizer.decode(v.ids, skip_special_tokens=False)
+
+
+def test_stop_token_ids_end_the_request_like_vllm(stack):
+    """A client's stop_token_ids end the request with "stop", the stop token counted in usage on both.
+    Known difference: tokenmill's text includes the stop token's text (it is the decode of the tokens),
+    vLLM's leaves it out (its detokenizer skips the token that stopped the request)."""
+    prompt = "The river wound slowly"
+    ids = complete(stack.v, ids=True, prompt=prompt, max_tokens=10, temperature=0).ids
+    i = next(i for i in range(2, 10) if ids[i] not in ids[:i])
+    requests = streamed_and_not(complete, prompt=prompt, max_tokens=10, temperature=0, stop_token_ids=[ids[i]])
+    for v, t in pairs(stack, *requests):
+        assert v.ids == ids[: i + 1] and (v.finish, v.usage) == (t.finish, t.usage)
+        assert v.finish == "stop" and v.usage[1] == i + 1
+        assert v.text == stack.tokenizer.decode(ids[:i])
+        assert t.text == stack.tokenizer.decode(ids[: i + 1]) != v.text
+
+
+def test_ignore_eos_goes_past_eos_like_vllm(stack):
+    """ignore_eos: the model's EOS no longer stops it (finish "length"); an explicit stop_token_ids
+    entry still does, EOS included (docs/scheduler-protocol.md §3.2)."""
+    body = {"prompt": "Time to say goodbye", "max_tokens": 4, "temperature": 0}  # the cue: next comes EOS
+    requests = streamed_and_not(complete, **body, ignore_eos=True)
+    requests += streamed_and_not(complete, **body, ignore_eos=True, skip_special_tokens=False)
+    requests += streamed_and_not(complete, **body, ignore_eos=True, stop_token_ids=[EOS])
+    requests += [(complete, body)]
+    results = pairs(stack, *requests)
+    for v, t in results[0:2]:
+        assert v.ids[0] == EOS and v.finish == "length" and v.usage[1] == 4
+        assert assert_equivalent(stack, v, t) in (None, "incomplete-utf8-tail")
+    for v, t in results[2:4]:
+        assert v.ids[0] == EOS and v.text.startswith(EOS_TEXT)  # not the stopping token: both show it
+        assert assert_equivalent(stack, v, t, skip_special=False) in (None, "incomplete-utf8-tail")
+    for v, t in results[4:7]:  # stop_token_ids [EOS] with ignore_eos, and no ignore_eos at all
+        assert (v.ids, v.finish, v.text) == ([EOS], "stop", "")
+        assert assert_equivalent(stack, v, t) is None
+
+
+def test_incomplete_utf8_at_the_end(stack):
+    """Known difference: the model's last token is the first two bytes of a three-byte character.
+    tokenmill returns tokenizer.decode of the tokens (a U+FFFD), vLLM drops the held-back bytes."""
+    requests = streamed_and_not(complete, prompt="We are halfway", max_tokens=1, temperature=0)
+    requests += streamed_and_not(chat, max_tokens=1, temperature=0, continue_final_message=True,
+                                 add_generation_prompt=False, messages=[
+                                     {"role": "user", "content": "How far?"},
+                                     {"role": "assistant", "content": "We are halfway"}])  # fmt: skip
+    for v, t in pairs(stack, *requests):
+        assert v.ids == [689] and (v.finish, v.usage[1]) == ("length", 1)
+        assert (v.text, t.text) == ("", "\ufffd")
+        assert assert_equivalent(stack, v, t) == "incomplete-utf8-tail"
+
+
+def test_token_prompt_ending_mid_character(stack):
+    """Known difference: a token-ID prompt that ends inside a UTF-8 sequence. vLLM primes its
+    detokenizer with the prompt, and its first output carries the decoded prompt text; tokenmill's
+    text is the completion's alone."""
+    prompt = [2581, 9605, 689]  # "We wave" + the bytes E6 B5
+    for v, t in pairs(stack, *streamed_and_not(complete, prompt=prompt, max_tokens=3, temperature=0)):
+        assert (v.finish, v.usage) == (t.finish, t.usage)
+        assert t.text == stack.tokenizer.decode(v.ids)
+        assert v.text == stack.tokenizer.decode(prompt) + t.text == "We wave\ufffd" + t.text
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def _error(status_body) -> dict:
+    status, _, body = status_body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    return {"status": status, **body["error"]}
+
+
+def test_prompt_longer_than_max_model_len_is_a_clean_400(stack):
+    long = "word " * 5000
+    # vLLM's messages; for a prompt of exactly max_model_len IDs it clamps max_tokens to 0, then refuses that
+    context = "maximum context length is 4096 tokens"
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 4}, "messages",
+              context),
+             ("/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt", context),
+             ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt",
+              "max_tokens must be at least 1, got 0")]  # fmt: skip
+    for path, body, param, vllm_says in cases:
+        t = _error(http("POST", stack.front.url + path, {"model": NAME, **body}))
+        v = _error(http("POST", stack.vllm.url + path, {"model": NAME, **body}))
+        assert v["status"] == 400 and vllm_says in v["message"], v
+        assert (t["status"], t["type"], t["param"]) == (400, "BadRequestError", param)
+        assert t["code"] == "context_length_exceeded"
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in t["message"]
+    # the longest prompt that fits: both serve it
+    [(v, t)] = pairs(stack, (complete, {"prompt": [5] * (MAX_MODEL_LEN - 1), "max_tokens": 1, "temperature": 0}))
+    assert v.usage == t.usage == (MAX_MODEL_LEN - 1, 1, MAX_MODEL_LEN)
+
+
+def test_prompt_plus_max_tokens_over_the_limit(stack):
+    """Known difference: a prompt that fits but asks for more tokens than the context has left. tokenmill
+    refuses it (400, as OpenAI does); vLLM 0.32 clamps max_tokens to what is left and serves it."""
+    body = {"model": NAME, "prompt": [5] * 4000, "max_tokens": 200, "temperature": 0}
+    t = _error(http("POST", stack.front.url + "/v1/completions", body))
+    assert (t["status"], t["param"], t["code"]) == (400, "prompt", "context_length_exceeded")
+    status, _, v = http("POST", stack.vllm.url + "/v1/completions", body, timeout=120)
+    assert status == 200 and v["usage"]["completion_tokens"] <= MAX_MODEL_LEN - 4000
+
+
+def test_engine_refuses_what_the_gateway_lets_through(stack):
+    """A gateway started without --max-model-len takes the model's 65,536 positions from config.json;
+    the engine (4,096) then refuses the prompt itself: a 400 carrying the engine's message."""
+    bare = Server("--model", str(stack.model), "--scheduler", stack.engine.endpoint, "--served-model-name", NAME,
+                  "--workers", "1", timeout=120)  # fmt: skip
+    try:
+        body = {"model": NAME, "prompt": [5] * 5000, "max_tokens": 4}
+        e = _error(http("POST", bare.url + "/v1/completions", body))
+        assert (e["status"], e["type"], e["code"]) == (400, "BadRequestError", "bad_request")
+        assert "5000 tokens" in e["message"] and "at most 4096 tokens" in e["message"]
+        ok = complete(bare.client(), prompt="Hi", max_tokens=2, temperature=0)
+        assert ok.finish == "length"
+    finally:
+        assert bare.stop() == 0
+
+
+def test_token_outside_the_vocabulary_is_a_clean_400(stack):
+    body = {"model": NAME, "prompt": [5, VOCAB], "max_tokens": 1}
+    t = _error(http("POST", stack.front.url + "/v1/completions", body))
+    v = _error(http("POST", stack.vllm.url + "/v1/completions", body))
+    assert v["status"] == 400 and str(VOCAB) in v["message"]
+    assert (t["status"], t["param"]) == (400, "prompt") and f"Token ID {VOCAB} is out of range" in t["message"]
+    # the engine checks too, for front ends that do not: a protocol error carrying the request ID
+    error = engine_generate(stack.engine.endpoint, [5, VOCAB])
+    assert isinstance(error, Error) and error.request_id == "oov" and error.code == "bad_request", error
+
+
+def test_vllm_validation_errors_reach_the_client(stack):
+    """What only vLLM checks (here: stop_token_ids outside the vocabulary) comes back as a 400 with
+    vLLM's own message, as from vLLM's server."""
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "stop_token_ids": [200000]}
+    t = _error(http("POST", stack.front.url + "/v1/completions", body))
+    v = _error(http("POST", stack.vllm.url + "/v1/completions", body))
+    assert v["status"] == t["status"] == 400
+    core = "token_id(s) [200000] in stop_token_ids contain out-of-vocab token ids"
+    assert core in v["message"] and core in t["message"]
+    ok = complete(stack.t, prompt="Hi", max_tokens=2, temperature=0)  # and the engine carries on
+    assert ok.finish == "length"
+
+
+def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1):
+    """One request straight to the engine over the scheduler protocol: the Error, or the final output."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="test-vllm")))
+        sent = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not sock.poll(200):
+                continue
+            message = decode_from_scheduler(sock.recv())
+            if isinstance(message, Welcome) and not sent:
+                gen = Generate(request_id="oov", prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
+                               sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS])  # fmt: skip
+                sock.send_multipart([encode(gen), ids_to_frame(prompt)])
+                sent = True
+            elif isinstance(message, Error):
+                return message
+            elif isinstance(message, Outputs) and any(o.finish_reason for o in message.outputs):
+                return message
+        raise AssertionError("no answer from the engine")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+# ---- disconnects and engine failure -----------------------------------------------------------------
+
+RUNNING = "tokenmill_scheduler_num_requests_running"
+
+
+def engine_cpu_s(engine: Engine) -> float:
+    """CPU seconds used so far by the engine process and its descendants (vLLM's engine core, worker)."""
+    pids, todo = [], [engine.proc.pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        todo += [int(p) for p in children.split()]
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_over(engine: Engine, seconds: float) -> float:
+    before = engine_cpu_s(engine)
+    time.sleep(seconds)
+    return engine_cpu_s(engine) - before
+
+
+def test_client_disconnect_aborts_the_request_in_vllm(stack):
+    """A client that hangs up mid-stream: vLLM stops working on the request. The engine's running count
+    (reported through the gateway's /metrics) returns to 0 at once, and vLLM's processes go idle although
+    the request had thousands of tokens to go (ignore_eos: nothing else ends it)."""
+
+    def detail() -> str:
+        return f"running {metric(stack, RUNNING)}; engine log:\n{stack.engine.log()[-3000:]}"
+
+    stream = stack.t.completions.create(model=NAME, prompt="Go on and on", max_tokens=3000, stream=True,
+                                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    received = 0
+    for _chunk in stream:
+        received += 1
+        if received == 3:
+            break
+    wait_for(lambda: metric(stack, RUNNING) == 1, 10, "the engine to report one running request", detail)
+    stream.close()  # the HTTP client goes away mid-generation
+    wait_for(lambda: metric(stack, RUNNING) == 0, 15, "the running count to return to 0", detail)
+    time.sleep(1.5)  # an idle vLLM polls its queues for a second after its last step
+    idle = cpu_over(stack.engine, 2.0)  # decoding here costs 1-2 CPU seconds a second
+    assert idle < 0.3, f"vLLM is still busy after the disconnect: {idle:.2f} CPU seconds in 2 s"
+    ok = complete(stack.t, prompt="Hi", max_tokens=2, temperature=0)
+    assert ok.finish == "length"
+
+
+def _sse_events(resp) -> list:
+    events = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_engine_killed_mid_stream_then_restarted(stack):
+    """Last: SIGKILL of `tokenmill engine` mid-stream ends the stream with an error event
+    `scheduler_unavailable` and [DONE]; new requests get 503 until an engine is back; then they succeed."""
+    expected = complete(stack.v, prompt="After the storm", max_tokens=6, temperature=0)
+    conn = HTTPConnection("127.0.0.1", stack.front.port, timeout=60)
+    body = {"model": NAME, "prompt": "Go on and on", "max_tokens": 3000, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(6):  # a few events in: the request is running in vLLM
+        assert resp.readline().startswith(b"data: {")
+        resp.readline()
+    os.kill(stack.engine.proc.pid, signal.SIGKILL)
+    stack.engine.killed = True
+    events = _sse_events(resp)
+    conn.close()
+    assert events[-1] == "[DONE]", events[-3:]
+    error = events[-2]["error"]
+    assert error["code"] == "scheduler_unavailable" and error["type"] == "ServiceUnavailableError", error
+    assert all("choices" in e for e in events[:-2])
+
+    status, headers, answer = http("POST", stack.front.url + "/v1/completions",
+                                   {"model": NAME, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+    assert status == 503 and answer["error"]["code"] == "scheduler_unavailable", answer
+    assert "retry-after" in {k.lower() for k in headers}
+    assert http("GET", stack.front.url + "/ready")[0] == 503
+
+    stack.engine.stop()  # the orphaned vLLM engine-core and worker processes too
+    t0 = time.monotonic()
+    stack.engine = Engine(stack.model, stack.engine.endpoint, stack.engine.log_path)
+    wait_all(stack.engine)
+    wait_for(lambda: http("GET", stack.front.url + "/ready")[0] == 200, 30, "the gateway to reconnect")
+    print(f"\nengine restarted and reconnected in {time.monotonic() - t0:.1f} s")
+    again = complete(stack.t, prompt="After the storm", max_tokens=6, temperature=0)
+    assert (again.text, again.finish, again.usage) == (expected.text, expected.finish, expected.usage)
