@@ -32,9 +32,10 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers"),
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm"),
                         help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
-                             "parsers: tool-call and reasoning parsing cost per token.")
+                             "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
+                             "vLLM's own server on the same engine.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -49,6 +50,9 @@ def add_arguments(parser) -> None:
     from tokenmill import bench_parsers  # stdlib imports only
 
     bench_parsers.add_arguments(parser)
+    from tokenmill import bench_vllm
+
+    bench_vllm.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -410,6 +414,10 @@ def run(args) -> int:
         from tokenmill import bench_parsers
 
         return bench_parsers.run(args)
+    if args.scenario == "vllm":
+        from tokenmill import bench_vllm
+
+        return bench_vllm.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)
