@@ -51,7 +51,6 @@ class DetokSpec:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
-    markers: tuple[str, ...] = ()  # the parser's markers: kept even where they are special tokens
     include_reasoning: bool = True
     tool_parser_name: str = ""
 
@@ -192,15 +191,12 @@ class Converter:
         if choice not in (None, "auto", "none"):
             raise oa.InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
                                     "tool_choice")
-        if req.tools is not None and not isinstance(req.tools, list):
-            raise oa.InvalidRequest("tools must be a list of function tools.", "tools")
         return bool(req.tools) and choice != "none"
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool) -> None:
         parser = self.parsers.make(req.tools if parse_tools else None, prompt[-256:])
         if parser is not None:
             spec.parser = parser
-            spec.markers = parser.markers
             spec.include_reasoning = req.include_reasoning
             spec.tool_parser_name = self.parsers.tool_name
 

@@ -58,10 +58,11 @@ class Detokenizer:
     def open(self, spec: DetokSpec) -> None:
         drop = frozenset()
         if spec.parser is not None:
-            drop = self._drop_ids.get(spec.markers)
+            markers = spec.parser.markers
+            drop = self._drop_ids.get(markers)
             if drop is None:  # special tokens skip_special_tokens drops, less the parser's markers
-                keep = {self.tokenizer.token_to_id(m) for m in spec.markers}
-                drop = self._drop_ids[spec.markers] = self.special_ids - keep
+                keep = {self.tokenizer.token_to_id(m) for m in markers}
+                drop = self._drop_ids[markers] = self.special_ids - keep
         self.states[spec.request_id] = _Stream(spec, drop)
         while len(self.states) > self.max_states:
             self.states.popitem(last=False)
