@@ -18,10 +18,10 @@ import logging
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from scheduler_client import protocol
+from tokenmill.loop_socket import LoopSocket
 
 log = logging.getLogger("tokenmill.scheduler")
 
@@ -37,7 +37,7 @@ class SchedulerClient:
         on_outputs: Callable[[list[protocol.RequestOutput]], None],
         on_lost: Callable[[str], None],
         on_error: Callable[[protocol.Error], None] | None = None,
-        ctx: zmq.asyncio.Context | None = None,
+        ctx: zmq.Context | None = None,
         curve: dict | None = None,
         heartbeat_ms: int = 1000,
     ):
@@ -45,18 +45,18 @@ class SchedulerClient:
         self.on_outputs = on_outputs
         self.on_lost = on_lost
         self.on_error = on_error or (lambda err: log.warning("scheduler error: %s", err.message))
-        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.ctx = ctx or zmq.Context.instance()
         self.curve = curve
         self.heartbeat_ms = heartbeat_ms
         self.connected = False
         self.welcome: protocol.Welcome | None = None
         self.stats: protocol.Stats | None = None
         self._connected_event = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None
 
     async def start(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = self.ctx.socket(zmq.DEALER)  # plain, served by LoopSocket
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue a Generate for a scheduler not yet there
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -71,11 +71,10 @@ class SchedulerClient:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
         )
         sock.connect(self.endpoint)
-        self.sock = sock
-        self._tasks = [
-            asyncio.create_task(self._watch(monitor), name="scheduler-monitor"),
-            asyncio.create_task(self._receive(), name="scheduler-receive"),
-        ]
+        self.sock = LoopSocket(sock, self._on_message)
+        self.sock.start()
+        self._monitor = LoopSocket(monitor, self._on_monitor_event)
+        self._monitor.start()
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         try:
@@ -88,34 +87,36 @@ class SchedulerClient:
         """Send a ready-made Generate header and its prompt frame."""
         if not self.connected:
             raise SchedulerUnavailable("the scheduler is not connected")
-        self.sock.send_multipart([header, prompt_frame], copy=False)
+        try:
+            self.sock.send([header, prompt_frame])
+        except zmq.ZMQError as exc:  # no connection after all (IMMEDIATE): the request must not vanish
+            raise SchedulerUnavailable(f"the scheduler cannot take messages: {exc}") from None
 
     def abort(self, request_ids: list[str]) -> None:
         if self.connected and request_ids:
-            self.sock.send(protocol.encode(protocol.Abort(request_ids)))
+            try:
+                self.sock.send([protocol.encode(protocol.Abort(request_ids))])
+            except zmq.ZMQError:
+                pass  # the connection is gone: the scheduler frees the session's requests itself
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._monitor is not None:
+            self._monitor.close()
         if self.sock is not None:
-            self.sock.close(0)  # (disable_monitor() would block: the monitor socket is closed already)
+            self.sock.close()  # (disable_monitor() would block: the monitor socket is closed already)
         self.connected = False
 
     # ---- internals --------------------------------------------------------------------
 
-    async def _watch(self, monitor) -> None:
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    await self.sock.send(protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION)))
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self._lose("the connection to the scheduler was lost")
-                elif event == zmq.EVENT_MONITOR_STOPPED:
-                    return
-        finally:
-            monitor.close(0)
+    def _on_monitor_event(self, frames) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            try:
+                self.sock.send([protocol.encode(protocol.Hello(protocol.PROTOCOL_VERSION))])
+            except zmq.ZMQError as exc:
+                log.warning("could not greet the scheduler at %s: %s", self.endpoint, exc)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._lose("the connection to the scheduler was lost")
 
     def _lose(self, why: str) -> None:
         was = self.connected
@@ -125,24 +126,22 @@ class SchedulerClient:
             log.warning("scheduler at %s: %s", self.endpoint, why)
             self.on_lost(why)
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                msg = protocol.decode_from_scheduler(frames[0].buffer)
-            except Exception as exc:
-                log.error("undecodable message from the scheduler: %s", exc)
-                continue
-            if isinstance(msg, protocol.Outputs):
-                self.on_outputs(msg.outputs)
-            elif isinstance(msg, protocol.Stats):
-                self.stats = msg
-            elif isinstance(msg, protocol.Welcome):
-                self.welcome = msg
-                self.connected = True
-                self._connected_event.set()
-                log.info("scheduler %s connected at %s", msg.scheduler_name, self.endpoint)
-            elif isinstance(msg, protocol.Error):
-                if msg.request_id is None and msg.code == "version_mismatch":
-                    log.error("scheduler refused protocol version %d: %s", protocol.PROTOCOL_VERSION, msg.message)
-                self.on_error(msg)
+    def _on_message(self, frames) -> None:
+        try:
+            msg = protocol.decode_from_scheduler(frames[0].buffer)
+        except Exception as exc:
+            log.error("undecodable message from the scheduler: %s", exc)
+            return
+        if isinstance(msg, protocol.Outputs):
+            self.on_outputs(msg.outputs)
+        elif isinstance(msg, protocol.Stats):
+            self.stats = msg
+        elif isinstance(msg, protocol.Welcome):
+            self.welcome = msg
+            self.connected = True
+            self._connected_event.set()
+            log.info("scheduler %s connected at %s", msg.scheduler_name, self.endpoint)
+        elif isinstance(msg, protocol.Error):
+            if msg.request_id is None and msg.code == "version_mismatch":
+                log.error("scheduler refused protocol version %d: %s", protocol.PROTOCOL_VERSION, msg.message)
+            self.on_error(msg)

@@ -32,8 +32,8 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
+from tokenmill.loop_socket import LoopSocket
 from scheduler_client.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -147,8 +147,8 @@ class SchedulerServer:
         self.curve_secret_key = curve_secret_key
         self.endpoint: str | None = None
         self._sessions: dict[bytes, Session] = {}
-        self._sock: zmq.asyncio.Socket | None = None
-        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: LoopSocket | None = None
+        self._ctx: zmq.Context | None = None
         self._ipc_path: str | None = None
         self._ready: asyncio.Event | None = None
         self._closing: asyncio.Event | None = None
@@ -218,7 +218,7 @@ class SchedulerServer:
         if self._serving or self._closing.is_set():
             raise RuntimeError(f"a {type(self).__name__} serves once")
         self._serving = True
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
             configure_router(
@@ -234,15 +234,15 @@ class SchedulerServer:
             self._serving = False
             self._closed.set()
             raise
-        self._ctx, self._sock = ctx, sock
+        self._ctx, self._sock = ctx, LoopSocket(sock, self._handle)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
             self._ipc_path = endpoint[len("ipc://") :]
         detail = self.describe()
         self.log.info("%s listening on %s%s", self.scheduler_name, self.endpoint, f" ({detail})" if detail else "")
         self._ready.set()
+        self._sock.start()
         tasks = [
-            asyncio.create_task(self._recv_loop(), name="scheduler-recv"),
             asyncio.create_task(self._stats_loop(), name="scheduler-stats"),
             *(asyncio.create_task(coro) for coro in self.background()),
         ]
@@ -271,7 +271,7 @@ class SchedulerServer:
 
     def _teardown(self) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close()
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
@@ -298,9 +298,7 @@ class SchedulerServer:
         if sock is None:
             return False
         try:
-            future = sock.send_multipart([identity, payload], flags=zmq.DONTWAIT, copy=False)
-            if future.done():
-                future.result()
+            sock.send([identity, payload])
             return True
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
@@ -323,23 +321,6 @@ class SchedulerServer:
         self.log.info("front end %s is gone; freed %d request(s)", identity.hex(), freed)
 
     # ------------------------------------------------------------------ receiving
-
-    async def _recv_loop(self) -> None:
-        sock = self._sock
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                self.log.warning("receive failed: %s", exc)
-                continue
-            try:
-                self._handle(frames)
-            except Exception:  # never let one message take the scheduler down
-                self.log.exception("error handling a message")
 
     def _handle(self, frames: list) -> None:
         identity = frames[0].bytes

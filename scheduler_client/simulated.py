@@ -214,6 +214,10 @@ class _Request:
         return len(self.prompt)
 
 
+_UNSEEDED = random.Random()
+_CLOCK_SLACK = 0.001  # the resolution of uvloop's loop.time()
+
+
 def _make_rng(generate: Generate, prompt_bytes: bytes) -> random.Random:
     """Deterministic for (seed, prompt); for the prompt alone with seed None and temperature 0."""
     seed = generate.sampling.seed
@@ -222,7 +226,7 @@ def _make_rng(generate: Generate, prompt_bytes: bytes) -> random.Random:
     elif generate.sampling.temperature == 0:
         digest = hashlib.blake2b(b"greedy" + prompt_bytes, digest_size=16)
     else:
-        return random.Random()
+        return _UNSEEDED  # seeding a new generator from os.urandom per request costs more than the request
     return random.Random(int.from_bytes(digest.digest(), "little"))
 
 
@@ -257,7 +261,10 @@ class SimulatedScheduler(SchedulerServer):
         curve_secret_key: bytes | str | None = None,
         scheduler_name: str = SCHEDULER_NAME,
         replies: str | Path | None = None,
+        tokens_per_step: int = 1,
     ) -> None:
+        if tokens_per_step < 1:
+            raise ValueError("tokens_per_step must be at least 1")
         if mode not in ("random", "echo"):
             raise ValueError(f"mode must be 'random' or 'echo', not {mode!r}")
         if max_running < 1:
@@ -294,6 +301,7 @@ class SimulatedScheduler(SchedulerServer):
             self._tokens = _TokenSource(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
 
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
+        self.tokens_per_step = tokens_per_step  # >1: several tokens per step, as speculative decoding emits
         self.inter_token_latency_s = float(inter_token_latency_s)
         self.max_running = int(max_running)
         self.mode = mode
@@ -448,8 +456,11 @@ class SimulatedScheduler(SchedulerServer):
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
         itl = self.inter_token_latency_s
+        # uvloop's clock ticks in milliseconds: anything due within a tick is due now, or the
+        # loop would spin until the tick turns over
+        slack = _CLOCK_SLACK
         while True:
-            now = loop.time()
+            now = loop.time() + slack
             self._admit(now)
             self._finish_prefills(now)
             if self._decoding and now >= self._next_step_at:
@@ -457,8 +468,8 @@ class SimulatedScheduler(SchedulerServer):
                     self._step()
                 except Exception:
                     log.exception("decode step failed")
-                now = loop.time()
-                self._next_step_at = max(self._next_step_at + itl, now)
+                now = loop.time() + slack
+                self._next_step_at = max(self._next_step_at + itl, now - slack)
                 self._admit(now)
                 self._finish_prefills(now)
                 if itl <= 0:
@@ -474,26 +485,29 @@ class SimulatedScheduler(SchedulerServer):
             if deadline is None:
                 await self._wake.wait()
                 continue
-            delay = deadline - loop.time()
-            if delay <= 0:
+            if deadline <= loop.time() + slack:
                 await asyncio.sleep(0)
                 continue
-            try:
-                async with asyncio.timeout(delay):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+            timer = loop.call_at(deadline, self._wake.set)  # cheaper than asyncio.timeout at every step
+            await self._wake.wait()
+            timer.cancel()
 
     def _step(self) -> None:
-        """One decode step: one token for every decoding request, one Outputs per front end."""
+        """One decode step: tokens_per_step tokens for every decoding request, one Outputs per front end."""
         batches: dict[bytes, list[RequestOutput]] = {}
+        per_step = self.tokens_per_step
         for req in list(self._decoding.values()):
-            token, reason = self._next_token(req)
-            if token is not None:
-                req.generated += 1
+            tokens = b""
+            for _ in range(per_step):
+                token, reason = self._next_token(req)
+                if token is not None:
+                    req.generated += 1
+                    tokens += _PACK1(token)
+                if reason is not None:
+                    break
             if reason is not None:
                 self._remove(req)
-            out = self._output(req, b"" if token is None else _PACK1(token), reason)
+            out = self._output(req, tokens, reason)
             batch = batches.get(req.identity)
             if batch is None:
                 batches[req.identity] = [out]
@@ -578,6 +592,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time between decode steps (0: as fast as possible; default %(default)s)",
     )
     parser.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens each request gets per decode step, as engines with speculative decoding emit (default %(default)s)",
+    )
+    parser.add_argument(
         "--max-running", type=int, default=256, metavar="N", help="requests decoded at once; the rest wait (default %(default)s)"
     )
     parser.add_argument(
@@ -654,6 +675,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         stats_interval_s=args.stats_interval_s,
         curve_secret_key=curve,
         replies=args.replies,
+        tokens_per_step=args.tokens_per_step,
     )
 
 
