@@ -36,6 +36,7 @@ from tokenizer_workers import messages as m
 from tokenizer_workers.converter import ConverterSettings
 from tokenmill.transport_security import WORKER_CURVE_ENV
 from tokenizer_workers.worker import SETTINGS_ENV
+from tokenmill.loop_socket import LoopSocket
 from tokenmill.procutil import child_env
 
 log = logging.getLogger("tokenmill.pool")
@@ -71,6 +72,7 @@ class _Job:
     timed_out: bool = False
     affinity: int | None = None  # hash of the conversation's beginning
     lane: deque | None = None  # the queue it waits in
+    quick: bool = False  # small enough for the worker's IO thread: sent without waiting for a free worker
 
 
 @dataclass(eq=False)
@@ -84,6 +86,7 @@ class _Worker:
     restarts: int = 0
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
     lane: deque = field(default_factory=deque)  # jobs waiting for this worker's segment cache
+    quick: dict = field(default_factory=dict)  # job id -> quick job sent to it and not answered yet
 
 
 class WorkerPool:
@@ -101,6 +104,8 @@ class WorkerPool:
         memory_limit_mb: int = 0,
         security=None,
         affinity: bool = True,
+        quick_bytes: int = 8192,
+        quick_depth: int = 16,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
     ):
@@ -115,6 +120,8 @@ class WorkerPool:
         self.memory_limit_mb = memory_limit_mb
         self.security = security  # transport_security.WorkerLinkSecurity for a tcp:// link
         self.affinity = affinity
+        self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
+        self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
         # consistent-hash ring: 64 points per worker, so a worker's share moves little if the pool changes
         self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in range(size) for v in range(64))
         self.homes: dict[int, int] = {}  # conversation key -> worker that converted it last (insertion-ordered, bounded)
@@ -124,6 +131,7 @@ class WorkerPool:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
         self.queue: deque[_Job] = deque()
+        self.quick_queue: deque[_Job] = deque()  # quick jobs waiting for a worker with room
         self.queued_bytes = 0
         self.jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
@@ -137,15 +145,15 @@ class WorkerPool:
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock = zmq.Socket(self.ctx, zmq.ROUTER)  # plain, served by LoopSocket; ZAP applies per context
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a dead worker fails loudly
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement worker takes over its identity
         if self.security:
             self.security.secure_server(sock)
         sock.bind(self.endpoint)
-        self.sock = sock
-        self._spawn_task(self._receive())
+        self.sock = LoopSocket(sock, self._on_message)
+        self.sock.start()
         for worker in self.workers:
             await self._start_process(worker)
 
@@ -169,11 +177,11 @@ class WorkerPool:
 
     @property
     def queued(self) -> int:
-        return len(self.queue) + sum(len(w.lane) for w in self.workers)
+        return len(self.queue) + len(self.quick_queue) + sum(len(w.lane) for w in self.workers)
 
     @property
     def busy(self) -> int:
-        return sum(w.job is not None for w in self.workers)
+        return sum(w.job is not None or bool(w.quick) for w in self.workers)
 
     async def close(self) -> None:
         self._closing = True
@@ -195,7 +203,7 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close()
         if self.security:
             self.security.stop()
         if self.endpoint.startswith("ipc://"):
@@ -241,8 +249,9 @@ class WorkerPool:
     def _on_worker_death(self, worker: _Worker) -> None:
         worker.ready = False
         self._ready_changed.set()
-        job, worker.job = worker.job, None
-        if job is not None:
+        lost = [*worker.quick.values(), *([worker.job] if worker.job is not None else [])]
+        worker.job, worker.quick = None, {}
+        for job in lost:
             if job.timer:
                 job.timer.cancel()
             if job.timed_out:
@@ -295,6 +304,9 @@ class WorkerPool:
         self.check_capacity(len(body))
         job = _Job(next(self._ids), kind, request_id, body, asyncio.get_running_loop().create_future(), time.monotonic())
         job.affinity = affinity
+        # a template sent with the request could loop until the conversion timeout: never on the IO thread
+        job.quick = 0 < len(body) <= self.quick_bytes and not (self.settings.trust_request_chat_template
+                                                                and b'"chat_template"' in body)
         self.jobs[job.job_id] = job
         self._enqueue(job)
         self._dispatch()
@@ -316,8 +328,8 @@ class WorkerPool:
 
     def _enqueue(self, job: _Job, front: bool = False) -> None:
         self.queued_bytes += len(job.body)
-        owner = None if front else self._owner(job)
-        job.lane = owner.lane if owner is not None else self.queue
+        owner = None if front or job.quick else self._owner(job)
+        job.lane = self.quick_queue if job.quick else owner.lane if owner is not None else self.queue
         if front:
             job.lane.appendleft(job)
         else:
@@ -402,32 +414,55 @@ class WorkerPool:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        if self.quick_queue:
+            self._dispatch_quick()
         for worker in self.workers:
             if worker.ready and worker.job is None:
                 job = self._take(worker)
                 if job is not None:
                     self._send_job(worker, job)
 
+    def _dispatch_quick(self) -> None:
+        """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts
+        them even while its conversion thread is busy), up to quick_depth each."""
+        ready = [w for w in self.workers if w.ready]
+        while self.quick_queue and ready:
+            worker = min(ready, key=lambda w: (len(w.quick), w.job is not None))
+            if len(worker.quick) >= self.quick_depth:
+                return
+            job = self.quick_queue.popleft()
+            self.queued_bytes -= len(job.body)
+            if job.future.done():
+                self.jobs.pop(job.job_id, None)
+                continue
+            job.lane = None
+            self._send_job(worker, job)
+            ready = [w for w in ready if w.ready]
+
     def _send_job(self, worker: _Worker, job: _Job) -> None:
-        header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id))
+        header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id, job.quick))
         try:
-            self.sock.send_multipart([worker.identity, header, job.body], copy=False)
+            self.sock.send([worker.identity, header, job.body])
         except zmq.ZMQError:
             worker.ready = False  # its death is being reported; try another worker
             self._enqueue(job, front=True)
             return
         job.attempts += 1
         job.worker = worker.index
-        worker.job = job
-        if job.affinity is not None:
-            self._set_home(job.affinity, worker.index)
+        if job.quick:
+            worker.quick[job.job_id] = job
+        else:
+            worker.job = job
+            if job.affinity is not None:
+                self._set_home(job.affinity, worker.index)
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - job.enqueued)
         if self.conversion_timeout > 0:
             job.timer = asyncio.get_running_loop().call_later(self.conversion_timeout, self._overrun, worker, job)
 
     def _overrun(self, worker: _Worker, job: _Job) -> None:
-        if worker.job is job and worker.process and worker.process.returncode is None:
+        running = worker.job is job or worker.quick.get(job.job_id) is job
+        if running and worker.process and worker.process.returncode is None:
             log.error("request %s overran the conversion timeout; killing tokenizer worker %d", job.request_id, worker.index)
             job.timed_out = True
             if self.metrics:
@@ -452,7 +487,7 @@ class WorkerPool:
             if item.finished:
                 worker.owned.discard(item.request_id)
         try:
-            self.sock.send_multipart([worker.identity, m.encoder.encode(m.DetokBatch(items))])
+            self.sock.send([worker.identity, m.encoder.encode(m.DetokBatch(items))])
         except zmq.ZMQError:
             pass  # the worker is dead; _on_worker_death fails these requests
 
@@ -460,44 +495,42 @@ class WorkerPool:
         worker = self.workers[owner]
         worker.owned.difference_update(request_ids)
         try:
-            self.sock.send_multipart([worker.identity, m.encoder.encode(m.Release(request_ids))])
+            self.sock.send([worker.identity, m.encoder.encode(m.Release(request_ids))])
         except zmq.ZMQError:
             pass
 
     # ---- receive loop -----------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            try:
-                index = int(identity[1:])
-                worker = self.workers[index]
-                msg = m.from_worker.decode(frames[1].buffer)
-            except (ValueError, IndexError, msgspec.DecodeError):
-                log.error("undecodable message from worker %r", identity)
-                continue
-            if isinstance(msg, m.DetokOut):
-                if self.metrics:
-                    self.metrics.detokenize_seconds.observe(msg.detok_s)
-                self.on_detok(msg)
-            elif isinstance(msg, m.ConvertDone):
-                self._on_done(worker, msg, frames[2:])
-            elif isinstance(msg, m.WorkerReady):
-                self.max_model_len = msg.max_model_len
-                self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
-                                "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
-                if self.metrics:
-                    self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
-                    if msg.tool_call_parser:  # exported at 0 from the start, so dashboards and alerts see it
-                        self.metrics.tool_parse_failures.labels(parser=msg.tool_call_parser)
-                if not msg.tokenize_cache:
-                    log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
-                worker.ready = True
-                self._ready_changed.set()
-                log.info("tokenizer worker %d ready (pid %d; tool-call parser %s, reasoning parser %s)", index, msg.pid,
-                         msg.tool_call_parser or "none", msg.reasoning_parser or "none")
-                self._dispatch()
+    def _on_message(self, frames) -> None:
+        identity = frames[0].bytes
+        try:
+            index = int(identity[1:])
+            worker = self.workers[index]
+            msg = m.from_worker.decode(frames[1].buffer)
+        except (ValueError, IndexError, msgspec.DecodeError):
+            log.error("undecodable message from worker %r", identity)
+            return
+        if isinstance(msg, m.DetokOut):
+            if self.metrics:
+                self.metrics.detokenize_seconds.observe(msg.detok_s)
+            self.on_detok(msg)
+        elif isinstance(msg, m.ConvertDone):
+            self._on_done(worker, msg, frames[2:])
+        elif isinstance(msg, m.WorkerReady):
+            self.max_model_len = msg.max_model_len
+            self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
+                            "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
+            if self.metrics:
+                self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
+                if msg.tool_call_parser:  # exported at 0 from the start, so dashboards and alerts see it
+                    self.metrics.tool_parse_failures.labels(parser=msg.tool_call_parser)
+            if not msg.tokenize_cache:
+                log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
+            worker.ready = True
+            self._ready_changed.set()
+            log.info("tokenizer worker %d ready (pid %d; tool-call parser %s, reasoning parser %s)", index, msg.pid,
+                     msg.tool_call_parser or "none", msg.reasoning_parser or "none")
+            self._dispatch()
 
     def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:
         job = self.jobs.pop(done.job_id, None)
@@ -509,6 +542,8 @@ class WorkerPool:
             if worker.job.timer:
                 worker.job.timer.cancel()
             worker.job = None
+        elif (quick := worker.quick.pop(done.job_id, None)) is not None and quick.timer:
+            quick.timer.cancel()
         self._dispatch()
         if self.metrics:
             self.metrics.observe_conversion(done, worker.index)
@@ -523,6 +558,6 @@ class WorkerPool:
     def state(self) -> list[dict]:
         return [
             {"index": w.index, "pid": w.process.pid if w.process else None, "alive": w.ready,
-             "busy": w.job is not None, "streams": len(w.owned)}
+             "busy": w.job is not None or bool(w.quick), "quick_jobs": len(w.quick), "streams": len(w.owned)}
             for w in self.workers
         ]  # fmt: skip

@@ -20,12 +20,14 @@ class _Socket:
 
     def __init__(self, sent: list):
         self.sent = sent
+        self.headers = []
 
-    def send_multipart(self, frames, copy=True):
+    def send(self, frames, copy=False):
         identity, header = frames[0], frames[1]
+        self.headers.append(header)
         self.sent.append((int(identity[1:]), messages.to_worker.decode(header).request_id))
 
-    def close(self, linger=None):
+    def close(self):
         pass
 
 
@@ -119,6 +121,54 @@ def test_the_cold_rate_follows_observed_cold_conversions():
                                cache=CacheReport(0, 1, 0, 25_000, 0, 0, 0))  # fmt: skip
             pool._on_done(worker, done, [])
         assert abs(pool.cold_s_per_byte - 3e-6) < 1e-7  # 0.3 s per 100 kB
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def _quick(pool: WorkerPool, name: str) -> _Job:
+    job = _job(pool, name, 300, key=None)
+    job.quick = True
+    return job
+
+
+def test_quick_jobs_go_out_at_once_spread_over_workers_and_bounded_per_worker():
+    """A small body does not wait for a free worker: the IO thread of the worker with the fewest
+    quick jobs in flight converts it, even beside a long conversion, up to quick_depth each."""
+
+    async def body():
+        pool, sent = _pool()
+        pool.quick_depth = 2
+        _busy(pool, 0)
+        _busy(pool, 1)  # both converting long prompts
+        for i in range(5):
+            pool._enqueue(_quick(pool, f"q{i}"))
+        pool._dispatch()
+        assert sorted(sent) == [(0, "q0"), (0, "q2"), (1, "q1"), (1, "q3")]
+        assert [j.request_id for j in pool.quick_queue] == ["q4"] and pool.queued == 1
+        headers = [messages.to_worker.decode(h) for h in pool.sock.headers]
+        assert all(h.quick for h in headers if h.request_id.startswith("q"))
+        sent.clear()
+        q1 = pool.workers[1].quick[next(iter(pool.workers[1].quick))]
+        pool._on_done(pool.workers[1], messages.ConvertDone(q1.job_id), [])  # one answered: room again
+        assert sent == [(1, "q4")] and not pool.quick_queue
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_a_dead_workers_quick_jobs_are_dispatched_again():
+    async def body():
+        pool, sent = _pool()
+        for i in range(3):
+            pool._enqueue(_quick(pool, f"q{i}"))
+        pool._dispatch()
+        lost = {j.request_id for j in pool.workers[0].quick.values()}
+        assert lost
+        sent.clear()
+        pool._on_worker_death(pool.workers[0])
+        assert sorted(name for _, name in sent) == sorted(lost)
+        assert all(index == 1 for index, _ in sent)  # the survivor takes them
         await pool.close()
 
     asyncio.run(body())

@@ -221,7 +221,9 @@ def test_cached_ids_equal_uncached_ids(encoders, name, entry):
 
 
 def test_multiturn_hits_the_cache_with_zero_mismatches(default_tokenizer):
-    srv = Server("--workers", "2", "--verify-tokenize-cache", "--sim-inter-token-latency-ms", "1")
+    # bodies this small would be converted at once on a worker's IO thread, beside the cache (and not in it)
+    srv = Server("--workers", "2", "--verify-tokenize-cache", "--sim-inter-token-latency-ms", "1",
+                 "--quick-conversion-bytes", "0")  # fmt: skip
     try:
         client = srv.client()
         history = [{"role": "system", "content": "You are a coding agent. " * 40}]

@@ -8,7 +8,9 @@ or in its thread pool.
 
 from __future__ import annotations
 
+import copy
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,8 @@ class Conversion:
 
 
 class Converter:
+    use_cache = True  # False in the copy without_cache() makes
+
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
         self.settings = settings
         self.model = model or load_model(settings.model_dir, settings.chat_template_file, settings.max_model_len)
@@ -80,10 +84,20 @@ class Converter:
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
 
+    def without_cache(self) -> Converter:
+        """A converter for another thread: the same model, templates and parsers, but it encodes
+        prompts whole and leaves the tokenization cache (not thread-safe) to this one."""
+        other = copy.copy(self)
+        other.use_cache = False
+        return other
+
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
-        ids, stats = self.segments.encode(prompt)
         segments = self.segments
+        if not self.use_cache:
+            ids = array("I", self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            return ids, CacheReport(0, 0, 0, len(ids), 0, segments.cache.evictions, segments.bytes_used)
+        ids, stats = segments.encode(prompt)
         report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,
                              segments.cache.evictions, segments.bytes_used, stats.prefix_hits)  # fmt: skip
         return ids, report

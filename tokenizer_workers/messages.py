@@ -18,6 +18,7 @@ class ConvertJob(msgspec.Struct, tag="convert"):
     job_id: int
     kind: str  # "chat" | "completion" | "tokenize" | "detokenize"
     request_id: str  # the scheduler request id prefix for this HTTP request
+    quick: bool = False  # a small body: convert it on the IO thread at once, beside any long conversion
 
 
 class DetokItem(msgspec.Struct, array_like=True):

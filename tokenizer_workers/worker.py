@@ -2,9 +2,12 @@
 
 Two threads, so that streams keep flowing while a long prompt converts:
 - the IO thread owns the ZeroMQ DEALER to the gateway, answers detokenization
-  batches at once (they are small), and forwards finished conversions;
-- the conversion thread renders and tokenizes one request at a time. ``encode_batch``
-  releases the GIL, so the IO thread runs while a 250k-token prompt is being encoded.
+  batches at once (they are small), converts the jobs the gateway marks quick (small
+  bodies: handing them to the other thread would cost more than converting them), and
+  forwards finished conversions;
+- the conversion thread renders and tokenizes the other requests, one at a time.
+  ``encode_batch`` releases the GIL, so the IO thread runs while a 250k-token prompt is
+  being encoded.
 
 The conversion thread runs at a lower CPU priority (nice, per thread), and so do the
 tokenizers thread-pool threads it creates: on a busy node the gateway, the scheduler and
@@ -36,6 +39,7 @@ from tokenmill.procutil import die_with_supervisor, limit_memory, set_process_na
 
 log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enums cost a call
 
 
 class Worker:
@@ -67,6 +71,7 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
+        self.quick_converter = self.converter.without_cache()  # the cache belongs to the conversion thread
         parsers = self.converter.parsers
         sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
                                               self.converter.segments.enabled, self.converter.segments.self_test_reason,
@@ -74,15 +79,20 @@ class Worker:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
+        recv, get = sock.recv, sock.get
         while True:
-            events = dict(poller.poll())
-            if wake_rx in events:
-                while wake_rx.poll(0):
-                    wake_rx.recv()
-                self._send_results(sock)
-            if sock in events:
-                while sock.poll(0):
-                    frames = sock.recv_multipart(copy=False)
+            for ready, _ in poller.poll():
+                if ready is wake_rx:
+                    while wake_rx.get(_EVENTS) & _POLLIN:
+                        wake_rx.recv(_NOBLOCK)
+                    self._send_results(sock)
+                    continue
+                while get(_EVENTS) & _POLLIN:  # everything waiting, before polling again
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames = [frame]
+                    while frame.more:
+                        frame = recv(_NOBLOCK, copy=False)
+                        frames.append(frame)
                     if not self._handle(sock, frames):
                         return
 
@@ -98,7 +108,11 @@ class Worker:
             out = m.DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures())
             sock.send(m.encoder.encode(out))
         elif isinstance(msg, m.ConvertJob):
-            self.jobs.put((msg, frames[1].bytes if len(frames) > 1 else b"", time.perf_counter()))
+            body = frames[1].bytes if len(frames) > 1 else b""
+            if msg.quick:
+                self._send(sock, self._convert(self.quick_converter, msg, body, time.perf_counter()))
+            else:
+                self.jobs.put((msg, body, time.perf_counter()))
         elif isinstance(msg, m.Release):
             self.detokenizer.release(msg.request_ids)
         elif isinstance(msg, m.Shutdown):
@@ -121,16 +135,19 @@ class Worker:
             self._loaded.set()
         while True:
             job, body, received = self.jobs.get()
-            started = time.perf_counter()
-            try:
-                conversion = self.converter.convert(job, body)
-            except Exception as exc:  # a bug must answer the request, not kill the worker
-                log.exception("worker %d: conversion failed", self.index)
-                conversion = self.converter._error(job, 500, f"Internal error while converting the request: {exc}")
-                conversion.done.error.type = "InternalServerError"
-            conversion.done.queue_s = started - received
-            self.results.put(conversion)
+            self.results.put(self._convert(self.converter, job, body, received))
             wake.send(b"")
+
+    def _convert(self, converter: Converter, job: m.ConvertJob, body: bytes, received: float):
+        started = time.perf_counter()
+        try:
+            conversion = converter.convert(job, body)
+        except Exception as exc:  # a bug must answer the request, not kill the worker
+            log.exception("worker %d: conversion failed", self.index)
+            conversion = converter._error(job, 500, f"Internal error while converting the request: {exc}")
+            conversion.done.error.type = "InternalServerError"
+        conversion.done.queue_s = started - received
+        return conversion
 
     def _send_results(self, sock) -> None:
         while True:
@@ -138,9 +155,12 @@ class Worker:
                 conversion = self.results.get_nowait()
             except queue.Empty:
                 return
-            for spec in conversion.detok:
-                self.detokenizer.open(spec)
-            sock.send_multipart([m.encoder.encode(conversion.done), *conversion.frames], copy=False)
+            self._send(sock, conversion)
+
+    def _send(self, sock, conversion) -> None:
+        for spec in conversion.detok:
+            self.detokenizer.open(spec)
+        sock.send_multipart([m.encoder.encode(conversion.done), *conversion.frames], copy=False)
 
 
 def main(argv: list[str] | None = None) -> int:
