@@ -225,6 +225,8 @@ class App:
             [Choice(i, c.request_id, c.prompt_tokens) for i, c in enumerate(done.choices)],
             arrival,
         )
+        extensions = scope.get("extensions") or {}
+        gen.drop_connection = extensions.get("tokenmill.drop_connection")
         gw.generations.add(gen)
         try:
             for i in range(len(done.choices)):
@@ -240,7 +242,7 @@ class App:
         framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
         try:
             if done.stream:
-                await self._stream(gen, framer, send, endpoint, timing_headers(done))
+                await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
             else:
                 await self._collect(gen, framer, send, endpoint, timing_headers(done))
         finally:
@@ -255,7 +257,12 @@ class App:
             sum(c.cached_tokens for c in gen.choices),
         )
 
-    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=()) -> None:
+    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(),
+                      write_paused=None) -> None:
+        """Write the generation's events as SSE. Each delta is its own event, as the scheduler made it,
+        while the client keeps up; text that piles up while the client's socket is backed up goes out
+        as one event per run of the same kind and choice (in order, nothing dropped), so a slow
+        reader costs one event per write rather than one per token."""
         await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *extra_headers]})
         self.gw.metrics.request(endpoint, 200)
         head = b"".join(framer.role_chunk(c.index) for c in gen.choices) if framer.chat else b""
@@ -263,31 +270,54 @@ class App:
             await send({"type": "http.response.body", "body": head, "more_body": True})
         failed = False
         open_choices = len(gen.choices)  # count finish events, not gen.finished: events may still be queued
+        coalesced = 0
+        merge = False  # the last write found the client's socket backed up
         while open_choices and not failed:
             parts = []
+            run: list[str] = []  # text deltas of one kind and choice in a row: they go out as one event
+            run_kind, run_index = None, -1
             event = await gen.events.get()
             while True:  # write everything already waiting in one go
                 kind = event[0]
-                if kind == "text":
-                    parts.append(framer.text_chunk(event[1], event[2]))
-                elif kind == "reasoning":
-                    parts.append(framer.reasoning_chunk(event[1], event[2]))
-                elif kind == "call":
-                    parts.append(framer.call_chunks(event[1], event[2]))
-                elif kind == "finish":
-                    parts.append(framer.finish_chunk(event[1], event[2]))
-                    self.gw.metrics.finished(event[2])
-                    open_choices -= 1
-                elif kind == "error":
-                    parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
-                    self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
-                    failed = True
-                    break
-                elif kind == "disconnected":
-                    return
+                if kind == "text" or kind == "reasoning":
+                    if not merge or kind != run_kind or event[1] != run_index:
+                        if run:
+                            parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                            coalesced += len(run) - 1
+                            run.clear()
+                        run_kind, run_index = kind, event[1]
+                    run.append(event[2])
+                    gen.buffered -= len(event[2])
+                else:
+                    if run:
+                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                        coalesced += len(run) - 1
+                        run.clear()
+                        run_kind = None
+                    if kind == "call":
+                        gen.buffered -= len(event[2].text)
+                        parts.append(framer.call_chunks(event[1], event[2]))
+                    elif kind == "finish":
+                        parts.append(framer.finish_chunk(event[1], event[2]))
+                        self.gw.metrics.finished(event[2])
+                        open_choices -= 1
+                    elif kind == "error":
+                        parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
+                        self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
+                        failed = True
+                        break
+                    elif kind == "disconnected":
+                        return
                 if gen.events.empty():
                     break
                 event = gen.events.get_nowait()
+            if run:
+                parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                coalesced += len(run) - 1
+            if coalesced:
+                self.gw.metrics.coalesced_deltas.inc(coalesced)
+                coalesced = 0
+            merge = write_paused is not None and write_paused()
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
         tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
         await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
@@ -302,10 +332,13 @@ class App:
             event = await gen.events.get()
             if event[0] == "text":
                 texts[event[1]].append(event[2])
+                gen.buffered -= len(event[2])
             elif event[0] == "reasoning":
                 reasoning[event[1]].append(event[2])
+                gen.buffered -= len(event[2])
             elif event[0] == "call":
                 calls[event[1]].append(event[2])
+                gen.buffered -= len(event[2].text)
             elif event[0] == "finish":
                 reasons[event[1]] = event[2]
                 self.gw.metrics.finished(event[2])

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from scheduler_client import protocol
 from tokenizer_workers.messages import ApiError, DetokItem, DetokOut
@@ -41,6 +42,8 @@ class Generation:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    buffered: int = 0  # characters of text in events the handler has not taken yet
+    drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
 
     @property
     def finished(self) -> bool:
@@ -56,10 +59,11 @@ class Generation:
 
 
 class Generations:
-    def __init__(self, conversion, scheduler, metrics=None):
+    def __init__(self, conversion, scheduler, metrics=None, max_buffered: int = 0):
         self.conversion = conversion  # WorkerPool or an in-process equivalent
         self.scheduler = scheduler
         self.metrics = metrics
+        self.max_buffered = max_buffered  # text a client may leave unread before its request is aborted (0: no limit)
         self.by_request: dict[str, tuple[Generation, Choice]] = {}
         self.live: set[Generation] = set()
 
@@ -81,6 +85,8 @@ class Generations:
     def on_outputs(self, outputs: list[protocol.RequestOutput]) -> None:
         per_owner: dict[int, list[DetokItem]] = defaultdict(list)
         now = time.monotonic()
+        metrics = self.metrics
+        tokens = 0
         for out in outputs:
             entry = self.by_request.get(out.request_id)
             if entry is None:
@@ -91,13 +97,12 @@ class Generations:
             if out.token_ids:
                 if gen.first_token_at is None:
                     gen.first_token_at = now
-                    if self.metrics:
-                        self.metrics.time_to_first_token.observe(now - gen.arrival)
-                elif self.metrics:
-                    self.metrics.inter_token_latency.observe(now - gen.last_token_at)
+                    if metrics:
+                        metrics.time_to_first_token.observe(now - gen.arrival)
+                elif metrics:
+                    metrics.inter_token_latency.observe(now - gen.last_token_at)
                 gen.last_token_at = now
-                if self.metrics:
-                    self.metrics.generation_tokens.inc(len(out.token_ids) // 4)
+                tokens += len(out.token_ids) // 4
             choice.completion_tokens = out.completion_tokens or choice.completion_tokens
             choice.cached_tokens = out.cached_tokens
             if out.finish_reason is not None:
@@ -105,6 +110,8 @@ class Generations:
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
             per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None))
+        if tokens and metrics:
+            metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
             self.conversion.detokenize(owner, items)
 
@@ -133,13 +140,18 @@ class Generations:
                 continue
             gen, choice = entry
             if delta.text:
+                gen.buffered += len(delta.text)
                 gen.events.put_nowait(("text", choice.index, delta.text))
             for piece in delta.pieces:
+                gen.buffered += len(piece.text)
                 if piece.kind == "call":
                     choice.tool_calls += 1
                     gen.events.put_nowait(("call", choice.index, piece))
                 else:  # "content" and "text" events are the same thing
                     gen.events.put_nowait(("text" if piece.kind == "content" else piece.kind, choice.index, piece.text))
+            if self.max_buffered and gen.buffered > self.max_buffered:
+                self._too_slow(gen)
+                continue
             if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
                 choice.finish_reason = protocol.FINISH_STOP
                 if not choice.scheduler_done:
@@ -154,6 +166,17 @@ class Generations:
                 gen.events.put_nowait(("finish", choice.index, _openai_finish(choice)))
                 if gen.finished:
                     self.live.discard(gen)
+
+    def _too_slow(self, gen: Generation) -> None:
+        """The client stopped reading (or reads slower than the model writes): stop generating for it
+        and close its connection, rather than hold ever more text for it."""
+        self.fail(gen, ApiError(408, f"The client read the stream too slowly: more than {self.max_buffered} characters "
+                                     "waited to be sent, so the request was aborted.",
+                                "RequestTimeoutError", None, "slow_client"), reason="slow_client")
+        if gen.drop_connection is not None:
+            if self.metrics:
+                self.metrics.closed_connections.labels(reason="slow_client").inc()
+            gen.drop_connection()
 
     def on_owner_lost(self, owner: int, request_ids: set) -> None:
         for rid in request_ids:

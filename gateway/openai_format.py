@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import msgspec
 
 from tokenizer_workers.messages import ApiError
@@ -63,6 +65,16 @@ class Framer:
         self.model = model
         self.include_usage = include_usage
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self._templates: dict = {}  # (kind, index) -> the chunk's bytes around its text
+
+    def _template(self, kind: str, index: int) -> list[bytes]:
+        """A text or reasoning chunk as bytes with holes for the text: the same bytes the dict
+        would encode to, built once per choice, so a token's event costs one string encode."""
+        hole = f"@{uuid.uuid4().hex}@"
+        chunk = self.text_chunk_slow(index, hole) if kind == "text" else self.reasoning_chunk_slow(index, hole)
+        parts = chunk.split(_json.encode(hole))
+        self._templates[(kind, index)] = parts
+        return parts
 
     def _chunk(self, choices: list) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
@@ -74,16 +86,28 @@ class Framer:
         return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
 
     def text_chunk(self, index: int, text: str) -> bytes:
+        parts = self._templates.get(("text", index)) or self._template("text", index)
+        return _json.encode(text).join(parts)
+
+    def reasoning_chunk(self, index: int, text: str) -> bytes:
+        parts = self._templates.get(("reasoning", index)) or self._template("reasoning", index)
+        return _json.encode(text).join(parts)
+
+    def text_chunk_slow(self, index: int, text: str) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
         return sse(self._chunk([choice]))
 
-    def reasoning_chunk(self, index: int, text: str) -> bytes:
+    def reasoning_chunk_slow(self, index: int, text: str) -> bytes:
         """Reasoning under vLLM's name and under the name SGLang and most client libraries read."""
         delta = {"reasoning": text, "reasoning_content": text}
         return sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+
+    def delta_chunk(self, kind: str, index: int, text: str) -> bytes:
+        """A "text" or "reasoning" delta."""
+        return self.text_chunk(index, text) if kind == "text" else self.reasoning_chunk(index, text)
 
     def call_chunks(self, index: int, call) -> bytes:
         """One whole tool call as OpenAI streams it: id, type and name first, then the arguments."""

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from gateway.app import App
 from gateway.generations import Generations
+from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
 from tokenmill.transport_security import WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
@@ -112,7 +113,7 @@ class Gateway:
         if scheduler_endpoint is None:
             scheduler_endpoint = f"ipc://{self.runtime_dir}/scheduler.sock"
             await self._start_simulator(scheduler_endpoint)
-        self.generations = Generations(None, None, self.metrics)
+        self.generations = Generations(None, None, self.metrics, max_buffered=s.stream_buffer_limit)
         g = self.generations
         if s.conversion_mode == "pool":
             endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
@@ -122,7 +123,7 @@ class Gateway:
                 s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
-                security=security, affinity=s.affinity, metrics=self.metrics,
+                security=security, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
             )  # fmt: skip
         else:
             self.conversion = InProcessConversion(
@@ -145,6 +146,7 @@ class Gateway:
             "--prefill-tokens-per-s", str(s.sim_prefill_tokens_per_s),
             "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
             "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
+            "--tokens-per-step", str(s.sim_tokens_per_step),
             "--model", s.model or "default",
             *(["--replies", s.sim_replies] if s.sim_replies else []),
             env=child_env(),
@@ -254,7 +256,10 @@ class Gateway:
         await self.start()
         try:
             config = uvicorn.Config(
-                App(self), host=s.host, port=s.port, http="httptools", loop="none", lifespan="off",
+                App(self), host=s.host, port=s.port, loop="none", lifespan="off",
+                http=protocol_class(s.header_timeout,
+                                    lambda: self.metrics.closed_connections.labels(reason="header_timeout").inc(),
+                                    s.send_buffer_bytes),
                 log_level=s.log_level, access_log=False, timeout_keep_alive=s.timeout_keep_alive,
                 timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
             )  # fmt: skip

@@ -61,17 +61,22 @@ class ServeSettings:
     timeout_keep_alive: int = 5
     max_header_bytes: int = 64 << 10
     body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    stream_buffer_limit: int = 1 << 20
+    send_buffer_bytes: int = 0
     insecure_tcp: bool = False
     curve_keys_dir: str | None = None
     tokenize_cache_bytes: int = 256 << 20
     verify_tokenize_cache: bool = False
     affinity: bool = True
+    quick_conversion_bytes: int = 8192
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     conversion_mode: str = "pool"
     sim_prefill_tokens_per_s: float = 200000.0
     sim_inter_token_latency_ms: float = 20.0
     sim_max_running: int = 256
+    sim_tokens_per_step: int = 1
     sim_mode: str = "random"
     sim_replies: str | None = None
     log_level: str = "info"
@@ -108,12 +113,20 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "timeout_keep_alive": (int, "Seconds an idle keep-alive connection stays open."),
     "max_header_bytes": (int, "Largest total size of a request's headers (431 above)."),
     "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
+    "header_timeout": (float, "Seconds a client may take from connecting, or from the first byte of its next request, "
+                       "to the end of the request's headers; the connection is closed after (slow loris; 0 = no limit)."),
+    "send_buffer_bytes": (int, "Kernel send buffer per client connection (SO_SNDBUF); 0 = the kernel's autotuning, "
+                          "which may hold up to net.ipv4.tcp_wmem's maximum (4 MiB) for a client that stops reading."),
+    "stream_buffer_limit": (int, "Characters of generated text one client may leave unread; past it the request is "
+                            "aborted (code slow_client) and its connection closed (0 = no limit)."),
     "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler (see docs/security.md)."),
     "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
                              "pieces, one quarter for recent whole prompts (0 = off)."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
+    "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
+                               "without waiting for a free worker or the tokenization cache (0 = never)."),
     "tool_call_parser": (str, "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
                          "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
                          "auto (from the chat template), or none. Default: auto for the embedded model, else none."),
@@ -123,6 +136,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
     "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
+    "sim_tokens_per_step": (int, "Simulated scheduler: tokens per request per decode step (speculative decoding emits several)."),
     "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
     "sim_replies": (str, 'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
                     "(docs/scheduler-protocol.md §10)."),
