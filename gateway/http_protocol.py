@@ -13,10 +13,11 @@
    ``scope["extensions"]["tokenmill.drop_connection"]`` aborts the connection of a client
    that stopped reading altogether, whose pending writes would otherwise hold it open.
 
-3. Optionally a fixed kernel send buffer per connection (``send_buffer_bytes``). Linux grows
-   a socket's send buffer up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB by default), so a
-   client that stops reading can pin megabytes of kernel memory before the gateway notices;
-   a fixed buffer makes that bound, and the point where coalescing starts, small and known.
+3. Optionally a fixed send buffer per connection (``send_buffer_bytes``), in the kernel and
+   as uvloop's write high-water mark (64 KiB otherwise). Linux grows a socket's send buffer up
+   to ``net.ipv4.tcp_wmem``'s maximum (4 MiB by default), so a client that stops reading can
+   pin megabytes of kernel memory before the gateway notices; a fixed buffer makes that bound,
+   and the point where coalescing starts, small and known.
 
 HTTP parsing stays uvicorn's and httptools'; only connection bookkeeping is added.
 """
@@ -39,6 +40,7 @@ def protocol_class(header_timeout: float, on_header_timeout: Callable[[], None],
                 sock = transport.get_extra_info("socket")
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                transport.set_write_buffer_limits(high=send_buffer_bytes)  # uvloop's own buffer: the same bound
             self._arm()
 
         def on_message_begin(self) -> None:

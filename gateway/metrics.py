@@ -98,6 +98,8 @@ class Metrics:
                                           "Connections the gateway closed itself, by reason (header_timeout, slow_client).",
                                           label + ["reason"], registry=r)
         self.closed_connections = _Bound(self.closed_connections, model_name)
+        for reason in ("header_timeout", "slow_client"):  # exported at 0 from the start, for dashboards and alerts
+            self.closed_connections.labels(reason=reason)
         self.tool_parse_failures = _Bound(Counter(
             "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
             label + ["parser"], registry=r), model_name)  # fmt: skip
