@@ -29,4 +29,8 @@ def test_bench_quick_json_has_every_key(tmp_path):
     assert 0 < report["worker_efficiency"]
     assert {"cores", "python", "tokenizers"} <= set(report["machine"])
     assert set(report["small_requests"]) == {"inline", "pool"}
+    assert set(report["small"]) == {"8", "64"}
+    for row in report["small"].values():
+        assert set(row) == {"pool_req_s", "inline_req_s", "pool_p50_ms", "inline_p50_ms"}
+        assert row["pool_req_s"] > 0 and row["inline_req_s"] > 0
     assert "pool/inline" in proc.stdout and "pool/thread" in proc.stdout

@@ -32,10 +32,10 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm"),
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams"),
                         help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
                              "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
-                             "vLLM's own server on the same engine.")
+                             "vLLM's own server on the same engine; streams: hundreds of concurrent streams.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -53,6 +53,9 @@ def add_arguments(parser) -> None:
     from tokenmill import bench_vllm
 
     bench_vllm.add_arguments(parser)
+    from tokenmill import bench_streams
+
+    bench_streams.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -313,26 +316,44 @@ def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None
     }
 
 
-def run_short(mode: str, count: int, concurrency: int, workers: int | None) -> dict:
+def run_short(mode: str, count: int, concurrencies: tuple, workers: int | None) -> dict:
+    """Small chats through one server at each concurrency: {clients: {requests_per_s, latency_p50_ms, errors}}."""
     server = _Server(mode, workers, itl_ms=0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    rows = {}
     try:
-        warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 20, 2, out))
+        warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 50, 2, out))
         warm.start()
         out.get(timeout=120)
         warm.join()
-        p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, concurrency, out))
-        p.start()
-        _, res = out.get(timeout=600)
-        p.join(30)
+        for clients in concurrencies:
+            p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
+            p.start()
+            _, res = out.get(timeout=600)
+            p.join(30)
+            rows[str(clients)] = {
+                "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
+                "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
+                "errors": res["errors"],
+            }
     finally:
         server.close()
-    return {
-        "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
-        "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
-        "errors": res["errors"],
-    }
+    return rows
+
+
+SMALL_CLIENTS = (8, 64)
+
+
+def small_summary(small: dict) -> dict:
+    """The pool against inline conversion at each concurrency, as --json reports it."""
+    out = {}
+    for clients in map(str, SMALL_CLIENTS):
+        if "pool" in small and "inline" in small:
+            pool, inline = small["pool"][clients], small["inline"][clients]
+            out[clients] = {"pool_req_s": pool["requests_per_s"], "inline_req_s": inline["requests_per_s"],
+                            "pool_p50_ms": pool["latency_p50_ms"], "inline_p50_ms": inline["latency_p50_ms"]}  # fmt: skip
+    return out
 
 
 def worker_efficiency(bodies: list[bytes], pool: dict, workers: int) -> tuple[float, float]:
@@ -393,10 +414,13 @@ def print_report(report: dict) -> None:
     if report.get("small_requests"):
         s = report["small_requests"]
         print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler):")
-        for mode, row in s.items():
-            print(f"  {mode:>6}: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, errors {row['errors']}")
-        if "pool" in s and "inline" in s and s["pool"]["latency_p50_ms"] and s["inline"]["latency_p50_ms"]:
-            print(f"  the process hop adds {s['pool']['latency_p50_ms'] - s['inline']['latency_p50_ms']:.2f} ms at p50")
+        for mode, rows in s.items():
+            for clients, row in rows.items():
+                print(f"  {mode:>6}, {clients:>2} clients: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
+                      f"errors {row['errors']}")  # fmt: skip
+        for clients, row in report.get("small", {}).items():
+            print(f"  pool/inline at {clients} clients: {_ratio(row['pool_req_s'], row['inline_req_s'])} req/s, "
+                  f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms")  # fmt: skip
 
 
 def _ratio(a, b) -> str:
@@ -418,6 +442,10 @@ def run(args) -> int:
         from tokenmill import bench_vllm
 
         return bench_vllm.run(args)
+    if args.scenario == "streams":
+        from tokenmill import bench_streams
+
+        return bench_streams.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)
@@ -447,7 +475,8 @@ def run(args) -> int:
     report["small_requests"] = {}
     for mode in short_modes:
         print(f"running small requests, {mode} ...", file=sys.stderr, flush=True)
-        report["small_requests"][mode] = run_short(mode, 300 if quick else 2000, 8, workers)
+        report["small_requests"][mode] = run_short(mode, 500 if quick else 3000, SMALL_CLIENTS, workers)
+    report["small"] = small_summary(report["small_requests"])
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
