@@ -19,8 +19,8 @@ with --send-buffer-bytes 16384, so their sockets back up within seconds). The te
 for them goes out as fewer, larger SSE events: "coalesced" is the share of the deltas
 generated for the row's streams that were merged into an earlier event (the clients are
 still reading what was written before their sockets backed up, so their own events/tok
-moves later). Their deliv/emit is below 1 by
-construction: they read slower than the model writes.
+moves later). Once merged, a token costs them a few bytes instead of an event's ~200, so
+they keep up in tokens while reading half the bytes.
 """
 
 from __future__ import annotations
