@@ -214,9 +214,11 @@ def test_body_too_large(server):
 
 
 def test_unknown_fields_are_ignored(server):
+    """Another vendor's extension is ignored, as vLLM does; OpenAI's and vLLM's own fields are not
+    (test_request_fields.py)."""
     status, _, body = http(
         "POST", server.url + "/v1/chat/completions",
-        {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 2, "vendor_extension": {"x": 1}, "priority": 3},
+        {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 2, "vendor_extension": {"x": 1}, "user": "u-1"},
     )  # fmt: skip
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
 

@@ -263,7 +263,7 @@ class Converter:
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             template_source=req.chat_template,
-            kwargs=req.chat_template_kwargs,
+            kwargs=_template_kwargs(req),
         )
 
     def _completion_prompts(self, prompt) -> list:
@@ -334,3 +334,12 @@ class Converter:
         )
         return Conversion(done, frames, detok)
 
+
+
+def _template_kwargs(req) -> dict | None:
+    """chat_template_kwargs, with OpenAI's reasoning_effort as a template variable (as vLLM passes it);
+    a reasoning_effort in chat_template_kwargs wins."""
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}

@@ -1,6 +1,8 @@
 """OpenAI-style request bodies as msgspec Structs, with the range checks OpenAI and vLLM apply.
 
-Unknown fields are accepted and ignored, as vLLM does, so vendor extensions keep working.
+Fields OpenAI or vLLM define that this server cannot honour are refused unless they hold their
+default (request_fields.py); fields nobody here defines are ignored, as vLLM does, so other
+vendors' extensions keep working.
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ from typing import Any
 
 import msgspec
 
+from tokenizer_workers.request_fields import RefusableFields, refused_field
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true
 
 
-class SamplingFields(msgspec.Struct):
+class SamplingFields(RefusableFields):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -39,6 +44,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
+    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -109,7 +115,14 @@ def parse(kind: str, body: bytes):
 
 
 def check_sampling(req: SamplingFields) -> None:
-    """Range checks (OpenAI's limits; vLLM's top_k convention)."""
+    """Refused fields, then range checks (OpenAI's limits; vLLM's top_k convention)."""
+    refused = refused_field(req)
+    if refused is not None:
+        name, reason = refused
+        raise InvalidRequest(f"{name} is not supported by this server: {reason}.", name)
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server: usage comes "
+                             "in the last chunk (include_usage).", "stream_options.continuous_usage_stats")
     if req.n != 1:
         raise InvalidRequest("Only n=1 is supported.", "n")
     if req.logprobs not in (None, False):

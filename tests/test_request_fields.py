@@ -1,0 +1,108 @@
+"""Every request field OpenAI or vLLM defines is honoured, accepted without effect, or refused with a
+400 naming it (tokenizer_workers/request_fields.py, docs/request-fields.md): never silently dropped."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import ROOT, http
+from tokenizer_workers import openai_requests as oa
+from tokenizer_workers.request_fields import IGNORED, REFUSED, RefusableFields
+
+CHAT = [{"role": "user", "content": "Hello"}]
+
+# a value each refused field must be refused with
+NON_DEFAULT = {
+    "response_format": {"type": "json_object"},
+    "structured_outputs": {"json": {"type": "object"}},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "structural_tag": {"type": "structural_tag"},
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "top_logprobs": 3,
+    "prompt_logprobs": 1,
+    "return_tokens_as_token_ids": True,
+    "logit_bias": {"100": 5},
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "min_tokens": 3,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["bad"],
+    "logits_processors": ["my.module:Proc"],
+    "best_of": 2,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "include_stop_str_in_output": True,
+    "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 10,
+    "return_token_ids": True,
+    "suffix": "the end",
+    "parallel_tool_calls": False,
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": "auto",
+    "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "web_search_options": {},
+    "verbosity": "low",
+    "priority": 3,
+    "cache_salt": "s",
+    "kv_transfer_params": {"do_remote_decode": True},
+    "mm_processor_kwargs": {"a": 1},
+    "vllm_xargs": {"a": 1},
+    "request_id": "mine",
+}
+# defaults that clients send, which must be accepted
+DEFAULTS = {"response_format": {"type": "text"}, "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0,
+            "min_tokens": 0, "best_of": 1, "top_logprobs": 0, "parallel_tool_calls": True, "modalities": ["text"],
+            "bad_words": [], "suffix": "", "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+            "use_beam_search": False, "length_penalty": 1, "priority": 0, "return_token_ids": False}  # fmt: skip
+
+
+def test_the_table_the_struct_and_the_docs_agree():
+    assert set(NON_DEFAULT) == set(REFUSED)
+    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    listed = set(re.findall(r"`([a-z_]+)`", doc))
+    honoured = (set(oa.ChatCompletionRequest.__struct_fields__) | set(oa.CompletionRequest.__struct_fields__)) - set(
+        RefusableFields.__struct_fields__
+    )
+    missing = (set(REFUSED) | set(IGNORED) | honoured) - listed
+    assert not missing, f"docs/request-fields.md does not list {sorted(missing)}"
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_every_refused_field_is_a_400_naming_it(server, endpoint):
+    base = {"model": "deepseek-v4", "max_tokens": 2}
+    base.update({"messages": CHAT} if "chat" in endpoint else {"prompt": "Hello"})
+    for name, value in NON_DEFAULT.items():
+        status, _, body = http("POST", server.url + endpoint, {**base, name: value})
+        assert status == 400, (name, status, body)
+        assert body["error"]["param"] == name and name in body["error"]["message"], body
+        assert body["error"]["type"] == "BadRequestError"
+    status, _, body = http("POST", server.url + endpoint, {**base, "stream_options": {"continuous_usage_stats": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options.continuous_usage_stats", body
+    status, _, body = http("POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}})
+    assert status == 200, body  # every default (or null) at once is fine
+    status, _, body = http("POST", server.url + endpoint, {**base, **{k: "x" for k in IGNORED if k != "metadata"},
+                                                          "metadata": {"k": "v"}, "store": False})  # fmt: skip
+    assert status == 200, body
+
+
+def test_reasoning_effort_reaches_the_chat_template(tmp_path):
+    from tokenizer_workers.converter import Converter, ConverterSettings
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ reasoning_effort | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    converter = Converter(ConverterSettings(chat_template_file=str(template)))
+    chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}')
+    assert converter.render(chat.messages, chat) == "low|hi"
+    chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low", '
+                            b'"chat_template_kwargs": {"reasoning_effort": "high"}}')  # fmt: skip
+    assert converter.render(chat.messages, chat) == "high|hi"
+    chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert converter.render(chat.messages, chat) == "unset|hi"

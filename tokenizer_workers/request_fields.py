@@ -1,0 +1,160 @@
+"""Every request field of OpenAI's chat/completions APIs and vLLM's extensions, and what tokenmill
+does with it: honoured, accepted without effect on the output, or refused with a 400 naming it.
+
+A client that asks for JSON must not get prose without a word, so a field this server cannot
+honour is refused unless it holds its default value (``response_format: {"type": "text"}``,
+``logit_bias: {}``, ``min_p: 0``, ...), which many client libraries send on every request.
+Fields not listed here (another vendor's extensions) are ignored, as vLLM ignores them.
+docs/request-fields.md is this table for people; a test keeps the two in step and sends every
+refused field to a running server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+
+
+def _none(value) -> bool:
+    return value is None
+
+
+def _false(value) -> bool:
+    return value is None or value is False
+
+
+def _empty(value) -> bool:
+    return value is None or value == {} or value == [] or value == ""
+
+
+def _equals(default) -> Callable[[Any], bool]:
+    return lambda value: value is None or (not isinstance(value, bool) and value == default)
+
+
+def _text_format(value) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _text_modalities(value) -> bool:
+    return value is None or value == ["text"]
+
+
+def _true(value) -> bool:
+    return value is None or value is True
+
+
+_STRUCTURED = "structured outputs (constrained decoding) are not available yet"
+_LOGPROBS = "log probabilities are not available yet"
+
+# field -> (holds its default?, why a non-default value is refused)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (_text_format, f"only {{'type': 'text'}}: {_STRUCTURED}"),
+    "structured_outputs": (_none, _STRUCTURED),
+    "guided_json": (_none, _STRUCTURED),
+    "guided_regex": (_none, _STRUCTURED),
+    "guided_choice": (_none, _STRUCTURED),
+    "guided_grammar": (_none, _STRUCTURED),
+    "structural_tag": (_none, _STRUCTURED),
+    "guided_decoding_backend": (_none, _STRUCTURED),
+    "guided_whitespace_pattern": (_none, _STRUCTURED),
+    "top_logprobs": (_equals(0), _LOGPROBS),
+    "prompt_logprobs": (_none, _LOGPROBS),
+    "return_tokens_as_token_ids": (_false, _LOGPROBS),
+    "logit_bias": (_empty, "the scheduler protocol carries no logit bias yet"),
+    "min_p": (_equals(0), "the scheduler protocol carries no min_p yet"),
+    "repetition_penalty": (_equals(1), "the scheduler protocol carries no repetition penalty yet"),
+    "min_tokens": (_equals(0), "the scheduler protocol carries no minimum length yet"),
+    "allowed_token_ids": (_none, "the scheduler protocol carries no token allow-list"),
+    "bad_words": (_empty, "the scheduler protocol carries no banned words"),
+    "logits_processors": (_none, "custom logits processors cannot cross the scheduler protocol"),
+    "best_of": (_equals(1), "only one sequence per choice is generated"),
+    "use_beam_search": (_false, "beam search is not available"),
+    "length_penalty": (_equals(1), "beam search is not available"),
+    "include_stop_str_in_output": (_false, "stop strings are always cut from the output"),
+    "spaces_between_special_tokens": (_true, "special tokens are decoded as the tokenizer joins them"),
+    "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt that is too long is a 400"),
+    "return_token_ids": (_false, "responses carry text, not token IDs"),
+    "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
+    "parallel_tool_calls": (_true, "every call the model makes is returned; false would need constrained decoding"),
+    "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
+    "function_call": (_none, "use tool_choice (function_call is OpenAI's deprecated form)"),
+    "prediction": (_none, "predicted outputs are not available"),
+    "audio": (_none, "audio output is not available"),
+    "modalities": (_text_modalities, "only text output"),
+    "web_search_options": (_none, "web search is not available"),
+    "verbosity": (_none, "the model's verbosity cannot be set"),
+    "priority": (_equals(0), "the scheduler protocol carries no priority yet"),
+    "cache_salt": (_none, "prefix-cache isolation is the engine's and is not passed on yet"),
+    "kv_transfer_params": (_none, "disaggregated prefill is not available"),
+    "mm_processor_kwargs": (_none, "multimodal input is not available"),
+    "vllm_xargs": (_none, "engine-specific extra arguments are not passed on"),
+    "request_id": (_none, "response ids are the server's"),
+}
+
+# accepted, with no effect on the output (bookkeeping OpenAI keeps on its side)
+IGNORED = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "safety_identifier": "the same, under its new name",
+    "metadata": "tags for OpenAI's stored completions",
+    "store": "OpenAI's stored completions",
+    "service_tier": "OpenAI's billing tier",
+    "prompt_cache_key": "a hint for OpenAI's prompt cache",
+}
+
+
+class RefusableFields(msgspec.Struct):
+    """The refused fields, decoded as they come so they can be checked; a base of the request Structs."""
+
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    top_logprobs: Any = None
+    prompt_logprobs: Any = None
+    return_tokens_as_token_ids: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    return_token_ids: Any = None
+    suffix: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    vllm_xargs: Any = None
+    request_id: Any = None
+
+
+def refused_field(req: RefusableFields) -> tuple[str, str] | None:
+    """(field, reason) of the first field holding a value this server cannot honour, else None."""
+    for name, (is_default, reason) in REFUSED.items():
+        if not is_default(getattr(req, name)):
+            return name, reason
+    return None
+
+
+assert set(REFUSED) == set(RefusableFields.__struct_fields__), "REFUSED and RefusableFields must list the same fields"
