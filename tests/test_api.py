@@ -112,6 +112,10 @@ def test_stop_token_ids(echo_server, default_tokenizer):
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens == 3
     assert resp.choices[0].text == default_tokenizer.decode(ids[:3])
+    vocab = default_tokenizer.get_vocab_size(with_added_tokens=True)
+    status, _, body = http("POST", echo_server.url + "/v1/completions",
+                           {"model": "deepseek-v4", "prompt": ids, "stop_token_ids": [ids[2], vocab]})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "stop_token_ids" and str(vocab) in body["error"]["message"], body
 
 
 def test_detokenize_and_tokenize_prompt(server, default_tokenizer):

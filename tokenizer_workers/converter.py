@@ -293,6 +293,8 @@ class Converter:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
         )
+        if req.stop_token_ids:
+            self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = oa.stop_strings(req)
         choices, frames, detok = [], [], []
