@@ -130,7 +130,8 @@ class Gateway:
                 self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
             )
         self.scheduler = SchedulerClient(
-            scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error, curve=scheduler_keys
+            scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error, curve=scheduler_keys,
+            on_welcome=lambda welcome: self.conversion.limit_context(welcome.max_model_len),
         )
         g.conversion, g.scheduler = self.conversion, self.scheduler
         await self.conversion.start()
@@ -147,6 +148,7 @@ class Gateway:
             "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
             "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
             "--tokens-per-step", str(s.sim_tokens_per_step),
+            *(["--max-model-len", str(s.sim_max_model_len)] if s.sim_max_model_len else []),
             "--model", s.model or "default",
             *(["--replies", s.sim_replies] if s.sim_replies else []),
             env=child_env(),

@@ -139,7 +139,8 @@ class WorkerPool:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
-        self.max_model_len: int | None = None
+        self.model_max_model_len: int | None = None  # as the workers loaded it
+        self.engine_max_model_len: int | None = None  # as the scheduler's Welcome said
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
@@ -493,6 +494,24 @@ class WorkerPool:
         except zmq.ZMQError:
             pass  # the worker is dead; _on_worker_death fails these requests
 
+    @property
+    def max_model_len(self) -> int | None:
+        limits = [n for n in (self.model_max_model_len, self.engine_max_model_len) if n]
+        return min(limits) if limits else None
+
+    def limit_context(self, engine_max_model_len: int | None) -> None:
+        """The scheduler said hello with its context length: every worker checks requests against it."""
+        self.engine_max_model_len = engine_max_model_len
+        for worker in self.workers:
+            if worker.ready:
+                self._send_limits(worker)
+
+    def _send_limits(self, worker: _Worker) -> None:
+        try:
+            self.sock.send([worker.identity, m.encoder.encode(m.Limits(self.engine_max_model_len))])
+        except zmq.ZMQError:
+            pass  # a dead worker's replacement gets them when it is ready
+
     def release(self, owner: int, request_ids: list[str]) -> None:
         worker = self.workers[owner]
         worker.owned.difference_update(request_ids)
@@ -519,7 +538,9 @@ class WorkerPool:
         elif isinstance(msg, m.ConvertDone):
             self._on_done(worker, msg, frames[2:])
         elif isinstance(msg, m.WorkerReady):
-            self.max_model_len = msg.max_model_len
+            self.model_max_model_len = msg.max_model_len
+            if self.engine_max_model_len:
+                self._send_limits(worker)
             self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
                             "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
             if self.metrics:

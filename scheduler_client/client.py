@@ -37,6 +37,7 @@ class SchedulerClient:
         on_outputs: Callable[[list[protocol.RequestOutput]], None],
         on_lost: Callable[[str], None],
         on_error: Callable[[protocol.Error], None] | None = None,
+        on_welcome: Callable[[protocol.Welcome], None] | None = None,
         ctx: zmq.Context | None = None,
         curve: dict | None = None,
         heartbeat_ms: int = 1000,
@@ -45,6 +46,7 @@ class SchedulerClient:
         self.on_outputs = on_outputs
         self.on_lost = on_lost
         self.on_error = on_error or (lambda err: log.warning("scheduler error: %s", err.message))
+        self.on_welcome = on_welcome
         self.ctx = ctx or zmq.Context.instance()
         self.curve = curve
         self.heartbeat_ms = heartbeat_ms
@@ -141,6 +143,8 @@ class SchedulerClient:
             self.connected = True
             self._connected_event.set()
             log.info("scheduler %s connected at %s", msg.scheduler_name, self.endpoint)
+            if self.on_welcome is not None:
+                self.on_welcome(msg)
         elif isinstance(msg, protocol.Error):
             if msg.request_id is None and msg.code == "version_mismatch":
                 log.error("scheduler refused protocol version %d: %s", protocol.PROTOCOL_VERSION, msg.message)

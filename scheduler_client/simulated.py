@@ -58,6 +58,7 @@ from scheduler_client.scheduler_server import (
     ERR_DUPLICATE,
     ERR_UNKNOWN_MESSAGE,
     ERR_VERSION_MISMATCH,
+    Rejected,
     SchedulerServer,
     Session,
     read_curve_secret,
@@ -262,6 +263,7 @@ class SimulatedScheduler(SchedulerServer):
         scheduler_name: str = SCHEDULER_NAME,
         replies: str | Path | None = None,
         tokens_per_step: int = 1,
+        max_model_len: int | None = None,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
@@ -302,6 +304,7 @@ class SimulatedScheduler(SchedulerServer):
 
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self.tokens_per_step = tokens_per_step  # >1: several tokens per step, as speculative decoding emits
+        self.max_model_len = max_model_len or None  # prompt and output together, as an engine's context
         self.inter_token_latency_s = float(inter_token_latency_s)
         self.max_running = int(max_running)
         self.mode = mode
@@ -348,8 +351,14 @@ class SimulatedScheduler(SchedulerServer):
             protocol_version=PROTOCOL_VERSION,
             scheduler_name=self.scheduler_name,
             max_running_requests=self.max_running,
-            max_model_len=None,
+            max_model_len=self.max_model_len,
         )
+
+    def check(self, gen: Generate) -> None:
+        limit = self.max_model_len
+        if limit is not None and gen.prompt_token_count >= limit:
+            raise Rejected(f"the prompt has {gen.prompt_token_count} tokens; this engine handles at most {limit} "
+                           "tokens (prompt and completion together)")
 
     def stats(self) -> Stats:
         return Stats(num_running=self.num_running, num_waiting=self.num_waiting)
@@ -373,11 +382,14 @@ class SimulatedScheduler(SchedulerServer):
         return len(gone)
 
     def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
+        max_new = gen.max_new_tokens
+        if self.max_model_len is not None:
+            max_new = min(max_new, self.max_model_len - len(prompt))  # the context ends it with "length"
         req = _Request(
             identity=session.identity,
             request_id=gen.request_id,
             prompt=prompt,
-            max_new_tokens=gen.max_new_tokens,
+            max_new_tokens=max_new,
             stop_ids=frozenset(gen.stop_token_ids),
             first_stop_id=gen.stop_token_ids[0] if gen.stop_token_ids else None,
             ignore_eos=gen.ignore_eos,
@@ -592,6 +604,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time between decode steps (0: as fast as possible; default %(default)s)",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the engine's context length (prompt and output), reported in Welcome; longer prompts are refused "
+        "(0: none; default %(default)s)",
+    )
+    parser.add_argument(
         "--tokens-per-step",
         type=int,
         default=1,
@@ -676,6 +696,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         curve_secret_key=curve,
         replies=args.replies,
         tokens_per_step=args.tokens_per_step,
+        max_model_len=args.max_model_len or None,
     )
 
 

@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from conftest import http
+from conftest import Server, http
 
 CHAT = [{"role": "user", "content": "Tell me about tokenizers."}]
 
@@ -171,6 +171,27 @@ def test_prompt_over_context_names_both_numbers(server):
     assert_error(status, body, 400, "8192")
     assert body["error"]["code"] == "context_length_exceeded"
     assert "in the completion" in body["error"]["message"]
+
+
+def test_the_engines_context_length_is_checked_before_it_is_reached():
+    """A scheduler whose Welcome says a smaller context than the model's: the workers check requests
+    against it, so an over-long one is the same clear 400 as the model's limit gives, naming the field."""
+    srv = Server("--workers", "1", "--sim-max-model-len", "64", "--sim-inter-token-latency-ms", "1")
+    try:
+        status, _, body = http("GET", srv.url + "/v1/models")
+        assert body["data"][0]["max_model_len"] == 64
+        status, _, body = http("POST", srv.url + "/v1/chat/completions",
+                               {"model": "deepseek-v4", "messages": [{"role": "user", "content": "word " * 40}],
+                                "max_tokens": 30})  # fmt: skip
+        assert_error(status, body, 400, "64")
+        assert body["error"]["code"] == "context_length_exceeded" and body["error"]["param"] == "messages"
+        status, _, body = http("POST", srv.url + "/v1/chat/completions",
+                               {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+        assert status == 200 and body["usage"]["completion_tokens"] == 5, body
+        status, _, body = http("POST", srv.url + "/tokenize", {"model": "deepseek-v4", "prompt": "Hi"})
+        assert body["max_model_len"] == 64
+    finally:
+        srv.stop()
 
 
 def test_bad_completion_prompts(server):

@@ -622,16 +622,19 @@ def test_prompt_plus_max_tokens_over_the_limit(stack):
     assert status == 200 and v["usage"]["completion_tokens"] <= MAX_MODEL_LEN - 4000
 
 
-def test_engine_refuses_what_the_gateway_lets_through(stack):
-    """A gateway started without --max-model-len takes the model's 65,536 positions from config.json;
-    the engine (4,096) then refuses the prompt itself: a 400 carrying the engine's message."""
+def test_a_gateway_without_max_model_len_takes_the_engines(stack):
+    """A gateway started without --max-model-len loads the model's 65,536 positions from config.json,
+    but the engine's Welcome says 4,096: requests are checked against the smaller, so an over-long
+    prompt is the same clear 400 naming the field, before it reaches the engine."""
     bare = Server("--model", str(stack.model), "--scheduler", stack.engine.endpoint, "--served-model-name", NAME,
                   "--workers", "1", timeout=120)  # fmt: skip
     try:
+        assert http("GET", bare.url + "/v1/models")[2]["data"][0]["max_model_len"] == MAX_MODEL_LEN
         body = {"model": NAME, "prompt": [5] * 5000, "max_tokens": 4}
         e = _error(http("POST", bare.url + "/v1/completions", body))
-        assert (e["status"], e["type"], e["code"]) == (400, "BadRequestError", "bad_request")
-        assert "5000 tokens" in e["message"] and "at most 4096 tokens" in e["message"]
+        assert (e["status"], e["type"], e["param"], e["code"]) == (400, "BadRequestError", "prompt",
+                                                                   "context_length_exceeded")  # fmt: skip
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e["message"]
         ok = complete(bare.client(), prompt="Hi", max_tokens=2, temperature=0)
         assert ok.finish == "length"
     finally:
@@ -650,19 +653,22 @@ def test_token_outside_the_vocabulary_is_a_clean_400(stack):
 
 
 def test_vllm_validation_errors_reach_the_client(stack):
-    """What only vLLM checks (here: stop_token_ids outside the vocabulary) comes back as a 400 with
-    vLLM's own message, as from vLLM's server."""
+    """stop_token_ids outside the vocabulary: the gateway's workers refuse them (naming the field), as
+    vLLM's server does; a front end that does not check gets vLLM's own message from the engine in the
+    protocol's error, which the gateway turns into a 400 carrying it (tests/test_engine_bridges.py)."""
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "stop_token_ids": [200000]}
     t = _error(http("POST", stack.front.url + "/v1/completions", body))
     v = _error(http("POST", stack.vllm.url + "/v1/completions", body))
-    assert v["status"] == t["status"] == 400
-    core = "token_id(s) [200000] in stop_token_ids contain out-of-vocab token ids"
-    assert core in v["message"] and core in t["message"]
+    assert v["status"] == t["status"] == 400 and t["param"] == "stop_token_ids"
+    assert "200000" in t["message"] and "200000" in v["message"]
+    error = engine_generate(stack.engine.endpoint, [5, 6], stop_token_ids=[200000])
+    assert isinstance(error, Error) and error.request_id == "oov", error
+    assert "token_id(s) [200000] in stop_token_ids contain out-of-vocab token ids" in error.message
     ok = complete(stack.t, prompt="Hi", max_tokens=2, temperature=0)  # and the engine carries on
     assert ok.finish == "length"
 
 
-def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1):
+def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, stop_token_ids: list[int] | None = None):
     """One request straight to the engine over the scheduler protocol: the Error, or the final output."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -678,7 +684,7 @@ def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1):
             message = decode_from_scheduler(sock.recv())
             if isinstance(message, Welcome) and not sent:
                 gen = Generate(request_id="oov", prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
-                               sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS])  # fmt: skip
+                               sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS, *(stop_token_ids or [])])  # fmt: skip
                 sock.send_multipart([encode(gen), ids_to_frame(prompt)])
                 sent = True
             elif isinstance(message, Error):

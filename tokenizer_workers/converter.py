@@ -84,6 +84,11 @@ class Converter:
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
 
+    def limit_context(self, engine_max_model_len: int | None) -> None:
+        """Check requests against the engine's context length too, where it is the smaller."""
+        own = self.model.max_model_len
+        self.max_model_len = min(own, engine_max_model_len) if engine_max_model_len else own
+
     def without_cache(self) -> Converter:
         """A converter for another thread: the same model, templates and parsers, but it encodes
         prompts whole and leaves the tokenization cache (not thread-safe) to this one."""

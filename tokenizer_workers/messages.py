@@ -41,7 +41,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToWorker = ConvertJob | DetokBatch | Release | Shutdown
+class Limits(msgspec.Struct, tag="limits"):
+    """The engine's own context length (from its Welcome): requests are checked against the smaller
+    of it and the model's, so a prompt the engine would refuse is a 400 that says why."""
+
+    max_model_len: int | None = None
+
+
+ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits
 
 # ---- worker -> gateway ------------------------------------------------------------
 

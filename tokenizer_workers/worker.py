@@ -115,6 +115,9 @@ class Worker:
                 self.jobs.put((msg, body, time.perf_counter()))
         elif isinstance(msg, m.Release):
             self.detokenizer.release(msg.request_ids)
+        elif isinstance(msg, m.Limits):
+            self.converter.limit_context(msg.max_model_len)
+            self.quick_converter.limit_context(msg.max_model_len)
         elif isinstance(msg, m.Shutdown):
             return False
         return True

@@ -77,6 +77,7 @@ class ServeSettings:
     sim_inter_token_latency_ms: float = 20.0
     sim_max_running: int = 256
     sim_tokens_per_step: int = 1
+    sim_max_model_len: int = 0
     sim_mode: str = "random"
     sim_replies: str | None = None
     log_level: str = "info"
@@ -136,6 +137,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
     "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
+    "sim_max_model_len": (int, "Simulated scheduler: the engine's context length, reported in its Welcome (0 = none)."),
     "sim_tokens_per_step": (int, "Simulated scheduler: tokens per request per decode step (speculative decoding emits several)."),
     "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
     "sim_replies": (str, 'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
