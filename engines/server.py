@@ -551,9 +551,10 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from tokenmill.procutil import set_process_name
+        from tokenmill.procutil import set_process_name, take_descendants_along
 
         set_process_name("tm-engine")
+        take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine
     except ImportError:  # pragma: no cover
         pass
     from engines import MissingBackend, backend_module

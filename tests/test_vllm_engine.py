@@ -761,9 +761,24 @@ def _sse_events(resp) -> list:
     return events
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_engine_killed_mid_stream_then_restarted(stack):
     """Last: SIGKILL of `tokenmill engine` mid-stream ends the stream with an error event
-    `scheduler_unavailable` and [DONE]; new requests get 503 until an engine is back; then they succeed."""
+    `scheduler_unavailable` and [DONE], and vLLM's own processes die with the engine; new requests get
+    503 until an engine is back; then they succeed."""
     expected = complete(stack.v, prompt="After the storm", max_tokens=6, temperature=0)
     conn = HTTPConnection("127.0.0.1", stack.front.port, timeout=60)
     body = {"model": NAME, "prompt": "Go on and on", "max_tokens": 3000, "stream": True, "temperature": 0,
@@ -789,7 +804,10 @@ def test_engine_killed_mid_stream_then_restarted(stack):
     assert "retry-after" in {k.lower() for k in headers}
     assert http("GET", stack.front.url + "/ready")[0] == 503
 
-    stack.engine.stop()  # the orphaned vLLM engine-core and worker processes too
+    # vLLM's engine-core and worker processes die with it (tokenmill engine's reaper), not only the engine
+    group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == stack.engine.proc.pid]
+    wait_for(lambda: not [p for p in group if _running(p)], 15, "vLLM's processes to die with the engine")
+    stack.engine.stop()
     t0 = time.monotonic()
     stack.engine = Engine(stack.model, stack.engine.endpoint, stack.engine.log_path)
     wait_all(stack.engine)

@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -60,3 +61,74 @@ def limit_memory(megabytes: int) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         except (ValueError, OSError):
             pass
+
+
+def _processes() -> tuple[dict[int, int], dict[int, str]]:
+    """(pid -> parent pid, pid -> start time) of every process, from /proc."""
+    parents, starts = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        starts[int(entry)] = fields[19]
+    return parents, starts
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time, for every process below root."""
+    parents, starts = _processes()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = starts[pid]
+                frontier.append(pid)
+    return found
+
+
+def take_descendants_along(interval: float = 1.0) -> None:
+    """Fork a small watcher that kills this process's descendants when this process dies, even by kill -9.
+
+    An engine library (vLLM, SGLang) starts its own worker processes, and nobody asked the kernel to
+    kill those with us: after a kill -9 of ``tokenmill engine`` they lived on, holding the GPU. The
+    watcher dies with us too (PR_SET_PDEATHSIG) but first, on that signal, kills every descendant it
+    saw at its last look (every ``interval`` seconds; a pid reused since is left alone). Call it
+    first thing, while this process has no threads.
+    """
+    if sys.platform != "linux":
+        return
+    parent = os.getpid()
+    if os.fork():
+        return
+    try:
+        set_process_name("tm-reaper")
+        seen: dict[int, str] = {}
+
+        def reap(*_) -> None:
+            current = _processes()[1]  # start times of everything alive, to skip reused pids
+            for pid, started in seen.items():
+                if pid != os.getpid() and current.get(pid) == started:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, reap)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            reap()
+        while True:
+            seen = {pid: started for pid, started in _descendants(parent).items() if pid != os.getpid()}
+            time.sleep(interval)
+            if os.getppid() != parent:  # missed the signal somehow
+                reap()
+    finally:
+        os._exit(0)
