@@ -149,7 +149,7 @@ class VLLMBackend(Backend):
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
         stream = self.engine.generate({"prompt_token_ids": request.prompt}, params, rid)
-        produced = False
+        produced = finished = False
         try:
             async for out in stream:
                 completion = out.outputs[0] if out.outputs else None
@@ -160,10 +160,19 @@ class VLLMBackend(Backend):
                     finish = _FINISH.get(reason)
                     if finish is None:
                         finish, error = FINISH_ERROR, f"vLLM finished the request with {reason!r}"
+                    # vLLM's generator ends right after its finished output; closing it before that
+                    # counts (and logs) as an abort, so let it end first
+                    async for _ in stream:
+                        pass
+                    finished = True
                 produced = True
                 yield Chunk(tokens, finish, error, getattr(out, "num_cached_tokens", None))
                 if finish is not None:
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished and rid not in self._aborted:  # stopped from outside: closing the stream aborts it
+                self._cancelled += 1
+            raise
         except Exception as exc:
             if not produced and _is_client_error(exc):
                 raise EngineRejected(str(exc)) from exc

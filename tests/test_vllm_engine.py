@@ -53,6 +53,7 @@ from scheduler_client.protocol import (  # noqa: E402
     Hello,
     Outputs,
     SamplingParams,
+    Stats,
     Welcome,
     decode_from_scheduler,
     encode,
@@ -668,6 +669,26 @@ def test_vllm_validation_errors_reach_the_client(stack):
     assert ok.finish == "length"
 
 
+def engine_cancelled_total(endpoint: str) -> int:
+    """The engine's cancelled_total, from the Stats it sends a new session (every 0.2 s here)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="test-stats")))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if sock.poll(200):
+                message = decode_from_scheduler(sock.recv())
+                if isinstance(message, Stats):
+                    return message.cancelled_total
+        raise AssertionError("no Stats from the engine")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, stop_token_ids: list[int] | None = None):
     """One request straight to the engine over the scheduler protocol: the Error, or the final output."""
     ctx = zmq.Context()
@@ -734,6 +755,7 @@ def test_client_disconnect_aborts_the_request_in_vllm(stack):
     def detail() -> str:
         return f"running {metric(stack, RUNNING)}; engine log:\n{stack.engine.log()[-3000:]}"
 
+    cancelled = engine_cancelled_total(stack.engine.endpoint)
     stream = stack.t.completions.create(model=NAME, prompt="Go on and on", max_tokens=3000, stream=True,
                                         temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     received = 0
@@ -747,8 +769,15 @@ def test_client_disconnect_aborts_the_request_in_vllm(stack):
     time.sleep(1.5)  # an idle vLLM polls its queues for a second after its last step
     idle = cpu_over(stack.engine, 2.0)  # decoding here costs 1-2 CPU seconds a second
     assert idle < 0.3, f"vLLM is still busy after the disconnect: {idle:.2f} CPU seconds in 2 s"
+    wait_for(lambda: engine_cancelled_total(stack.engine.endpoint) == cancelled + 1, 10,
+             "the engine to count the cancelled request", detail)  # fmt: skip
+    aborted_lines = stack.engine.log().count(" aborted.")
+    assert aborted_lines >= 1  # vLLM logs the disconnected one
     ok = complete(stack.t, prompt="Hi", max_tokens=2, temperature=0)
     assert ok.finish == "length"
+    # a request that finished is neither counted nor logged by vLLM as aborted
+    assert engine_cancelled_total(stack.engine.endpoint) == cancelled + 1
+    assert stack.engine.log().count(" aborted.") == aborted_lines
 
 
 def _sse_events(resp) -> list:
