@@ -273,19 +273,18 @@ class App:
         coalesced = 0
         merge = False  # the last write found the client's socket backed up
         while open_choices and not failed:
-            parts = []
-            run: list[str] = []  # text deltas of one kind and choice in a row: they go out as one event
+            parts: list[bytes] = []
+            run: list[str] = []  # text deltas of one kind and choice in a row, while merging: one event
             run_kind, run_index = None, -1
             event = await gen.events.get()
             while True:  # write everything already waiting in one go
                 kind = event[0]
                 if kind == "text" or kind == "reasoning":
-                    if not merge or kind != run_kind or event[1] != run_index:
-                        if run:
-                            parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
-                            coalesced += len(run) - 1
-                            run.clear()
-                        run_kind, run_index = kind, event[1]
+                    if run and (not merge or kind != run_kind or event[1] != run_index):
+                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                        coalesced += len(run) - 1
+                        run.clear()
+                    run_kind, run_index = kind, event[1]
                     run.append(event[2])
                     gen.buffered -= len(event[2])
                 else:
@@ -293,7 +292,6 @@ class App:
                         parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
                         coalesced += len(run) - 1
                         run.clear()
-                        run_kind = None
                     if kind == "call":
                         gen.buffered -= len(event[2].text)
                         parts.append(framer.call_chunks(event[1], event[2]))
