@@ -4,9 +4,9 @@ Dispatch is pull-based: each worker converts one request at a time and the gatew
 the next queued request to whichever worker is free, so a 250k-token conversion never
 holds up short requests while another worker is idle. Small bodies (quick jobs) skip the
 queue: they go at once to the worker with the fewest in flight, whose IO thread converts
-them beside whatever its conversion thread is doing (a hand-off would cost more than them). A turn of a conversation whose cache
-another worker holds waits for that worker at most as long as converting it afresh would
-take (a short request: no time at all). Detokenization goes to the worker
+them beside whatever its conversion thread is doing (a hand-off would cost more than they
+do). A turn of a conversation whose cache another worker holds waits for that worker at
+most as long as converting it afresh would take (a short request: no time at all). Detokenization goes to the worker
 that converted the request (it holds that request's decoder state) and is answered
 between conversions, since a worker's IO thread runs while its conversion thread encodes.
 
@@ -143,7 +143,7 @@ class WorkerPool:
         self.engine_max_model_len: int | None = None  # as the scheduler's Welcome said
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: LoopSocket | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ Skipped where vLLM's CPU build cannot run (tests/vllm_env.py says why).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -669,40 +670,43 @@ def test_vllm_validation_errors_reach_the_client(stack):
     assert ok.finish == "length"
 
 
-def engine_cancelled_total(endpoint: str) -> int:
-    """The engine's cancelled_total, from the Stats it sends a new session (every 0.2 s here)."""
+@contextlib.contextmanager
+def engine_session(endpoint: str, name: str):
+    """A DEALER that has said Hello to the engine over the scheduler protocol, closed afterwards."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="test-stats")))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if sock.poll(200):
-                message = decode_from_scheduler(sock.recv())
-                if isinstance(message, Stats):
-                    return message.cancelled_total
-        raise AssertionError("no Stats from the engine")
+        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=name)))
+        yield sock
     finally:
         sock.close(linger=0)
         ctx.term()
 
 
+def engine_messages(sock, seconds: float):
+    """The engine's messages on this session, decoded, until the time is up."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sock.poll(200):
+            yield decode_from_scheduler(sock.recv())
+
+
+def engine_cancelled_total(endpoint: str) -> int:
+    """The engine's cancelled_total, from the Stats it sends a new session (every 0.2 s here)."""
+    with engine_session(endpoint, "test-stats") as sock:
+        for message in engine_messages(sock, 10):
+            if isinstance(message, Stats):
+                return message.cancelled_total
+    raise AssertionError("no Stats from the engine")
+
+
 def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, stop_token_ids: list[int] | None = None):
     """One request straight to the engine over the scheduler protocol: the Error, or the final output."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="test-vllm")))
+    with engine_session(endpoint, "test-vllm") as sock:
         sent = False
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if not sock.poll(200):
-                continue
-            message = decode_from_scheduler(sock.recv())
+        for message in engine_messages(sock, 30):
             if isinstance(message, Welcome) and not sent:
                 gen = Generate(request_id="oov", prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
                                sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS, *(stop_token_ids or [])])  # fmt: skip
@@ -712,10 +716,7 @@ def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, s
                 return message
             elif isinstance(message, Outputs) and any(o.finish_reason for o in message.outputs):
                 return message
-        raise AssertionError("no answer from the engine")
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    raise AssertionError("no answer from the engine")
 
 
 # ---- disconnects and engine failure -----------------------------------------------------------------

@@ -103,50 +103,8 @@ IGNORED = {
 }
 
 
-class RefusableFields(msgspec.Struct):
-    """The refused fields, decoded as they come so they can be checked; a base of the request Structs."""
-
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structural_tag: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    top_logprobs: Any = None
-    prompt_logprobs: Any = None
-    return_tokens_as_token_ids: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    logits_processors: Any = None
-    best_of: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    include_stop_str_in_output: Any = None
-    spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
-    return_token_ids: Any = None
-    suffix: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    prediction: Any = None
-    audio: Any = None
-    modalities: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
-    priority: Any = None
-    cache_salt: Any = None
-    kv_transfer_params: Any = None
-    mm_processor_kwargs: Any = None
-    vllm_xargs: Any = None
-    request_id: Any = None
+# the refused fields, decoded as they come so they can be checked; a base of the request Structs
+RefusableFields = msgspec.defstruct("RefusableFields", [(name, Any, None) for name in REFUSED])
 
 
 def refused_field(req: RefusableFields) -> tuple[str, str] | None:
@@ -155,6 +113,3 @@ def refused_field(req: RefusableFields) -> tuple[str, str] | None:
         if not is_default(getattr(req, name)):
             return name, reason
     return None
-
-
-assert set(REFUSED) == set(RefusableFields.__struct_fields__), "REFUSED and RefusableFields must list the same fields"

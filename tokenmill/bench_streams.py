@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from tokenmill.bench import _Server, pct
+from tokenmill.procutil import _descendants
 
 WORD = b" elephant"  # one token with the embedded model's tokenizer
 SLOW_STALL_S = 6.0  # slow readers read nothing at first
@@ -134,23 +135,8 @@ def _cpu_s(pid: int) -> float:
 
 def _children(pid: int) -> dict[int, str]:
     """The server's process tree: pid -> name (tm-gateway, tm-worker-N, tm-scheduler)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                pass
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, p in parents.items():
-            if p == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
     names = {}
-    for p in tree:
+    for p in [pid, *_descendants(pid)]:
         try:
             with open(f"/proc/{p}/comm") as f:
                 names[p] = f.read().strip()
