@@ -14,7 +14,7 @@ from array import array
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # 1.1 adds optional fields only; a scheduler announces what it honours in Welcome.features
 
 # finish_reason values a scheduler may report.
 FINISH_STOP = "stop"  # a stop token (EOS or one of stop_token_ids) was generated
@@ -32,6 +32,30 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # 1.1, each honoured only by a scheduler that lists it in Welcome.features:
+    min_p: float = 0.0  # 0 disables
+    repetition_penalty: float = 1.0  # 1 disables
+    min_tokens: int = 0  # stop tokens cannot end the request before this many tokens
+    logit_bias: dict[int, float] = {}  # token ID -> bias added to its logit, in [-100, 100]
+
+
+class Structured(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
+    """A constraint on the whole output (1.1): the engine decodes only text the spec accepts."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    spec: str = ""  # json_schema / structural_tag: JSON text; regex: the pattern; grammar: EBNF; json_object: ""
+    choices: list[str] = []  # kind "choice": the output is exactly one of these
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+
+# What a 1.1 scheduler may list in Welcome.features: the optional Generate fields it honours.
+# A front end sends none of them to a scheduler that did not list it (a 1.0 scheduler would
+# silently ignore it).
+FEATURE_LOGPROBS = "logprobs"
+SAMPLING_FEATURES = ("min_p", "repetition_penalty", "min_tokens", "logit_bias")
+STRUCTURED_FEATURES = tuple(f"structured.{kind}" for kind in STRUCTURED_KINDS)
+FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES)
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -55,6 +79,9 @@ class Generate(msgspec.Struct, tag="generate"):
     # Whether a generated stop token is included in the output token_ids (it is: the
     # front end's detokenizer skips special tokens itself).
     ignore_eos: bool = False
+    # 1.1: the logprobs of each generated token (0), and of the top N tokens at each step (N > 0)
+    logprobs: int | None = None
+    structured: Structured | None = None  # 1.1: constrained decoding
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -70,6 +97,9 @@ class Welcome(msgspec.Struct, tag="welcome"):
     scheduler_name: str
     max_running_requests: int | None = None
     max_model_len: int | None = None
+    # 1.1: the optional Generate fields this scheduler honours (FEATURES); None: a 1.0 scheduler
+    features: list[str] | None = None
+    max_logprobs: int | None = None  # the largest Generate.logprobs it takes, if it takes logprobs
 
 
 class RequestOutput(msgspec.Struct):
@@ -82,6 +112,11 @@ class RequestOutput(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens served from the scheduler's prefix cache
     completion_tokens: int = 0  # total generated so far, including these
     error: str | None = None  # set with finish_reason "error"
+    # 1.1, with Generate.logprobs set: per token of token_ids, float32 little-endian
+    logprobs: bytes = b""
+    # and with logprobs N > 0: N per token, best first (uint32 / float32 little-endian)
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -106,6 +141,7 @@ class Error(msgspec.Struct, tag="error"):
     message: str
     code: str = "bad_request"
     request_id: str | None = None
+    param: str | None = None  # 1.1: the Generate field at fault (with code "unsupported": the one it cannot honour)
 
 
 ToScheduler = Hello | Generate | Abort
@@ -136,6 +172,22 @@ def ids_to_frame(token_ids) -> bytes:
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()
+
+
+def floats_to_bytes(values) -> bytes:
+    """Logprobs as the float32 little-endian bytes RequestOutput carries."""
+    arr = array("f", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def bytes_to_floats(data: bytes | memoryview) -> array:
+    arr = array("f")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
 
 
 def frame_to_ids(frame: bytes | memoryview) -> array:

@@ -36,6 +36,7 @@ import zmq
 from tokenmill.loop_socket import LoopSocket
 from scheduler_client.protocol import (
     PROTOCOL_VERSION,
+    STRUCTURED_KINDS,
     Abort,
     Error,
     Generate,
@@ -54,6 +55,7 @@ ERR_BAD_REQUEST = "bad_request"
 ERR_UNKNOWN_MESSAGE = "unknown_message"
 ERR_VERSION_MISMATCH = "version_mismatch"
 ERR_DUPLICATE = "duplicate_request_id"
+ERR_UNSUPPORTED = "unsupported"  # 1.1: a Generate field this scheduler cannot honour; Error.param names it
 
 KNOWN_TYPES = ("hello", "generate", "abort")
 
@@ -61,10 +63,30 @@ KNOWN_TYPES = ("hello", "generate", "abort")
 class Rejected(Exception):
     """A ``generate`` the scheduler will not run: becomes one ``error`` carrying its request_id."""
 
-    def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
+    def __init__(self, message: str, code: str = ERR_BAD_REQUEST, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.param = param
+
+
+def features_used(gen: Generate) -> list[tuple[str, str]]:
+    """(feature, field) for each optional 1.1 Generate field this request sets."""
+    used = []
+    s = gen.sampling
+    if gen.logprobs is not None:
+        used.append(("logprobs", "logprobs"))
+    if gen.structured is not None:
+        used.append((f"structured.{gen.structured.kind}", "structured"))
+    if s.min_p:
+        used.append(("min_p", "sampling.min_p"))
+    if s.repetition_penalty != 1.0:
+        used.append(("repetition_penalty", "sampling.repetition_penalty"))
+    if s.min_tokens:
+        used.append(("min_tokens", "sampling.min_tokens"))
+    if s.logit_bias:
+        used.append(("logit_bias", "sampling.logit_bias"))
+    return used
 
 
 @dataclass(eq=False)
@@ -170,8 +192,14 @@ class SchedulerServer:
         """Coroutines that run while serving (the engine); serving stops if one fails."""
         return []
 
+    #: the 1.1 Generate fields this scheduler honours (protocol.FEATURES); a request using
+    #: another is refused with ``unsupported`` naming the field
+    features: frozenset[str] = frozenset()
+    max_logprobs: int = 20
+
     def welcome(self) -> Welcome:
-        return Welcome(protocol_version=PROTOCOL_VERSION, scheduler_name=self.scheduler_name)
+        return Welcome(protocol_version=PROTOCOL_VERSION, scheduler_name=self.scheduler_name,
+                       features=sorted(self.features), max_logprobs=self.max_logprobs)
 
     def stats(self) -> Stats:
         raise NotImplementedError
@@ -310,9 +338,10 @@ class SchedulerServer:
     def send_outputs(self, identity: bytes, outputs: list[RequestOutput]) -> bool:
         return self.send(identity, encode(Outputs(outputs=outputs)))
 
-    def send_error(self, identity: bytes, message: str, code: str, request_id: str | None) -> None:
+    def send_error(self, identity: bytes, message: str, code: str, request_id: str | None,
+                   param: str | None = None) -> None:
         self.log.warning("rejected message from %s: %s (%s)", identity.hex(), message, code)
-        self.send(identity, encode(Error(message=message, code=code, request_id=request_id)))
+        self.send(identity, encode(Error(message=message, code=code, request_id=request_id, param=param)))
 
     def session_gone(self, identity: bytes) -> None:
         """The front end disconnected: free its requests silently."""
@@ -392,7 +421,7 @@ class SchedulerServer:
             self.check(gen)
             self.accept(session, gen, prompt, prompt_bytes)
         except Rejected as exc:
-            self.send_error(session.identity, exc.message, exc.code, gen.request_id)
+            self.send_error(session.identity, exc.message, exc.code, gen.request_id, exc.param)
 
     def validate(self, session: Session, gen: Generate, extra: list) -> tuple[array, bytes]:
         """The generic checks of §6; returns the prompt as an array and as its raw bytes."""
@@ -418,6 +447,11 @@ class SchedulerServer:
             raise Rejected("sampling.top_k must be >= 0 (0 disables it)")
         if any(t < 0 or t > 0xFFFFFFFF for t in gen.stop_token_ids):
             raise Rejected("stop_token_ids must be uint32 values")
+        for feature, param in features_used(gen):
+            if feature not in self.features:
+                raise Rejected(f"{self.scheduler_name} cannot honour {param}"
+                               + (f" ({gen.structured.kind})" if param == "structured" else ""), ERR_UNSUPPORTED, param)
+        self._validate_11(gen)
         buf = extra[0].buffer
         if len(buf) != 4 * gen.prompt_token_count:
             raise Rejected(
@@ -431,6 +465,29 @@ class SchedulerServer:
                 hint = f" {self.vocab_hint}" if self.vocab_hint else ""
                 raise Rejected(f"prompt token id {highest} is out of range for vocabulary size {vocab_size}{hint}")
         return prompt, bytes(buf)
+
+    def _validate_11(self, gen: Generate) -> None:
+        """Ranges of the 1.1 fields (their use was checked against ``features`` already)."""
+        s = gen.sampling
+        if not 0.0 <= s.min_p <= 1.0:
+            raise Rejected("sampling.min_p must be in [0, 1]", param="sampling.min_p")
+        if not s.repetition_penalty > 0:
+            raise Rejected("sampling.repetition_penalty must be > 0", param="sampling.repetition_penalty")
+        if s.min_tokens < 0:
+            raise Rejected("sampling.min_tokens must be >= 0", param="sampling.min_tokens")
+        vocab_size = self.vocab_size
+        for token, bias in s.logit_bias.items():
+            if token < 0 or (vocab_size is not None and token >= vocab_size) or not -100.0 <= bias <= 100.0:
+                raise Rejected(f"sampling.logit_bias has {token}: {bias}; token IDs must be in the vocabulary and "
+                               "biases in [-100, 100]", param="sampling.logit_bias")
+        if gen.logprobs is not None and not 0 <= gen.logprobs <= self.max_logprobs:
+            raise Rejected(f"logprobs must be in [0, {self.max_logprobs}]", param="logprobs")
+        if gen.structured is not None:
+            kind = gen.structured.kind
+            if kind not in STRUCTURED_KINDS:
+                raise Rejected(f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}", param="structured")
+            if kind == "choice" and not gen.structured.choices:
+                raise Rejected("structured choice needs at least one choice", param="structured")
 
     # ------------------------------------------------------------------ stats
 

@@ -19,6 +19,33 @@ a fixed English paragraph so that demo output reads as text; without one, unifor
 prompt instead. ``--replies FILE`` scripts the output: a request whose prompt contains a
 reply's ``match`` generates that reply's text, then the model's EOS (docs/scheduler-protocol.md §10).
 
+Protocol 1.1 (``Welcome.features`` lists everything in ``protocol.FEATURES``; without a
+tokenizer, all but the ``structured.*`` ones):
+
+* ``structured``: at accept, :func:`scheduler_client.structured.example` writes a text the
+  spec accepts (drawn with the request's generator, so deterministic for (seed, prompt));
+  tokenized with the served tokenizer it becomes the output, one token per step like a
+  scripted reply, then the first stop token with ``"stop"``; ``max_new_tokens`` still cuts it
+  (``"length"``). An invalid spec is refused (``bad_request``, ``param`` "structured").
+* ``logprobs``: every generated token (a final stop token included) gets a logprob in
+  (-3, 0), a hash of the request's key (seed and prompt, or random when unseeded) and its
+  position; with N > 0 the top N are the chosen token first, then N-1 other distinct IDs
+  (from the palette, else the vocabulary) with strictly lower, descending logprobs whose
+  probabilities sum with the chosen one's to at most 1. Requests without logprobs take the
+  unchanged fast path.
+* ``min_tokens``: no stop token ends a request before it has that many tokens: random mode
+  skips ``--eos-probability`` and palette stop tokens, echo mode skips the prompt's stop
+  tokens, and a scripted reply that ends early holds its stop token back, random-mode text
+  filling up to ``min_tokens``. A structured request first draws up to 8 instances and takes
+  the first that is long enough (as a constrained model writes a longer instance); only when
+  none is does the filler follow the instance, which then no longer matches the spec.
+* ``logit_bias`` (random mode only): a token with bias <= -100 is never drawn (nor emitted
+  by ``--eos-probability``); the token with the highest bias >= 100 (the lowest ID among
+  equals) is drawn at every step instead (unless it is a stop token held back by
+  ``min_tokens``). Other biases have no effect.
+* ``min_p`` and ``repetition_penalty`` are accepted and have no visible effect: the
+  simulator has no distribution to reshape.
+
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m scheduler_client.simulated --bind ENDPOINT``.
 """
@@ -30,33 +57,40 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import random
 import signal
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
+from scheduler_client import structured
 from scheduler_client.protocol import (
+    FEATURES,
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     PROTOCOL_VERSION,
+    STRUCTURED_FEATURES,
     Generate,
     Outputs,
     RequestOutput,
     Stats,
     Welcome,
     encode,
+    floats_to_bytes,
+    ids_to_frame,
 )
 from scheduler_client.scheduler_server import (
     ERR_BAD_REQUEST,
     ERR_DUPLICATE,
     ERR_UNKNOWN_MESSAGE,
+    ERR_UNSUPPORTED,
     ERR_VERSION_MISMATCH,
     Rejected,
     SchedulerServer,
@@ -80,6 +114,7 @@ __all__ = [
     "ERR_BAD_REQUEST",
     "ERR_DUPLICATE",
     "ERR_UNKNOWN_MESSAGE",
+    "ERR_UNSUPPORTED",
     "ERR_VERSION_MISMATCH",
 ]
 
@@ -115,11 +150,8 @@ class _TokenSource:
         return bool(self.sentences)
 
 
-def _build_palette(tokenizer_file: Path, vocab_size: int | None) -> tuple[int, list[list[int]]]:
+def _build_palette(tokenizer, vocab_size: int | None) -> tuple[int, list[list[int]]]:
     """(vocab size, the palette paragraph tokenized one sentence at a time)."""
-    from tokenizers import Tokenizer  # only needed with --model
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
     size = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(with_added_tokens=True)
     added = set(tokenizer.get_added_tokens_decoder())
     sentences = []
@@ -197,7 +229,14 @@ class _Request:
     first_stop_id: int | None  # what --eos-probability emits
     ignore_eos: bool
     rng: random.Random
-    script: list[int] | None = None  # a scripted reply's tokens (--replies)
+    script: list[int] | None = None  # a scripted reply's tokens (--replies), or a structured output's
+    # 1.1 (defaults: not asked for)
+    min_tokens: int = 0
+    banned: frozenset[int] = frozenset()  # logit_bias <= -100
+    forced: int | None = None  # the token with the highest logit_bias >= 100
+    logprobs: int | None = None
+    lp_key: int = 0  # what the logprob hash starts from
+    next_token: Callable[[_Request], tuple[int | None, str | None]] | None = None  # set at accept
     state: str = _WAITING
     generated: int = 0
     prefill_start: float = 0.0
@@ -217,6 +256,27 @@ class _Request:
 
 _UNSEEDED = random.Random()
 _CLOCK_SLACK = 0.001  # the resolution of uvloop's loop.time()
+
+
+_M64 = (1 << 64) - 1
+_LN2 = math.log(2.0)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _logprob_key(generate: Generate, prompt_bytes: bytes) -> int:
+    """Deterministic where the tokens are (seed and prompt; prompt with seed None and temperature 0)."""
+    seed = generate.sampling.seed
+    if seed is None and generate.sampling.temperature != 0:
+        return _UNSEEDED.getrandbits(64)
+    salt = b"greedy" if seed is None else seed.to_bytes(16, "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(b"logprobs" + salt + prompt_bytes, digest_size=8).digest(), "little")
 
 
 def _make_rng(generate: Generate, prompt_bytes: bytes) -> random.Random:
@@ -288,19 +348,27 @@ class SimulatedScheduler(SchedulerServer):
         if replies is not None and model is None:
             model = "default"
         self.replies: ScriptedReplies | None = None
+        self._tokenizer = None  # with --model: structured outputs are tokenized with it
         if model is not None:
+            from tokenizers import Tokenizer  # only needed with --model
+
             directory = resolve_model_dir(str(model))
             tokenizer_file = directory / "tokenizer.json"
             if not tokenizer_file.is_file():
                 raise ValueError(f"{directory} has no tokenizer.json")
-            size, sentences = _build_palette(tokenizer_file, vocab_size)
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            size, sentences = _build_palette(self._tokenizer, vocab_size)
             self._tokens = _TokenSource(size, sentences)
             if replies is not None:
-                from tokenizers import Tokenizer
-
-                self.replies = ScriptedReplies(replies, Tokenizer.from_file(str(tokenizer_file)))
+                self.replies = ScriptedReplies(replies, self._tokenizer)
         else:
             self._tokens = _TokenSource(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
+        # 1.1: structured outputs need a tokenizer to turn their text into tokens
+        self._features = frozenset(FEATURES) if self._tokenizer is not None else \
+            frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES)
+        self.max_logprobs = min(20, self._tokens.vocab_size)
+        # distinct token IDs the top-N alternatives come from (the palette's, else the vocabulary)
+        self._alternatives = list(dict.fromkeys(t for sentence in self._tokens.sentences for t in sentence))
 
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self.tokens_per_step = tokens_per_step  # >1: several tokens per step, as speculative decoding emits
@@ -321,6 +389,10 @@ class SimulatedScheduler(SchedulerServer):
     @property
     def vocab_size(self) -> int:
         return self._tokens.vocab_size
+
+    @property
+    def features(self) -> frozenset[str]:  # a subclass may override it with a class attribute
+        return self._features
 
     @property
     def num_running(self) -> int:
@@ -352,6 +424,8 @@ class SimulatedScheduler(SchedulerServer):
             scheduler_name=self.scheduler_name,
             max_running_requests=self.max_running,
             max_model_len=self.max_model_len,
+            features=sorted(self.features),
+            max_logprobs=self.max_logprobs,
         )
 
     def check(self, gen: Generate) -> None:
@@ -359,6 +433,11 @@ class SimulatedScheduler(SchedulerServer):
         if limit is not None and gen.prompt_token_count >= limit:
             raise Rejected(f"the prompt has {gen.prompt_token_count} tokens; this engine handles at most {limit} "
                            "tokens (prompt and completion together)")
+        if gen.structured is not None:
+            try:
+                structured.check(gen.structured, "structured")
+            except structured.StructuredError as exc:
+                raise Rejected(str(exc), param="structured") from None
 
     def stats(self) -> Stats:
         return Stats(num_running=self.num_running, num_waiting=self.num_waiting)
@@ -394,11 +473,42 @@ class SimulatedScheduler(SchedulerServer):
             first_stop_id=gen.stop_token_ids[0] if gen.stop_token_ids else None,
             ignore_eos=gen.ignore_eos,
             rng=_make_rng(gen, prompt_bytes),
-            script=self.replies.for_prompt(prompt) if self.replies is not None else None,
+            script=self.replies.for_prompt(prompt) if self.replies is not None and gen.structured is None else None,
         )
+        sampling = gen.sampling
+        req.min_tokens = sampling.min_tokens
+        if sampling.logit_bias:
+            bias = sampling.logit_bias
+            req.banned = frozenset(t for t, b in bias.items() if b <= -100)
+            top = max(bias.values())
+            if top >= 100:
+                req.forced = min(t for t, b in bias.items() if b == top)
+        if gen.structured is not None:
+            req.script = self._structured_script(gen, req)
+        if gen.logprobs is not None:
+            req.logprobs = gen.logprobs
+            req.lp_key = _logprob_key(gen, prompt_bytes)
+        req.next_token = self._next_token if not (req.min_tokens or sampling.logit_bias) else self._next_token_11
         self._requests[req.key] = req
         self._waiting[req.key] = req
         self._wake_engine()
+
+    def _structured_script(self, gen: Generate, req: _Request) -> list[int]:
+        """The tokens of a text the request's spec accepts (see the module docstring for min_tokens)."""
+        if self._tokenizer is None:  # not listed in features, so the base class refused it already
+            raise Rejected("structured outputs need the simulator started with --model", ERR_UNSUPPORTED, "structured")
+        best: list[int] | None = None
+        for _ in range(8 if req.min_tokens else 1):
+            try:
+                text = structured.example(gen.structured, req.rng)
+            except structured.StructuredError as exc:
+                raise Rejected(f"cannot write an instance: {exc}", param="structured") from None
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            if best is None or len(ids) > len(best):
+                best = ids
+            if len(best) >= req.min_tokens:
+                break
+        return best
 
     def abort(self, identity: bytes, request_ids: list[str]) -> None:
         finals = []
@@ -509,17 +619,21 @@ class SimulatedScheduler(SchedulerServer):
         batches: dict[bytes, list[RequestOutput]] = {}
         per_step = self.tokens_per_step
         for req in list(self._decoding.values()):
-            tokens = b""
-            for _ in range(per_step):
-                token, reason = self._next_token(req)
-                if token is not None:
-                    req.generated += 1
-                    tokens += _PACK1(token)
+            next_token = req.next_token
+            if req.logprobs is None:
+                tokens = b""
+                for _ in range(per_step):
+                    token, reason = next_token(req)
+                    if token is not None:
+                        req.generated += 1
+                        tokens += _PACK1(token)
+                    if reason is not None:
+                        break
                 if reason is not None:
-                    break
-            if reason is not None:
-                self._remove(req)
-            out = self._output(req, tokens, reason)
+                    self._remove(req)
+                out = self._output(req, tokens, reason)
+            else:
+                out = self._step_logprobs(req, next_token, per_step)
             batch = batches.get(req.identity)
             if batch is None:
                 batches[req.identity] = [out]
@@ -527,6 +641,62 @@ class SimulatedScheduler(SchedulerServer):
                 batch.append(out)
         for identity, outputs in batches.items():
             self.send(identity, encode(Outputs(outputs=outputs)))
+
+    def _step_logprobs(self, req: _Request, next_token, per_step: int) -> RequestOutput:
+        """_step for one request that asked for logprobs."""
+        ids: list[int] = []
+        lps: list[float] = []
+        top_ids: list[int] = []
+        top_lps: list[float] = []
+        reason = None
+        for _ in range(per_step):
+            token, reason = next_token(req)
+            if token is not None:
+                self._logprobs(req, token, lps, top_ids, top_lps)
+                req.generated += 1
+                ids.append(token)
+            if reason is not None:
+                break
+        if reason is not None:
+            self._remove(req)
+        out = self._output(req, ids_to_frame(ids), reason)
+        if ids:
+            out.logprobs = floats_to_bytes(lps)
+            if req.logprobs:
+                out.top_ids = ids_to_frame(top_ids)
+                out.top_logprobs = floats_to_bytes(top_lps)
+        return out
+
+    def _logprobs(self, req: _Request, token: int, lps: list, top_ids: list, top_lps: list) -> None:
+        """The chosen token's logprob, and the top N, for the token at position req.generated."""
+        h = _mix64(req.lp_key ^ _mix64(req.generated))
+        u = (h >> 11) * (1.0 / (1 << 53))
+        chosen = -(0.001 + 2.99 * u * u)  # in (-3, 0), mostly near 0 as a confident model's
+        lps.append(chosen)
+        n = req.logprobs
+        if not n:
+            return
+        top_ids.append(token)
+        top_lps.append(chosen)
+        # the others share what the chosen token leaves, each at most half the one before
+        p = math.exp(chosen)
+        lp = math.log(min(p, 1.0 - p))
+        pool = self._alternatives
+        vocab = self._tokens.vocab_size
+        taken = {token}
+        start = h % (len(pool) if pool else vocab)
+        j = 0
+        for _ in range(n - 1):
+            h = _mix64(h)
+            lp -= _LN2 + 0.7 * ((h >> 11) * (1.0 / (1 << 53)))
+            while True:  # the next distinct ID: through the palette, then the vocabulary
+                other = pool[(start + j) % len(pool)] if j < len(pool) else (start + j) % vocab
+                j += 1
+                if other not in taken:
+                    break
+            taken.add(other)
+            top_ids.append(other)
+            top_lps.append(lp)
 
     def _next_token(self, req: _Request) -> tuple[int | None, str | None]:
         if req.script is not None:
@@ -556,6 +726,68 @@ class SimulatedScheduler(SchedulerServer):
         if req.generated + 1 >= req.max_new_tokens:
             return token, FINISH_LENGTH
         return token, None
+
+    def _next_token_11(self, req: _Request) -> tuple[int | None, str | None]:
+        """_next_token for a request with min_tokens or logit_bias (the module docstring says how)."""
+        early = req.generated < req.min_tokens  # no stop token may end the request yet
+        stop_ids = req.stop_ids
+        if req.script is not None:
+            if req.generated < len(req.script):
+                token = req.script[req.generated]
+            elif early:
+                token = self._draw(req, True)  # the stop token is held back: filler up to min_tokens
+            elif req.first_stop_id is not None and not req.ignore_eos:
+                return req.first_stop_id, FINISH_STOP
+            else:
+                return None, FINISH_STOP
+        elif self.mode == "echo":
+            prompt = req.prompt
+            token = prompt[req.position % len(prompt)]
+            req.position += 1
+            if early and token in stop_ids:
+                for _ in range(len(prompt)):
+                    token = prompt[req.position % len(prompt)]
+                    req.position += 1
+                    if token not in stop_ids:
+                        break
+                else:
+                    token = self._draw(req, True)
+        elif req.forced is not None and not (early and req.forced in stop_ids):
+            token = req.forced
+        elif (
+            self.eos_probability > 0
+            and not early
+            and not req.ignore_eos
+            and req.first_stop_id is not None
+            and req.first_stop_id not in req.banned
+            and req.rng.random() < self.eos_probability
+        ):
+            return req.first_stop_id, FINISH_STOP
+        else:
+            token = self._draw(req, early)
+        if token in stop_ids and not early:
+            return token, FINISH_STOP
+        if req.generated + 1 >= req.max_new_tokens:
+            return token, FINISH_LENGTH
+        return token, None
+
+    def _draw(self, req: _Request, early: bool) -> int:
+        """A random-mode token that is not banned (nor, while early, a stop token)."""
+        banned, stop_ids = req.banned, req.stop_ids
+        if self._tokens.uses_palette:
+            for _ in range(64):
+                token = self._palette_token(req)
+                if token not in banned and not (early and token in stop_ids):
+                    return token
+        vocab = self._tokens.vocab_size
+        for _ in range(64):
+            token = req.rng.randrange(vocab)
+            if token not in banned and token not in stop_ids:
+                return token
+        for token in range(vocab):  # nearly the whole vocabulary is banned
+            if token not in banned and token not in stop_ids:
+                return token
+        return req.rng.randrange(vocab)
 
     def _palette_token(self, req: _Request) -> int:
         sentences = self._tokens.sentences

@@ -8,7 +8,10 @@ wall-clock durations, only the order of events.
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +25,9 @@ import pytest
 import zmq
 
 from scheduler_client.protocol import (
+    FEATURES,
     PROTOCOL_VERSION,
+    STRUCTURED_FEATURES,
     Abort,
     Error,
     Generate,
@@ -30,7 +35,9 @@ from scheduler_client.protocol import (
     Outputs,
     SamplingParams,
     Stats,
+    Structured,
     Welcome,
+    bytes_to_floats,
     decode_from_scheduler,
     encode,
     frame_to_ids,
@@ -672,3 +679,252 @@ def test_in_process_api():
         await scheduler.close()  # idempotent
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- protocol 1.1
+
+EOS = 1  # the embedded default model's EOS, as a front end would pass it in stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def model_sched():
+    """--model default: the tokenizer makes structured outputs possible."""
+    scheduler = _start("--model", "default", "--inter-token-latency-ms", "1", "--tokens-per-step", "4")
+    yield scheduler
+    assert scheduler.stop() == 0, scheduler.log()
+    assert "Traceback" not in scheduler.log(), scheduler.log()
+    scheduler.cleanup()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    from tokenizer_workers.model import default_model_dir
+
+    return Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+
+
+def expect_error(client, request_id):
+    message = client.recv_not_stats()
+    assert isinstance(message, Error), message
+    assert message.request_id == request_id
+    return message
+
+
+def test_welcome_lists_features(sched, model_sched):
+    welcome = sched.client(handshake=False).handshake()
+    assert welcome.features == sorted(set(FEATURES) - set(STRUCTURED_FEATURES))
+    assert welcome.max_logprobs == 20
+    welcome = model_sched.client(handshake=False).handshake()
+    assert welcome.features == sorted(FEATURES)
+
+
+def structured_text(client, tokenizer, structured, max_new_tokens=500, **fields):
+    """(decoded text before the stop token, the outputs) of one structured request."""
+    rid = client.generate([5, 6, 7], max_new_tokens, structured=structured, stop_token_ids=[EOS], **fields)
+    outputs = client.collect([rid])[rid]
+    check_stream(outputs, 3)
+    tokens = tokens_of(outputs)
+    if outputs[-1].finish_reason == "stop":
+        assert tokens[-1] == EOS
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=False), outputs
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
+        "home": {"$ref": "#/$defs/place"},
+    },
+    "required": ["name", "age", "home"],
+    "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+}
+
+
+def test_structured_json_schema(model_sched, tokenizer):
+    jsonschema = pytest.importorskip("jsonschema")
+    client = model_sched.client()
+    spec = Structured(kind="json_schema", spec=json.dumps(PERSON))
+    texts = set()
+    for seed in range(4):
+        text, outputs = structured_text(client, tokenizer, spec, sampling=SamplingParams(seed=seed))
+        assert outputs[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), PERSON)
+        texts.add(text)
+        again, _ = structured_text(client, tokenizer, spec, sampling=SamplingParams(seed=seed))
+        assert again == text  # deterministic for (seed, prompt)
+    assert len(texts) > 1
+    # max_new_tokens still cuts it
+    text, outputs = structured_text(client, tokenizer, spec, max_new_tokens=3, sampling=SamplingParams(seed=1))
+    assert outputs[-1].finish_reason == "length" and len(tokens_of(outputs)) == 3
+
+
+def test_structured_regex_choice_grammar(model_sched, tokenizer):
+    client = model_sched.client()
+    pattern = r"[A-Z]{2}-\d{3,5}( ok)?"
+    for seed in range(3):
+        text, _ = structured_text(client, tokenizer, Structured(kind="regex", spec=pattern),
+                                  sampling=SamplingParams(seed=seed))
+        assert re.fullmatch(pattern, text), text
+        text, _ = structured_text(client, tokenizer, Structured(kind="choice", choices=["positive", "négatif"]),
+                                  sampling=SamplingParams(seed=seed))
+        assert text in ("positive", "négatif")
+        grammar = 'root ::= answer " " [0-9]{1,3}\nanswer ::= "yes" | "no"'
+        text, _ = structured_text(client, tokenizer, Structured(kind="grammar", spec=grammar),
+                                  sampling=SamplingParams(seed=seed))
+        assert re.fullmatch(r"(yes|no) [0-9]{1,3}", text), text
+    # an invalid spec is refused with the field named
+    rid = client.generate([1, 2], 10, structured=Structured(kind="regex", spec="(a)\\1"))
+    error = expect_error(client, rid)
+    assert error.code == "bad_request" and error.param == "structured" and "backreference" in error.message
+
+
+def test_structured_min_tokens(model_sched, tokenizer):
+    client = model_sched.client()
+    # the only instance is one token: the stop token is held back, filler follows up to min_tokens
+    text, outputs = structured_text(client, tokenizer, Structured(kind="choice", choices=["yes"]),
+                                    sampling=SamplingParams(seed=3, min_tokens=6))
+    tokens = tokens_of(outputs)
+    assert len(tokens) == 7 and tokens[-1] == EOS and outputs[-1].finish_reason == "stop"
+    assert text.startswith("yes")
+    # a spec with longer instances: one long enough is drawn, and it stays valid
+    spec = Structured(kind="json_schema", spec=json.dumps({"type": "array", "items": {"type": "integer"}}))
+    text, outputs = structured_text(client, tokenizer, spec, sampling=SamplingParams(seed=5, min_tokens=4))
+    assert len(tokens_of(outputs)) >= 5
+    assert isinstance(json.loads(text), list)
+
+
+def unpack_logprobs(outputs, n):
+    """(tokens, logprobs, top ids, top logprobs) over a request's outputs, checking the lengths."""
+    tokens, lps, top_ids, top_lps = [], [], [], []
+    for out in outputs:
+        count = len(out.token_ids) // 4
+        assert len(out.logprobs) == 4 * count
+        assert len(out.top_ids) == 4 * count * n and len(out.top_logprobs) == 4 * count * n
+        tokens += frame_to_ids(out.token_ids)
+        lps += bytes_to_floats(out.logprobs)
+        ids = list(frame_to_ids(out.top_ids))
+        values = list(bytes_to_floats(out.top_logprobs))
+        if n:
+            top_ids += [ids[i:i + n] for i in range(0, len(ids), n)]
+            top_lps += [values[i:i + n] for i in range(0, len(values), n)]
+    return tokens, lps, top_ids, top_lps
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 20])
+def test_logprobs(sched, n):
+    client = sched.client()
+
+    def run(seed):
+        rid = client.generate([4, 5, 6], 12, logprobs=n, sampling=SamplingParams(seed=seed))
+        outputs = client.collect([rid])[rid]
+        check_stream(outputs, 3)
+        return unpack_logprobs(outputs, n)
+
+    tokens, lps, top_ids, top_lps = run(11)
+    assert len(tokens) == len(lps) == 12
+    assert all(-3 < lp <= 0 for lp in lps)
+    if n:
+        assert len(top_ids) == len(top_lps) == 12
+        for token, lp, ids, values in zip(tokens, lps, top_ids, top_lps):
+            assert ids[0] == token and values[0] == lp  # the chosen token first, as the best
+            assert len(set(ids)) == n and all(0 <= i < 129280 for i in ids)
+            assert all(a > b for a, b in zip(values, values[1:]))  # strictly descending
+            assert sum(math.exp(v) for v in values) <= 1.0 + 1e-6
+    else:
+        assert top_ids == []
+    assert run(11) == (tokens, lps, top_ids, top_lps)  # deterministic under the seed
+    assert run(12)[1] != lps
+    # the same tokens as without logprobs
+    rid = client.generate([4, 5, 6], 12, sampling=SamplingParams(seed=11))
+    plain = client.collect([rid])[rid]
+    assert tokens_of(plain) == tokens and all(o.logprobs == b"" and o.top_ids == b"" for o in plain)
+
+
+def test_logprobs_cover_the_stop_token(echo):
+    client = echo.client()
+    rid = client.generate([10, 11, 12, 13], 100, stop_token_ids=[12], logprobs=3)
+    outputs = client.collect([rid])[rid]
+    tokens, lps, top_ids, _ = unpack_logprobs(outputs, 3)
+    assert tokens == [10, 11, 12] and outputs[-1].finish_reason == "stop"
+    assert len(lps) == 3 and top_ids[-1][0] == 12
+
+
+def test_logprobs_palette_alternatives(model_sched):
+    client = model_sched.client()
+    rid = client.generate([4, 5, 6], 10, logprobs=4, sampling=SamplingParams(seed=2))
+    tokens, lps, top_ids, top_lps = unpack_logprobs(client.collect([rid])[rid], 4)
+    assert len(tokens) == 10 and all(ids[0] == t and len(set(ids)) == 4 for t, ids in zip(tokens, top_ids))
+
+
+def test_min_tokens_and_logit_bias():
+    scheduler = _start("--eos-probability", "1.0", "--inter-token-latency-ms", "1", "--vocab-size", "50")
+    try:
+        client = scheduler.client()
+
+        def run(prompt=(1, 2, 3), max_new=20, stop=(7,), **sampling):
+            rid = client.generate(list(prompt), max_new, stop_token_ids=list(stop),
+                                  sampling=SamplingParams(seed=9, **sampling))
+            outputs = client.collect([rid])[rid]
+            check_stream(outputs, len(prompt))
+            return tokens_of(outputs), outputs[-1].finish_reason
+
+        # --eos-probability 1: the stop token comes right after min_tokens tokens
+        assert run() == ([7], "stop")
+        tokens, reason = run(min_tokens=5)
+        assert len(tokens) == 6 and tokens[-1] == 7 and 7 not in tokens[:-1] and reason == "stop"
+        # a banned stop token is never emitted
+        tokens, reason = run(logit_bias={7: -100.0})
+        assert len(tokens) == 20 and 7 not in tokens and reason == "length"
+        # banned tokens are never drawn
+        banned = {t: -100.0 for t in range(45)}
+        tokens, reason = run(stop=(), logit_bias=banned)
+        assert len(tokens) == 20 and all(45 <= t < 50 for t in tokens) and reason == "length"
+        # the highest bias >= 100 is always drawn (the lowest ID among equals); weaker ones do nothing
+        assert run(logit_bias={12: 100.0, 30: 100.0, 40: 99.0}) == ([12] * 20, "length")
+        # forcing the stop token ends at once, unless min_tokens holds it back
+        assert run(logit_bias={7: 100.0}) == ([7], "stop")
+        tokens, reason = run(min_tokens=3, logit_bias={7: 100.0})
+        assert len(tokens) == 4 and tokens[-1] == 7 and reason == "stop"
+        # min_p and repetition_penalty are accepted without visible effect
+        assert run(min_p=0.1, repetition_penalty=1.3) == ([7], "stop")
+    finally:
+        assert scheduler.stop() == 0, scheduler.log()
+        scheduler.cleanup()
+
+
+def test_min_tokens_echo(echo):
+    client = echo.client()
+    rid = client.generate([10, 11, 12], 100, stop_token_ids=[11], sampling=SamplingParams(min_tokens=3))
+    outputs = client.collect([rid])[rid]
+    assert tokens_of(outputs) == [10, 12, 10, 11] and outputs[-1].finish_reason == "stop"
+
+
+def test_unsupported_and_out_of_range_11_fields(sched):
+    client = sched.client()
+    # structured outputs need --model: refused as unsupported, naming the field
+    rid = client.generate([1, 2], 5, structured=Structured(kind="choice", choices=["a"]))
+    error = expect_error(client, rid)
+    assert error.code == "unsupported" and error.param == "structured" and "choice" in error.message
+    rid = client.generate([1, 2], 5, structured=Structured(kind="yaml", spec="a: 1"))
+    error = expect_error(client, rid)
+    assert error.code == "unsupported" and error.param == "structured"
+    for fields, param in [
+        ({"sampling": SamplingParams(min_p=1.5)}, "sampling.min_p"),
+        ({"sampling": SamplingParams(repetition_penalty=0.0)}, "sampling.repetition_penalty"),
+        ({"sampling": SamplingParams(min_tokens=-1)}, "sampling.min_tokens"),
+        ({"sampling": SamplingParams(logit_bias={5: 150.0})}, "sampling.logit_bias"),
+        ({"sampling": SamplingParams(logit_bias={129280: 1.0})}, "sampling.logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+    ]:
+        rid = client.generate([1, 2], 5, **fields)
+        error = expect_error(client, rid)
+        assert error.code == "bad_request" and error.param == param, (fields, error)
+    # still serving
+    rid = client.generate([1, 2], 3, logprobs=2)
+    assert client.collect([rid])[rid][-1].finish_reason == "length"
