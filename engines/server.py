@@ -15,9 +15,17 @@ turns the engine's chunks into RequestOutputs:
   the event loop has run every callback of the current step;
 * **aborts** — an ``abort`` (or a vanished front end, or a new Hello) cancels the request
   inside the engine (``backend.abort``) and, for ``abort``, sends the final output at once;
+* **logprobs** (protocol 1.1) — with ``Generate.logprobs`` set, every chunk carries one
+  logprob per token (and, for N > 0, the top N per token, best first); the server checks
+  the counts, cuts them with the tokens at a stop token or the length limit, clamps -inf
+  to -9999.0 (as vLLM's OpenAI server does) and packs them as float32 / uint32 bytes;
+* **features** (protocol 1.1) — the backend's :class:`EngineInfo` says which optional
+  Generate fields it honours (``features``, ``max_logprobs``); Welcome announces them and
+  the base class refuses any other with ``unsupported`` naming the field;
 * **errors** — a backend that raises :class:`EngineRejected` before the first token (the
   engine refused the request: too long, bad parameter) produces one protocol ``error``
-  carrying the request_id, which the gateway answers with HTTP 400; any later failure
+  carrying the request_id (and the field at fault, if known), which the gateway answers
+  with HTTP 400; any later failure
   ends the request with ``finish_reason`` ``"error"``. A request is never left hanging.
   If the engine itself dies, the process exits non-zero so that its supervisor restarts it.
 
@@ -50,7 +58,9 @@ from scheduler_client.protocol import (
     RequestOutput,
     SamplingParams,
     Stats,
+    Structured,
     Welcome,
+    floats_to_bytes,
     ids_to_frame,
 )
 from scheduler_client.scheduler_server import (
@@ -74,6 +84,10 @@ class EngineInfo:
     vocab_size: int | None = None  # prompt token IDs must be below it (None: not checked here)
     max_running_requests: int | None = None
     max_model_len: int | None = None  # prompt + generated tokens
+    # protocol 1.1: the optional Generate fields this engine honours (protocol.FEATURES); a
+    # request using another is refused with "unsupported" before it reaches the backend
+    features: frozenset[str] = frozenset()
+    max_logprobs: int = 20  # the largest Generate.logprobs it takes (with "logprobs" in features)
 
 
 @dataclass
@@ -83,19 +97,28 @@ class EngineRequest:
     rid: str  # unique inside this engine process (front ends' request IDs may collide)
     prompt: list[int]
     max_new_tokens: int  # already clamped to the engine's max_model_len
-    sampling: SamplingParams
+    sampling: SamplingParams  # min_p, repetition_penalty, min_tokens, logit_bias included (1.1)
     stop_token_ids: list[int]
     ignore_eos: bool
+    logprobs: int | None = None  # 1.1: None: none; 0: each chosen token's; N > 0: and the top N
+    structured: Structured | None = None  # 1.1: constrained decoding
 
 
 @dataclass
 class Chunk:
-    """What a backend yields: tokens new since its previous chunk, and the end of the request."""
+    """What a backend yields: tokens new since its previous chunk, and the end of the request.
+
+    With ``EngineRequest.logprobs`` set, ``logprobs`` holds one value per token of ``token_ids``
+    and, for N > 0, ``top_ids`` / ``top_logprobs`` N values per token (flattened, best first).
+    """
 
     token_ids: Sequence[int] = ()
     finish: str | None = None  # None while running; "stop", "length", "abort" or "error"
     error: str | None = None  # why, with "error" (or with an abort the engine decided on)
     cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache
+    logprobs: Sequence[float] | None = None
+    top_ids: Sequence[int] | None = None
+    top_logprobs: Sequence[float] | None = None
 
 
 @dataclass
@@ -109,12 +132,24 @@ class EngineLoad:
 
 
 class EngineRejected(Exception):
-    """Raised by ``Backend.generate`` before its first chunk: the engine refused the request."""
+    """Raised by ``Backend.generate`` before its first chunk: the engine refused the request.
 
-    def __init__(self, message: str, code: str = ERR_BAD_REQUEST) -> None:
+    ``param`` names the Generate field at fault when known (e.g. ``"sampling.logit_bias"``)."""
+
+    def __init__(self, message: str, code: str = ERR_BAD_REQUEST, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.param = param
+
+
+#: logprobs below this are sent as this (-inf included), as vLLM's OpenAI server does
+LOGPROB_FLOOR = -9999.0
+
+
+def pack_logprobs(values: Sequence[float]) -> bytes:
+    """Logprobs as RequestOutput's float32 bytes, -inf (and NaN) clamped to LOGPROB_FLOOR."""
+    return floats_to_bytes([v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR for v in values])
 
 
 class Backend(ABC):
@@ -172,6 +207,7 @@ class _Live:
     prompt_tokens: int
     max_new_tokens: int
     stop_ids: frozenset[int]
+    logprobs: int | None = None  # Generate.logprobs
     completion: int = 0
     cached: int = 0
     outputs: int = 0  # RequestOutputs queued so far
@@ -200,6 +236,8 @@ class EngineServer(SchedulerServer):
     ) -> None:
         self.backend = backend
         self._info = backend.info()
+        self.features = frozenset(self._info.features)
+        self.max_logprobs = int(self._info.max_logprobs)
         super().__init__(
             scheduler_name=self._info.name,
             stats_interval_s=stats_interval_s,
@@ -222,7 +260,10 @@ class EngineServer(SchedulerServer):
 
     def describe(self) -> str:
         i = self._info
-        return f"backend {self.backend.name}, max_running {i.max_running_requests}, max_model_len {i.max_model_len}, vocab {i.vocab_size}"
+        return (
+            f"backend {self.backend.name}, max_running {i.max_running_requests}, max_model_len {i.max_model_len}, "
+            f"vocab {i.vocab_size}, features: {', '.join(sorted(self.features)) or 'none'}"
+        )
 
     def background(self) -> list:
         return [self._watch_engine()]
@@ -233,6 +274,8 @@ class EngineServer(SchedulerServer):
             scheduler_name=self._info.name,
             max_running_requests=self._info.max_running_requests,
             max_model_len=self._info.max_model_len,
+            features=sorted(self.features),
+            max_logprobs=self.max_logprobs if "logprobs" in self.features else None,
         )
 
     def stats(self) -> Stats:
@@ -268,6 +311,7 @@ class EngineServer(SchedulerServer):
             prompt_tokens=len(prompt),
             max_new_tokens=max_new,
             stop_ids=frozenset(gen.stop_token_ids),
+            logprobs=gen.logprobs,
         )
         request = EngineRequest(
             rid=live.rid,
@@ -276,6 +320,8 @@ class EngineServer(SchedulerServer):
             sampling=gen.sampling,
             stop_token_ids=list(gen.stop_token_ids),
             ignore_eos=gen.ignore_eos,
+            logprobs=gen.logprobs,
+            structured=gen.structured,
         )
         self._live[live.key] = live
         live.task = asyncio.create_task(self._run(live, request), name=f"engine-{live.rid}")
@@ -326,7 +372,7 @@ class EngineServer(SchedulerServer):
         except EngineRejected as exc:
             live.engine_done = True
             if not live.done:
-                self._reject(live, exc.message, exc.code)
+                self._reject(live, exc.message, exc.code, exc.param)
         except Exception as exc:  # the engine failed this request
             live.engine_done = True
             log.warning("request %s (%s) failed in the engine: %r", live.request_id, live.rid, exc)
@@ -356,6 +402,10 @@ class EngineServer(SchedulerServer):
             live.cached = chunk.cached_tokens
         if chunk.finish is not None:
             live.engine_done = True  # nothing to abort inside the engine
+        logprobs = self._chunk_logprobs(live, chunk, len(tokens))
+        if isinstance(logprobs, str):  # the engine's logprobs do not match its tokens
+            self._finish(live, (), FINISH_ERROR, logprobs)
+            return
         if finish is None and chunk.finish is not None:
             if chunk.finish in (FINISH_STOP, FINISH_LENGTH):
                 finish = chunk.finish
@@ -367,27 +417,65 @@ class EngineServer(SchedulerServer):
             else:
                 finish, error = FINISH_ERROR, chunk.error or "the engine failed the request"
         if finish is not None:
-            self._finish(live, tokens, finish, error)
+            self._finish(live, tokens, finish, error, logprobs)
         elif tokens:
             live.completion += len(tokens)
-            self._queue(live, ids_to_frame(tokens), None, None)
+            self._queue(live, ids_to_frame(tokens), None, None, logprobs)
 
-    def _finish(self, live: _Live, tokens: Sequence[int], reason: str, error: str | None = None) -> None:
+    @staticmethod
+    def _chunk_logprobs(live: _Live, chunk: Chunk, kept: int) -> tuple[bytes, bytes, bytes] | str | None:
+        """The chunk's logprobs for its first ``kept`` tokens, packed; a message if they do not fit its tokens."""
+        if live.logprobs is None:
+            return None
+        n_tokens = len(chunk.token_ids)
+        values = chunk.logprobs if chunk.logprobs is not None else ()
+        if len(values) != n_tokens:
+            return f"the engine returned {len(values)} logprobs for {n_tokens} tokens"
+        top = live.logprobs
+        if not top:
+            return pack_logprobs(values[:kept]), b"", b""
+        ids = chunk.top_ids if chunk.top_ids is not None else ()
+        top_values = chunk.top_logprobs if chunk.top_logprobs is not None else ()
+        if len(ids) != top * n_tokens or len(top_values) != top * n_tokens:
+            return (f"the engine returned {len(ids)} top token IDs and {len(top_values)} top logprobs for "
+                    f"{n_tokens} tokens; expected {top} per token")  # fmt: skip
+        return (
+            pack_logprobs(values[:kept]),
+            ids_to_frame(ids[: top * kept]),
+            pack_logprobs(top_values[: top * kept]),
+        )
+
+    def _finish(
+        self,
+        live: _Live,
+        tokens: Sequence[int],
+        reason: str,
+        error: str | None = None,
+        logprobs: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
         live.completion += len(tokens)
         live.done = True
-        self._queue(live, ids_to_frame(tokens) if tokens else b"", reason, error)
+        self._queue(live, ids_to_frame(tokens) if tokens else b"", reason, error, logprobs)
         if self._live.get(live.key) is live:
             del self._live[live.key]
 
-    def _reject(self, live: _Live, message: str, code: str) -> None:
+    def _reject(self, live: _Live, message: str, code: str, param: str | None = None) -> None:
         """The engine refused the request before any output: a protocol error, as at acceptance."""
         live.done = True
         if self._live.get(live.key) is live:
             del self._live[live.key]
-        self.send_error(live.identity, message, code, live.request_id)
+        self.send_error(live.identity, message, code, live.request_id, param)
 
-    def _queue(self, live: _Live, token_bytes: bytes, reason: str | None, error: str | None) -> None:
+    def _queue(
+        self,
+        live: _Live,
+        token_bytes: bytes,
+        reason: str | None,
+        error: str | None,
+        logprobs: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
         live.outputs += 1
+        lp, top_ids, top_lp = logprobs if logprobs is not None else (b"", b"", b"")
         out = RequestOutput(
             request_id=live.request_id,
             token_ids=token_bytes,
@@ -396,6 +484,9 @@ class EngineServer(SchedulerServer):
             cached_tokens=live.cached,
             completion_tokens=live.completion,
             error=error,
+            logprobs=lp,
+            top_ids=top_ids,
+            top_logprobs=top_lp,
         )
         self._pending.setdefault(live.identity, []).append(out)
         if self._flush_handle is None:

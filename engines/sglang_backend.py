@@ -25,6 +25,25 @@ sends ``ignore_eos=True`` and enforces the request's stop token IDs itself (the 
 server ends the request with "stop" and aborts it inside SGLang). ``seed`` with a
 temperature above 0 becomes ``sampling_seed``, which SGLang honours only when started with
 ``--engine-arg enable_deterministic_inference=true``; otherwise such a request is rejected.
+
+Protocol 1.1 (SGLang's ``SamplingParams`` in python/sglang/srt/sampling/sampling_params.py):
+``min_p`` and ``repetition_penalty`` map one to one, ``logit_bias`` becomes SGLang's
+``{"<token id>": bias}``, ``min_tokens`` -> ``min_new_tokens``; ``structured`` becomes
+``json_schema`` (json_schema; ``'{"type": "object"}'`` for json_object), ``regex``, ``ebnf``
+(grammar; a choice list as ``root ::= "a" | "b"``) or ``structural_tag``; ``logprobs`` N ->
+``async_generate(..., return_logprob=True, top_logprobs_num=N)``, whose ``meta_info`` has
+``output_token_logprobs`` (one ``(logprob, token_id, text|None)`` per output token) and
+``output_top_logprobs`` (per output token, a best-first list of N such tuples, or None). With
+``incremental_streaming_output`` (newer SGLang) these lists hold the new tokens' entries only;
+with the older ``stream_output`` they are cumulative while ``output_ids`` holds only the new
+tokens: the bridge takes the entries for the new tokens either way.
+
+SGLang builds its grammar backend and honours ``min_new_tokens`` only with a tokenizer
+(``skip_tokenizer_init=True`` disables the grammar backend and makes min_new_tokens a
+ValueError). This bridge starts SGLang token-only by default (SGLang would otherwise detokenize
+every output in its detokenizer process), so by default it offers logprobs, min_p,
+repetition_penalty and logit_bias; ``--engine-arg skip_tokenizer_init=false`` adds min_tokens
+and the structured kinds (unless ``grammar_backend`` is "none").
 """
 
 from __future__ import annotations
@@ -40,12 +59,25 @@ from typing import Any
 
 from engines import engine_kwargs, parse_engine_args, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
-from scheduler_client.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
+from scheduler_client.protocol import (
+    FEATURE_LOGPROBS,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    STRUCTURED_FEATURES,
+    Generate,
+    Structured,
+)
 from scheduler_client.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.sglang")
 
 _QUERY_TIMEOUT_S = 30.0
+#: what SGLang honours with skip_tokenizer_init (token IDs only), and what only with its tokenizer
+TOKEN_ONLY_FEATURES = frozenset({FEATURE_LOGPROBS, "min_p", "repetition_penalty", "logit_bias"})
+TOKENIZER_FEATURES = frozenset({"min_tokens", *STRUCTURED_FEATURES})
+MAX_LOGPROBS = 20  # SGLang sets no limit on top_logprobs_num; OpenAI's top_logprobs stops at 20
 
 
 class SGLangBackend(Backend):
@@ -61,9 +93,8 @@ class SGLangBackend(Backend):
         label: str | None = None,
     ) -> None:
         kwargs = dict(engine_kwargs or {})
-        if kwargs.get("skip_tokenizer_init") is False:
-            raise ValueError("the sglang backend feeds token IDs: skip_tokenizer_init must stay true")
-        kwargs["skip_tokenizer_init"] = True
+        # token IDs in and out; skip_tokenizer_init=false (min_tokens, structured outputs) also works
+        kwargs.setdefault("skip_tokenizer_init", True)
         kwargs["stream_output"] = True
         self.engine_kwargs = kwargs
         self._factory = engine_factory
@@ -109,15 +140,23 @@ class SGLangBackend(Backend):
             self.engine.shutdown()
             loop.call_soon_threadsafe(loop.stop)
             raise
+        features = set(TOKEN_ONLY_FEATURES)
+        if not getattr(server_args, "skip_tokenizer_init", self.engine_kwargs["skip_tokenizer_init"]):
+            features |= TOKENIZER_FEATURES
+            if str(getattr(server_args, "grammar_backend", None)).lower() == "none":
+                features -= set(STRUCTURED_FEATURES)
         self._info = EngineInfo(
             name=f"sglang:{self.label}",
             vocab_size=vocab_size,
             max_running_requests=max_running,
             max_model_len=max_model_len,
+            features=frozenset(features),
+            max_logprobs=MAX_LOGPROBS,
         )
         log.info(
-            "sglang engine ready: max_model_len %s, vocab %s, max_running %s", max_model_len, vocab_size, max_running
-        )
+            "sglang engine ready: max_model_len %s, vocab %s, max_running %s, features %s",
+            max_model_len, vocab_size, max_running, ", ".join(sorted(features)),
+        )  # fmt: skip
 
     def _run_loop(self) -> None:
         loop = self._loop
@@ -197,6 +236,17 @@ class SGLangBackend(Backend):
             params["stop_token_ids"] = list(request.stop_token_ids)
         if s.seed is not None and s.temperature > 0:
             params["sampling_seed"] = int(s.seed)
+        # protocol 1.1, sent only when set (older SGLang versions lack some of these keys)
+        if s.min_p:
+            params["min_p"] = float(s.min_p)
+        if s.repetition_penalty != 1.0:
+            params["repetition_penalty"] = float(s.repetition_penalty)
+        if s.min_tokens:
+            params["min_new_tokens"] = min(int(s.min_tokens), request.max_new_tokens)
+        if s.logit_bias:
+            params["logit_bias"] = {str(int(t)): float(b) for t, b in s.logit_bias.items()}
+        if request.structured is not None:
+            params.update(structured_params(request.structured))
         return params
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
@@ -235,14 +285,18 @@ class SGLangBackend(Backend):
         """On the engine loop: run one request and hand its chunks over."""
         sent = 0
         try:
+            logprobs = {}
+            if request.logprobs is not None:
+                logprobs = {"return_logprob": True, "top_logprobs_num": int(request.logprobs)}
             stream = await self.engine.async_generate(
                 input_ids=request.prompt,
                 sampling_params=self.sampling_params(request),
                 stream=True,
                 rid=request.rid,
+                **logprobs,
             )
             async for out in stream:
-                chunk, sent = _to_chunk(out, sent)
+                chunk, sent = _to_chunk(out, sent, request.logprobs)
                 emit(("chunk", chunk))
                 if chunk.finish is not None:
                     return
@@ -274,8 +328,73 @@ class SGLangBackend(Backend):
         return EngineLoad(num_running=running, num_waiting=0, peak_running=self._peak, cancelled_total=self._cancelled)
 
 
-def _to_chunk(out: dict, sent: int) -> tuple[Chunk, int]:
-    """One SGLang output dict -> a Chunk of new tokens; ``sent`` counts tokens handed over so far."""
+def structured_params(structured: Structured) -> dict[str, str]:
+    """A protocol Structured as SGLang sampling_params keys."""
+    kind = structured.kind
+    if kind == "json_schema":
+        return {"json_schema": structured.spec}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}  # what SGLang's own server sends for json_object
+    if kind == "regex":
+        return {"regex": structured.spec}
+    if kind == "grammar":
+        return {"ebnf": structured.spec}
+    if kind == "choice":
+        return {"ebnf": choice_grammar(structured.choices)}
+    if kind == "structural_tag":
+        return {"structural_tag": structured.spec}
+    raise EngineRejected(f"unknown structured kind {kind!r}", param="structured")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar (xgrammar's dialect) whose language is exactly ``choices``."""
+
+    def literal(text: str) -> str:
+        out = []
+        for ch in text:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ch == "\n":
+                out.append("\\n")
+            elif ch == "\r":
+                out.append("\\r")
+            elif ch == "\t":
+                out.append("\\t")
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def _logprobs_of(meta: dict, sent: int, count: int, top_n: int) -> tuple[list[float], list[int], list[float]]:
+    """The logprobs of the ``count`` tokens after the first ``sent``, from SGLang's meta_info.
+
+    ``output_token_logprobs`` holds ``(logprob, token_id, text)`` per token and
+    ``output_top_logprobs`` a best-first list of such tuples per token; both are either the new
+    tokens' entries (incremental streaming) or every token's so far (cumulative)."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = (meta.get("output_top_logprobs") or []) if top_n else []
+    if len(entries) > count:  # cumulative: every token so far
+        entries = entries[sent : sent + count]
+        tops = tops[sent : sent + count]
+    chosen = [float(entry[0]) for entry in entries]
+    ids: list[int] = []
+    values: list[float] = []
+    if top_n:
+        for position in tops:
+            for value, token_id, *_ in (position or [])[:top_n]:
+                ids.append(int(token_id))
+                values.append(float(value))
+    return chosen, ids, values
+
+
+def _to_chunk(out: dict, sent: int, top_n: int | None = None) -> tuple[Chunk, int]:
+    """One SGLang output dict -> a Chunk of new tokens; ``sent`` counts tokens handed over so far.
+
+    ``top_n``: the request's logprobs (None: it asked for none)."""
     ids = list(out.get("output_ids") or [])
     meta = out.get("meta_info") or {}
     completion = meta.get("completion_tokens")
@@ -298,7 +417,10 @@ def _to_chunk(out: dict, sent: int) -> tuple[Chunk, int]:
         else:
             finish, error = FINISH_ERROR, f"SGLang finished the request with {reason!r}"
     cached = meta.get("cached_tokens")
-    return Chunk(ids, finish, error, cached if isinstance(cached, int) else None), sent + len(ids)
+    chunk = Chunk(ids, finish, error, cached if isinstance(cached, int) else None)
+    if top_n is not None:
+        chunk.logprobs, chunk.top_ids, chunk.top_logprobs = _logprobs_of(meta, sent, len(ids), top_n)
+    return chunk, sent + len(ids)
 
 
 # --------------------------------------------------------------------------- command line
@@ -314,8 +436,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     and --engine-arg KEY=VALUE (any ``sglang.Engine`` / ServerArgs keyword)."""
     group.description = (
         "--model, --max-model-len (context_length), --max-running (max_running_requests), --dtype, and "
-        "--engine-arg KEY=VALUE for any other sglang.Engine keyword, e.g. tp_size=2, mem_fraction_static=0.85"
+        "--engine-arg KEY=VALUE for any other sglang.Engine keyword, e.g. tp_size=2, mem_fraction_static=0.85, "
+        "or skip_tokenizer_init=false (min_tokens and structured outputs, at the cost of SGLang detokenizing)"
     )
 
 
-__all__ = ["from_args", "SGLangBackend", "parse_engine_args", "add_arguments"]
+__all__ = ["from_args", "SGLangBackend", "parse_engine_args", "structured_params", "choice_grammar", "add_arguments"]

@@ -21,6 +21,17 @@ and per-request temperature, top-k and top-p processors, and every request sets 
 * ``presence_penalty`` / ``frequency_penalty`` other than 0 are **rejected** (continuous
   batching has no per-request penalties).
 
+Protocol 1.1: this engine offers none of the optional features (Welcome.features is empty),
+so the engine server refuses ``logprobs``, ``structured``, ``min_p``, ``repetition_penalty``,
+``min_tokens`` and ``logit_bias`` with ``unsupported``. What transformers 5.24's continuous
+batching has: per-request processors only for temperature, top-k and top-p (its
+``CLASSIC_TO_CB_PROCESSORS_MAP``; any other processor would apply to the whole batch with one
+value), no constrained decoding, and ``ContinuousBatchingConfig(return_logprobs=True)``, a
+manager-wide switch that returns the sampled token's logprob only (no top N), taken from the
+*processed* distribution the token was sampled from: after temperature, top-k and top-p. For a
+greedy request (top-k 1 here) that is 0.0 for every token, so it is not the model's logprob
+that OpenAI's and vLLM's ``logprobs`` mean, and the bridge does not offer it.
+
 ``--random-weights`` builds a tiny Llama with random weights (:func:`build_random_model`)
 over the vocabulary of the model tokenmill serves, so that the whole path — prompt token
 IDs in, real forward passes, token IDs out — runs anywhere, CPU included, in seconds.

@@ -1,21 +1,38 @@
 """The vLLM backend: ``vllm.v1.engine.async_llm.AsyncLLM`` fed with token IDs.
 
-The engine is built with ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=...,
-skip_tokenizer_init=True, ...))``. ``AsyncLLM`` is an asyncio client of vLLM's engine-core
-process and is meant to be driven from one event loop, concurrently: every request is one
-``generate({"prompt_token_ids": ids}, SamplingParams(..., detokenize=False,
-output_kind=RequestOutputKind.DELTA), request_id)`` async generator on the engine server's
-own loop, and ``abort(request_id)`` cancels it inside the engine (so does closing the
-generator early: AsyncLLM aborts a request whose generator is cancelled or closed).
+The engine is built with ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., ...))``.
+``AsyncLLM`` is an asyncio client of vLLM's engine-core process and is meant to be driven
+from one event loop, concurrently: every request is one ``generate({"prompt_token_ids": ids},
+SamplingParams(..., detokenize=False, output_kind=RequestOutputKind.DELTA), request_id)``
+async generator on the engine server's own loop, and ``abort(request_id)`` cancels it inside
+the engine (so does closing the generator early: AsyncLLM aborts a request whose generator is
+cancelled or closed).
+
+**The tokenizer.** Prompts go in as token IDs and ``detokenize=False`` keeps vLLM from
+decoding outputs, so vLLM would need no tokenizer at all — except for structured outputs:
+vLLM's grammar backends (xgrammar, guidance, outlines) build their token masks from the
+tokenizer's vocabulary and vLLM refuses ``structured_outputs`` under ``skip_tokenizer_init``.
+The bridge therefore lets vLLM load the model's tokenizer (``skip_tokenizer_init=False``, the
+default; it costs a second at start-up and nothing per request). ``--engine-arg
+skip_tokenizer_init=true`` starts vLLM without one (for a checkpoint without tokenizer files);
+the engine then does not offer the ``structured.*`` features.
 
 Sampling parameters (docs/engines.md has the table) map one to one: temperature (0 is
 greedy), top_p, top_k (0 -> -1, "disabled"), seed (per request), presence/frequency
-penalties, ``max_new_tokens`` -> ``max_tokens``, ``stop_token_ids``. The bridge always sets
-``ignore_eos=True``: the front end already put the model's EOS IDs into ``stop_token_ids``
-(unless the client asked for ``ignore_eos``), and vLLM's ``ignore_eos`` leaves
-``stop_token_ids`` working, so the request stops exactly at ``stop_token_ids`` as the
+penalties, ``max_new_tokens`` -> ``max_tokens``, ``stop_token_ids``; protocol 1.1's min_p,
+repetition_penalty, min_tokens (capped at max_tokens), logit_bias, ``logprobs`` ->
+``logprobs`` (with ``flat_logprobs``) and ``structured`` -> ``structured_outputs``
+(StructuredOutputsParams: json, json_object, regex, grammar, choice, structural_tag). The
+bridge always sets ``ignore_eos=True``: the front end already put the model's EOS IDs into
+``stop_token_ids`` (unless the client asked for ``ignore_eos``), and vLLM's ``ignore_eos``
+leaves ``stop_token_ids`` working, so the request stops exactly at ``stop_token_ids`` as the
 protocol says. vLLM's own validation errors (prompt too long, a token ID outside the
-vocabulary, a parameter out of range) become protocol errors carrying the request_id.
+vocabulary, a parameter out of range, a schema its grammar backend cannot compile) become
+protocol errors carrying the request_id and, where vLLM names it, the field at fault.
+
+Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
+before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
+them): per position, the sampled token's logprob and the top N in vLLM's rank order.
 """
 
 from __future__ import annotations
@@ -28,7 +45,15 @@ from typing import Any
 
 from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
-from scheduler_client.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from scheduler_client.protocol import (
+    FEATURES,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    STRUCTURED_FEATURES,
+    Structured,
+)
 
 log = logging.getLogger("tokenmill.engine.vllm")
 
@@ -36,11 +61,91 @@ _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 
 def vllm_sampling_params(**kwargs: Any):
-    """vLLM's SamplingParams for token-ID streaming: no detokenization, delta outputs."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    """vLLM's SamplingParams for token-ID streaming: no detokenization, delta outputs.
 
+    ``structured_outputs`` comes as a dict of StructuredOutputsParams keywords."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = kwargs.pop("structured_outputs", None)
+    if structured is not None:
+        kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
+    if "flat_logprobs" in kwargs and "flat_logprobs" not in getattr(SamplingParams, "__struct_fields__", ()):
+        del kwargs["flat_logprobs"]  # an older vLLM: per-position dicts, which convert_logprobs reads too
     return SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA, **kwargs)
+
+
+def structured_outputs(structured: Structured) -> dict[str, Any]:
+    """A protocol Structured as StructuredOutputsParams keywords."""
+    kind = structured.kind
+    if kind == "json_schema":
+        return {"json": structured.spec}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "regex":
+        return {"regex": structured.spec}
+    if kind == "grammar":
+        return {"grammar": structured.spec}
+    if kind == "choice":
+        return {"choice": list(structured.choices)}
+    if kind == "structural_tag":
+        return {"structural_tag": structured.spec}
+    raise EngineRejected(f"unknown structured kind {kind!r}", param="structured")
+
+
+def convert_logprobs(positions, token_ids, top_n: int) -> tuple[list[float], list[int], list[float]]:
+    """vLLM's sample logprobs of some positions -> (chosen logprobs, top IDs, top logprobs), top N per
+    position flattened in vLLM's rank order.
+
+    ``positions`` is a FlatLogprobs (``flat_logprobs=True``: per position, the entries from
+    ``start_indices[i]`` to ``end_indices[i]`` are the sampled token, then ranks 1..N) or a list of
+    ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the sampled token's entry merged
+    with its top-N entry when it is among them)."""
+    chosen: list[float] = []
+    ids: list[int] = []
+    values: list[float] = []
+    if positions is None:
+        return chosen, ids, values
+    starts = getattr(positions, "start_indices", None)
+    if starts is not None:
+        flat_ids, flat_values = positions.token_ids, positions.logprobs
+        for start in starts:
+            chosen.append(flat_values[start])
+            if top_n:
+                ids.extend(flat_ids[start + 1 : start + 1 + top_n])
+                values.extend(flat_values[start + 1 : start + 1 + top_n])
+        return chosen, ids, values
+    for token, position in zip(token_ids, positions, strict=False):
+        chosen.append(position[token].logprob)
+        if top_n:
+            for token_id, entry in sorted(position.items(), key=lambda item: item[1].rank)[:top_n]:
+                ids.append(token_id)
+                values.append(entry.logprob)
+    return chosen, ids, values
+
+
+# vLLM's names for the fields its validation errors name (VLLMValidationError.parameter) -> the protocol's
+_PARAMS = {
+    "logprobs": "logprobs",
+    "max_tokens": "max_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "structured_outputs": "structured",
+    **{name: f"sampling.{name}" for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                             "frequency_penalty", "min_p", "repetition_penalty", "min_tokens",
+                                             "logit_bias")},
+}  # fmt: skip
+_STRUCTURED_WORDS = ("structured", "grammar", "schema", "regex", "json", "choice", "structural", "xgrammar", "guidance")
+
+
+def _param_of(exc: BaseException, request: EngineRequest) -> str | None:
+    """The protocol field a vLLM validation error is about, when it says (or, for a constrained request
+    whose error speaks of grammars or schemas, "structured")."""
+    param = getattr(exc, "parameter", None)
+    if param in _PARAMS:
+        return _PARAMS[param]
+    if request.structured is not None and any(w in str(exc).lower() for w in _STRUCTURED_WORDS):
+        return "structured"
+    return None
 
 
 def _is_client_error(exc: BaseException) -> bool:
@@ -64,9 +169,7 @@ class VLLMBackend(Backend):
         label: str | None = None,
     ) -> None:
         args = dict(engine_args or {})
-        if args.get("skip_tokenizer_init") is False:
-            raise ValueError("the vllm backend feeds token IDs: skip_tokenizer_init must stay true")
-        args["skip_tokenizer_init"] = True
+        args.setdefault("skip_tokenizer_init", False)  # structured outputs need vLLM's tokenizer
         self.engine_args = args
         self.engine = engine
         self._factory = engine_factory
@@ -103,9 +206,26 @@ class VLLMBackend(Backend):
             vocab = int(model_config.get_vocab_size())
         max_model_len = getattr(model_config, "max_model_len", None)
         max_running = getattr(scheduler_config, "max_num_seqs", None)
-        log.info("vllm engine ready: max_model_len %s, vocab %s, max_num_seqs %s", max_model_len, vocab, max_running)
+        features = set(FEATURES)
+        no_tokenizer = getattr(model_config, "skip_tokenizer_init", None)
+        if no_tokenizer is None:
+            no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
+        if no_tokenizer:  # vLLM refuses structured outputs without its tokenizer
+            features -= set(STRUCTURED_FEATURES)
+        max_logprobs = getattr(model_config, "max_logprobs", 20)
+        if not isinstance(max_logprobs, int) or max_logprobs < 0:  # -1: the whole vocabulary
+            max_logprobs = vocab if vocab is not None else 20
+        log.info(
+            "vllm engine ready: max_model_len %s, vocab %s, max_num_seqs %s, max_logprobs %s, structured outputs %s",
+            max_model_len, vocab, max_running, max_logprobs, "off (no tokenizer)" if no_tokenizer else "on",
+        )  # fmt: skip
         return EngineInfo(
-            name=f"vllm:{self.label}", vocab_size=vocab, max_running_requests=max_running, max_model_len=max_model_len
+            name=f"vllm:{self.label}",
+            vocab_size=vocab,
+            max_running_requests=max_running,
+            max_model_len=max_model_len,
+            features=frozenset(features),
+            max_logprobs=max_logprobs,
         )
 
     async def watch(self) -> None:
@@ -124,7 +244,7 @@ class VLLMBackend(Backend):
 
     def sampling_params(self, request: EngineRequest):
         s = request.sampling
-        return self._make_params(
+        kwargs: dict[str, Any] = dict(
             n=1,
             max_tokens=request.max_new_tokens,
             temperature=float(s.temperature),
@@ -133,19 +253,35 @@ class VLLMBackend(Backend):
             seed=s.seed,
             presence_penalty=float(s.presence_penalty),
             frequency_penalty=float(s.frequency_penalty),
+            min_p=float(s.min_p),
+            repetition_penalty=float(s.repetition_penalty),
+            # past max_tokens, the length limit ends the request first (vLLM refuses min_tokens > max_tokens)
+            min_tokens=min(int(s.min_tokens), request.max_new_tokens),
+            logit_bias={int(t): float(b) for t, b in s.logit_bias.items()} or None,
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=True,  # stop exactly at stop_token_ids (the front end put EOS there)
             skip_special_tokens=False,
         )
+        if request.logprobs is not None:
+            kwargs["logprobs"] = int(request.logprobs)
+            kwargs["flat_logprobs"] = True  # flat lists instead of a dict per position
+        if request.structured is not None:
+            kwargs["structured_outputs"] = structured_outputs(request.structured)
+        return self._make_params(**kwargs)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         rid = request.rid
         try:
             params = self.sampling_params(request)
+        except EngineRejected:
+            raise
         except Exception as exc:
             if _is_client_error(exc):
-                raise EngineRejected(f"vLLM rejected the sampling parameters: {exc}") from exc
+                raise EngineRejected(
+                    f"vLLM rejected the sampling parameters: {exc}", param=_param_of(exc, request)
+                ) from exc
             raise
+        top_n = request.logprobs
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
         stream = self.engine.generate({"prompt_token_ids": request.prompt}, params, rid)
@@ -166,7 +302,11 @@ class VLLMBackend(Backend):
                         pass
                     finished = True
                 produced = True
-                yield Chunk(tokens, finish, error, getattr(out, "num_cached_tokens", None))
+                chunk = Chunk(tokens, finish, error, getattr(out, "num_cached_tokens", None))
+                if top_n is not None:
+                    positions = getattr(completion, "logprobs", None) if tokens else None
+                    chunk.logprobs, chunk.top_ids, chunk.top_logprobs = convert_logprobs(positions, tokens, top_n)
+                yield chunk
                 if finish is not None:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -175,7 +315,7 @@ class VLLMBackend(Backend):
             raise
         except Exception as exc:
             if not produced and _is_client_error(exc):
-                raise EngineRejected(str(exc)) from exc
+                raise EngineRejected(str(exc), param=_param_of(exc, request)) from exc
             cause = exc.__cause__ or exc
             raise RuntimeError(f"{type(cause).__name__}: {cause}") from exc
         finally:
@@ -225,8 +365,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.description = (
         "--model, --max-model-len (max_model_len), --max-running (max_num_seqs), --dtype, and "
         "--engine-arg KEY=VALUE for any other AsyncEngineArgs field, e.g. tensor_parallel_size=2, "
-        "gpu_memory_utilization=0.9"
+        "gpu_memory_utilization=0.9, max_logprobs=20, or skip_tokenizer_init=true (no tokenizer: no "
+        "structured outputs)"
     )
 
 
-__all__ = ["from_args", "VLLMBackend", "vllm_sampling_params", "add_arguments"]
+__all__ = [
+    "from_args", "VLLMBackend", "vllm_sampling_params", "structured_outputs", "convert_logprobs", "add_arguments",
+]  # fmt: skip

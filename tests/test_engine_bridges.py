@@ -12,6 +12,25 @@ Neither SGLang nor vLLM needs to be installed.
   outputs, ``abort(request_id)`` ends a request with finish_reason "abort", closing or
   cancelling the generator aborts the request (as AsyncLLM does), and request validation
   errors are raised from the generator before its first output.
+
+Protocol 1.1 in the fakes, with the shapes the real engines use:
+
+* vLLM 0.32 (vllm/logprobs.py, vllm/v1/engine/logprobs.py): with ``SamplingParams.logprobs`` N
+  each DELTA output's ``CompletionOutput.logprobs`` covers its new tokens. With
+  ``flat_logprobs=True`` it is a ``FlatLogprobs``: position i's entries run from
+  ``start_indices[i]`` to ``end_indices[i]`` in ``token_ids`` / ``logprobs`` / ``ranks`` — the
+  sampled token first (its own rank), then ranks 1..N; otherwise a list of
+  ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts, the sampled token's entry merged
+  with its top-N entry when it is among them (N entries, else N + 1).
+* SGLang (python/sglang/srt/managers/tokenizer_manager.py): ``async_generate(...,
+  return_logprob=True, top_logprobs_num=N)`` puts into ``meta_info``
+  ``output_token_logprobs``, a list of ``(logprob, token_id, text_or_None)`` per output
+  token, and ``output_top_logprobs``, per output token a best-first list of N such tuples (or
+  None). With ``incremental_streaming_output`` both hold the chunk's new tokens only; with the
+  older ``stream_output`` they are cumulative (every token so far) while ``output_ids`` is
+  incremental — the fake does either (``cumulative_logprobs``).
+* The fakes' "model" ranks its next token first with logprob -0.25, then token + k with
+  -0.25 - k (:func:`fake_top`).
 """
 
 from __future__ import annotations
@@ -28,10 +47,12 @@ import zmq.asyncio
 from engines import MissingBackend, backend_module
 from conftest import ROOT
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
-from engines.sglang_backend import SGLangBackend, parse_engine_args
-from engines.vllm_backend import VLLMBackend
+from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
+from engines.vllm_backend import VLLMBackend, convert_logprobs, structured_outputs
 from scheduler_client.protocol import (
+    FEATURES,
     PROTOCOL_VERSION,
+    STRUCTURED_FEATURES,
     Abort,
     Error,
     Generate,
@@ -39,7 +60,9 @@ from scheduler_client.protocol import (
     Outputs,
     SamplingParams,
     Stats,
+    Structured,
     Welcome,
+    bytes_to_floats,
     decode_from_scheduler,
     encode,
     frame_to_ids,
@@ -54,6 +77,11 @@ IN_FLIGHT_GOAL = 8
 def next_token(prompt: list[int], generated: list[int]) -> int:
     """The fakes' "model": deterministic tokens from the prompt."""
     return (sum(prompt) * 31 + 7 * len(generated) + 3) % 1000 + 10
+
+
+def fake_top(best: int, n: int) -> list[tuple[float, int]]:
+    """The fakes' top-n (logprob, token ID) at a position whose most likely token is ``best``, best first."""
+    return [(-0.25 - k, best + k) for k in range(n)]
 
 
 # ---------------------------------------------------------------------------- fake SGLang
@@ -90,6 +118,8 @@ class FakeSGLangEngine:
             enable_deterministic_inference=kwargs.get("enable_deterministic_inference", False),
             max_running_requests=None,
             context_length=None,
+            skip_tokenizer_init=kwargs.get("skip_tokenizer_init", False),
+            grammar_backend=kwargs.get("grammar_backend", "xgrammar"),
         )
         self.in_flight = 0
         self.max_in_flight = 0
@@ -98,6 +128,7 @@ class FakeSGLangEngine:
         self.abort_events: dict[str, asyncio.Event] = {}
         self.violations: list[str] = []
         self.shutdown_while_loop_ran: bool | None = None
+        self.cumulative_logprobs = False  # older SGLang's stream_output: logprob lists hold every token so far
         self._all_in: asyncio.Event | None = None
 
     def on_engine_loop(self, what: str) -> None:
@@ -109,22 +140,26 @@ class FakeSGLangEngine:
             self.violations.append(what)
             raise RuntimeError(f"{what} called outside the engine's event loop")
 
-    def generate(self, input_ids=None, sampling_params=None, stream=False, rid=None):
+    def generate(self, input_ids=None, sampling_params=None, stream=False, rid=None, **logprob_args):
         """The synchronous API: drives the engine's loop itself, like sglang.Engine.generate."""
-        call = self.async_generate(input_ids, sampling_params, stream=False, rid=rid)
+        call = self.async_generate(input_ids, sampling_params, stream=False, rid=rid, **logprob_args)
         try:
             return self.loop.run_until_complete(call)
         finally:
             call.close()
 
-    async def async_generate(self, input_ids=None, sampling_params=None, stream=False, rid=None):
+    async def async_generate(self, input_ids=None, sampling_params=None, stream=False, rid=None,
+                             return_logprob=False, top_logprobs_num=None):  # fmt: skip
         self.on_engine_loop("async_generate")
         assert stream is True, "the bridge streams"
         if len(input_ids) > 100:
             raise ValueError(
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length (100 tokens)."
             )
-        self.requests[rid] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params)}
+        if "min_new_tokens" in sampling_params and self.kwargs.get("skip_tokenizer_init"):
+            raise ValueError("min_new_tokens=1 is unavailable when skip_tokenizer_init=True")  # as SGLang says
+        self.requests[rid] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                              "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}  # fmt: skip
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         if self._all_in is None:
@@ -138,9 +173,12 @@ class FakeSGLangEngine:
             raise RuntimeError(
                 f"only {self.in_flight + 1} request(s) in flight: the bridge serialises requests"
             ) from None
-        return self._stream(rid, list(input_ids), dict(sampling_params))
+        top_n = (top_logprobs_num or 0) if return_logprob else None
+        return self._stream(rid, list(input_ids), dict(sampling_params), top_n)
 
-    async def _stream(self, rid, prompt, params):
+    async def _stream(self, rid, prompt, params, top_n=None):
+        token_logprobs: list[tuple] = []  # every token's (logprob, token_id, None) so far
+        top_logprobs: list[list[tuple] | None] = []
         try:
             generated: list[int] = []
             stop = set(params.get("stop_token_ids") or [])
@@ -160,9 +198,19 @@ class FakeSGLangEngine:
                     )
                     yield {"output_ids": [], "meta_info": meta}
                     return
-                token = params.get("force_tokens", {}).get(len(generated)) or next_token(prompt, generated)
+                best = next_token(prompt, generated)
+                token = params.get("force_tokens", {}).get(len(generated)) or best
                 generated.append(token)
                 meta["completion_tokens"] = len(generated)
+                if top_n is not None:
+                    ranked = fake_top(best, max(top_n, 1))
+                    chosen = next((lp for lp, t in ranked if t == token), -30.0)
+                    token_logprobs.append((chosen, token, None))
+                    top_logprobs.append([(lp, t, None) for lp, t in ranked[:top_n]] if top_n else None)
+                    first = 0 if self.cumulative_logprobs else len(generated) - 1
+                    meta["output_token_logprobs"] = token_logprobs[first:]
+                    if top_n:
+                        meta["output_top_logprobs"] = top_logprobs[first:]
                 reason = None
                 if not ignore_eos and token in stop:  # SGLang's ignore_eos switches stop_token_ids off too
                     reason = {"type": "stop", "matched": token}
@@ -191,10 +239,11 @@ def sglang_backend(**engine_kwargs) -> tuple[SGLangBackend, FakeSGLangEngine]:
     return backend, made[0]
 
 
-def request(rid: str, prompt=(1, 2, 3), n: int = 5, stop=(), ignore_eos: bool = False, **sampling) -> EngineRequest:
+def request(rid: str, prompt=(1, 2, 3), n: int = 5, stop=(), ignore_eos: bool = False, logprobs=None,
+            structured=None, **sampling) -> EngineRequest:  # fmt: skip
     return EngineRequest(
         rid=rid, prompt=list(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
-        stop_token_ids=list(stop), ignore_eos=ignore_eos,
+        stop_token_ids=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
     )  # fmt: skip
 
 
@@ -335,6 +384,95 @@ def test_sglang_validation_error_is_a_rejection():
         asyncio.run(backend.close())
 
 
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+STRUCTURED = {
+    "json_schema": Structured(kind="json_schema", spec=SCHEMA),
+    "json_object": Structured(kind="json_object"),
+    "regex": Structured(kind="regex", spec="[a-z]+"),
+    "grammar": Structured(kind="grammar", spec='root ::= "x" | "y"'),
+    "choice": Structured(kind="choice", choices=["yes", "no"]),
+    "structural_tag": Structured(kind="structural_tag", spec='{"type": "structural_tag", "format": {}}'),
+}
+
+
+def test_sglang_protocol_1_1_params_and_features():
+    backend, _ = sglang_backend()
+    try:  # token IDs only (the default): no min_new_tokens, no grammar backend in SGLang
+        info = backend.info()
+        assert info.features == {"logprobs", "min_p", "repetition_penalty", "logit_bias"}
+        assert info.max_logprobs == 20
+    finally:
+        asyncio.run(backend.close())
+    params = SGLangBackend.sampling_params(
+        request("x", n=4, min_p=0.05, repetition_penalty=1.3, min_tokens=9, logit_bias={7: -100.0, 42: 2.5})
+    )
+    assert (params["min_p"], params["repetition_penalty"], params["min_new_tokens"]) == (0.05, 1.3, 4)  # capped
+    assert params["logit_bias"] == {"7": -100.0, "42": 2.5}  # SGLang keys logit_bias by token ID strings
+    plain = SGLangBackend.sampling_params(request("y"))
+    assert not {"min_p", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf",
+                "structural_tag"} & set(plain)  # fmt: skip
+    assert {kind: SGLangBackend.sampling_params(request("s", structured=st)) for kind, st in STRUCTURED.items()} == {
+        kind: {**plain, **extra} for kind, extra in {
+            "json_schema": {"json_schema": SCHEMA},
+            "json_object": {"json_schema": '{"type": "object"}'},
+            "regex": {"regex": "[a-z]+"},
+            "grammar": {"ebnf": 'root ::= "x" | "y"'},
+            "choice": {"ebnf": 'root ::= "yes" | "no"'},
+            "structural_tag": {"structural_tag": '{"type": "structural_tag", "format": {}}'},
+        }.items()
+    }  # fmt: skip
+    assert structured_params(STRUCTURED["regex"]) == {"regex": "[a-z]+"}
+
+    with_tokenizer, _ = sglang_backend(skip_tokenizer_init=False)
+    no_grammar, _ = sglang_backend(skip_tokenizer_init=False, grammar_backend="none")
+    try:
+        assert with_tokenizer.info().features == set(FEATURES)
+        assert no_grammar.info().features == set(FEATURES) - set(STRUCTURED_FEATURES)
+    finally:
+        asyncio.run(with_tokenizer.close())
+        asyncio.run(no_grammar.close())
+
+
+def test_choice_grammar_escapes_its_literals():
+    choices = ["yes", 'say "hi"', "a\\b", "two\nlines", "tab\there", "bell\x07", "café ☕"]
+    assert choice_grammar(choices) == (
+        'root ::= "yes" | "say \\"hi\\"" | "a\\\\b" | "two\\nlines" | "tab\\there" | "bell\\u0007" | "café ☕"'
+    )
+
+
+@pytest.mark.parametrize("cumulative", [False, True], ids=["incremental", "cumulative"])
+def test_sglang_logprobs(cumulative):
+    """meta_info's output_token_logprobs / output_top_logprobs become each chunk's arrays, whether SGLang
+    sends the new tokens' entries (incremental_streaming_output) or every token's so far (stream_output)."""
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    engine.cumulative_logprobs = cumulative
+    prompt = (4, 5, 6)
+    tokens = expected_tokens(prompt, 4)
+    try:
+
+        async def chunks(rid: str, **kw) -> list[Chunk]:
+            return [c async for c in backend.generate(request(rid, prompt, n=4, **kw))]
+
+        async def main():
+            top3 = await chunks("top3", logprobs=3)
+            assert [t for c in top3 for t in c.token_ids] == tokens and len(top3) == 4
+            assert [v for c in top3 for v in c.logprobs] == [-0.25] * 4
+            assert [t for c in top3 for t in c.top_ids] == [t + k for t in tokens for k in range(3)]
+            assert [v for c in top3 for v in c.top_logprobs] == [-0.25, -1.25, -2.25] * 4
+            assert (engine.requests["top3"]["return_logprob"], engine.requests["top3"]["top_logprobs_num"]) == (True, 3)
+            chosen = await chunks("chosen", logprobs=0)
+            assert [v for c in chosen for v in c.logprobs] == [-0.25] * 4
+            assert all(list(c.top_ids) == [] == list(c.top_logprobs) for c in chosen)
+            none = await chunks("none")
+            assert all(c.logprobs is None for c in none)
+            assert engine.requests["none"]["return_logprob"] is False
+
+        asyncio.run(main())
+    finally:
+        asyncio.run(backend.close())
+
+
 def test_parse_engine_args():
     assert parse_engine_args(["tp_size=2", "mem-fraction-static=0.85", "attention_backend=triton", "x=true"]) == {
         "tp_size": 2, "mem_fraction_static": 0.85, "attention_backend": "triton", "x": True,
@@ -346,11 +484,23 @@ def test_parse_engine_args():
 # ---------------------------------------------------------------------------- fake vLLM
 
 
+class FakeValidationError(ValueError):
+    """vLLM's VLLMValidationError: a ValueError naming the parameter at fault."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+FakeValidationError.__name__ = "VLLMValidationError"
+
+
 class FakeAsyncLLM:
     """vLLM's AsyncLLM contract: generate() is an async generator of DELTA outputs; abort()."""
 
-    def __init__(self) -> None:
-        model_config = SimpleNamespace(max_model_len=2048, get_vocab_size=lambda: 6000)
+    def __init__(self, **model_config_fields) -> None:
+        fields = {"max_model_len": 2048, "get_vocab_size": lambda: 6000, "max_logprobs": 20, **model_config_fields}
+        model_config = SimpleNamespace(**fields)
         self.vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=32))
         self.model_config = model_config
         self.errored = False
@@ -368,6 +518,12 @@ class FakeAsyncLLM:
             raise ValueError(
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum number of tokens per batch"
             )
+        if (params.get("logprobs") or 0) > 10:  # as vLLM with --max-logprobs 10
+            raise FakeValidationError("Requested sample logprobs of 11, which is greater than max allowed: 10",
+                                      parameter="logprobs")  # fmt: skip
+        structured = params.get("structured_outputs") or {}
+        if structured.get("json") == "{not json":  # as xgrammar's schema check in vLLM's input processor
+            raise ValueError("Invalid JSON grammar specification.")
         self.params[request_id] = params
         aborted = self._abort.setdefault(request_id, asyncio.Event())
         generated: list[int] = []
@@ -382,6 +538,8 @@ class FakeAsyncLLM:
                     return
                 token = next_token(ids, generated)
                 generated.append(token)
+                logprobs = None if params.get("logprobs") is None else vllm_logprobs(
+                    token, params["logprobs"], params.get("flat_logprobs", False))  # fmt: skip
                 if not params["ignore_eos"] and token == 999:
                     reason = "stop"
                 elif token in params["stop_token_ids"]:
@@ -390,7 +548,7 @@ class FakeAsyncLLM:
                     reason = "length"
                 else:
                     reason = None
-                yield _out([token], reason)
+                yield _out([token], reason, logprobs)
                 if reason:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -405,16 +563,28 @@ class FakeAsyncLLM:
         self.shut_down = True
 
 
-def _out(tokens: list[int], reason: str | None):
-    completion = SimpleNamespace(token_ids=tokens, finish_reason=reason, stop_reason=None)
+def vllm_logprobs(token: int, n: int, flat: bool, best: int | None = None):
+    """One position's sample logprobs as vLLM 0.32 returns them (the sampled ``token``, the top n)."""
+    ranked = fake_top(token if best is None else best, max(n, 1) + 5)
+    rank = next((r for r, (_, t) in enumerate(ranked, 1) if t == token), 99)
+    chosen = ranked[rank - 1][0] if rank <= len(ranked) else -30.0
+    entries = [(token, chosen, rank)] + [(t, lp, r) for r, (lp, t) in enumerate(ranked[:n], 1)]
+    if flat:
+        return SimpleNamespace(start_indices=[0], end_indices=[len(entries)], token_ids=[e[0] for e in entries],
+                               logprobs=[e[1] for e in entries], ranks=[e[2] for e in entries])  # fmt: skip
+    return [{t: SimpleNamespace(logprob=lp, rank=r, decoded_token=None) for t, lp, r in entries}]
+
+
+def _out(tokens: list[int], reason: str | None, logprobs=None):
+    completion = SimpleNamespace(token_ids=tokens, finish_reason=reason, stop_reason=None, logprobs=logprobs)
     return SimpleNamespace(outputs=[completion], finished=reason is not None, num_cached_tokens=0)
 
 
-def vllm_backend() -> tuple[VLLMBackend, FakeAsyncLLM]:
-    engine = FakeAsyncLLM()
+def vllm_backend(engine_args: dict | None = None, **model_config) -> tuple[VLLMBackend, FakeAsyncLLM]:
+    engine = FakeAsyncLLM(**model_config)
     backend = VLLMBackend(
         engine=engine,
-        engine_args={"model": "fake/model"},
+        engine_args={"model": "fake/model", **(engine_args or {})},
         make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"},
     )
     backend.prepare()
@@ -425,7 +595,7 @@ def test_vllm_tokens_finish_reasons_and_params():
     backend, engine = vllm_backend()
     info = backend.info()
     assert (info.max_model_len, info.vocab_size, info.max_running_requests) == (2048, 6000, 32)
-    assert backend.engine_args["skip_tokenizer_init"] is True
+    assert backend.engine_args["skip_tokenizer_init"] is False  # structured outputs need vLLM's tokenizer
 
     async def main():
         prompt = (4, 5, 6)
@@ -471,6 +641,70 @@ def test_vllm_abort_and_early_close():
     asyncio.run(main())
 
 
+def test_vllm_protocol_1_1_params_and_features():
+    backend, _ = vllm_backend()
+    info = backend.info()
+    assert info.features == set(FEATURES) and info.max_logprobs == 20
+    params = backend.sampling_params(request("p", n=8, min_p=0.05, repetition_penalty=1.3, min_tokens=50,
+                                             logit_bias={5: -100.0}, logprobs=2,
+                                             structured=STRUCTURED["regex"]))  # fmt: skip
+    assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.05, 1.3, 8)  # capped
+    assert params["logit_bias"] == {5: -100.0}
+    assert (params["logprobs"], params["flat_logprobs"]) == (2, True)
+    assert params["structured_outputs"] == {"regex": "[a-z]+"}
+    plain = backend.sampling_params(request("q"))
+    assert (plain["min_p"], plain["repetition_penalty"]) == (0.0, 1.0)
+    assert (plain["min_tokens"], plain["logit_bias"]) == (0, None)
+    assert not {"logprobs", "flat_logprobs", "structured_outputs"} & set(plain)
+    assert {kind: structured_outputs(st) for kind, st in STRUCTURED.items()} == {
+        "json_schema": {"json": SCHEMA}, "json_object": {"json_object": True}, "regex": {"regex": "[a-z]+"},
+        "grammar": {"grammar": 'root ::= "x" | "y"'}, "choice": {"choice": ["yes", "no"]},
+        "structural_tag": {"structural_tag": '{"type": "structural_tag", "format": {}}'},
+    }  # fmt: skip
+
+    no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})  # vLLM refuses structured outputs then
+    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES)
+    assert no_tokenizer.engine_args["skip_tokenizer_init"] is True
+    whole_vocab, _ = vllm_backend(max_logprobs=-1)  # vLLM's -1: as many as the vocabulary has
+    assert whole_vocab.info().max_logprobs == 6000
+
+
+def test_vllm_logprobs_conversion():
+    """Both of vLLM's forms: the chosen token's logprob, then the top N in rank order, whether or not the
+    chosen token is among them."""
+    top3 = ([100, 101, 102], [-0.25, -1.25, -2.25])
+    for flat in (True, False):
+        assert convert_logprobs(vllm_logprobs(100, 3, flat), [100], 3) == ([-0.25], *top3)  # the best
+        assert convert_logprobs(vllm_logprobs(101, 3, flat, best=100), [101], 3) == ([-1.25], *top3)
+        assert convert_logprobs(vllm_logprobs(104, 3, flat, best=100), [104], 3) == ([-4.25], *top3)  # 5th
+        assert convert_logprobs(vllm_logprobs(100, 0, flat), [100], 0) == ([-0.25], [], [])
+        assert convert_logprobs(None, [], 3) == ([], [], [])
+    # several positions in one delta (a slow consumer): FlatLogprobs' start/end indices
+    a, b = vllm_logprobs(100, 2, True), vllm_logprobs(205, 2, True, best=200)
+    both = SimpleNamespace(start_indices=[0, 3], end_indices=[3, 6], token_ids=a.token_ids + b.token_ids,
+                           logprobs=a.logprobs + b.logprobs, ranks=a.ranks + b.ranks)  # fmt: skip
+    assert convert_logprobs(both, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
+    a, b = vllm_logprobs(100, 2, False), vllm_logprobs(205, 2, False, best=200)
+    assert convert_logprobs(a + b, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
+
+
+def test_vllm_logprobs_stream():
+    backend, engine = vllm_backend()
+
+    async def main():
+        prompt = (4, 5, 6)
+        chunks = [c async for c in backend.generate(request("lp", prompt, n=3, logprobs=2))]
+        tokens = expected_tokens(prompt, 3)
+        assert engine.params["lp"]["flat_logprobs"] is True
+        assert [t for c in chunks for t in c.token_ids] == tokens
+        assert [v for c in chunks for v in c.logprobs] == [-0.25] * 3
+        assert [t for c in chunks for t in c.top_ids] == [t + k for t in tokens for k in range(2)]
+        none = [c async for c in backend.generate(request("none", prompt, n=2))]
+        assert all(c.logprobs is None for c in none) and "logprobs" not in engine.params["none"]
+
+    asyncio.run(main())
+
+
 def test_vllm_validation_error_is_a_rejection():
     backend, _ = vllm_backend()
 
@@ -504,15 +738,19 @@ class Frontend:
             if kind is None and not isinstance(message, Stats) or kind is not None and isinstance(message, kind):
                 return message
 
-    async def generate(self, rid: str, prompt, n: int, stop=(), ignore_eos=False, **sampling) -> None:
+    async def generate(self, rid: str, prompt, n: int, stop=(), ignore_eos=False, logprobs=None, structured=None,
+                       **sampling) -> None:  # fmt: skip
         message = Generate(
             request_id=rid, prompt_token_count=len(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
-            stop_token_ids=list(stop), ignore_eos=ignore_eos,
+            stop_token_ids=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
         )  # fmt: skip
         await self.sock.send_multipart([encode(message), ids_to_frame(list(prompt))])
 
     async def results(self, rids) -> dict[str, tuple[list[int], str, object]]:
+        """rid -> (tokens, finish reason or "rejected", final output or Error); each request's logprobs
+        (chosen, top IDs, top logprobs, all outputs joined) go to ``self.logprobs``."""
         tokens = {rid: [] for rid in rids}
+        self.logprobs = {rid: ([], [], []) for rid in rids}
         done: dict[str, tuple] = {}
         while len(done) < len(rids):
             message = await self.recv()
@@ -522,6 +760,10 @@ class Frontend:
             assert isinstance(message, Outputs), message
             for out in message.outputs:
                 tokens[out.request_id] += frame_to_ids(out.token_ids)
+                chosen, top_ids, top_values = self.logprobs[out.request_id]
+                chosen += bytes_to_floats(out.logprobs)
+                top_ids += frame_to_ids(out.top_ids)
+                top_values += bytes_to_floats(out.top_logprobs)
                 assert out.completion_tokens == len(tokens[out.request_id])
                 if out.finish_reason:
                     done[out.request_id] = (tokens[out.request_id], out.finish_reason, out)
@@ -624,15 +866,20 @@ class ScriptedBackend(Backend):
 
     name = "scripted"
 
-    def __init__(self, script) -> None:
+    def __init__(self, script, features=(), max_logprobs: int = 20) -> None:
         self.script = script
+        self.features = frozenset(features)
+        self.max_logprobs = max_logprobs
         self.aborted: list[str] = []
         self.closed_streams: list[str] = []
+        self.requests: dict[str, EngineRequest] = {}
 
     def info(self) -> EngineInfo:
-        return EngineInfo(name="scripted", vocab_size=100, max_running_requests=4, max_model_len=50)
+        return EngineInfo(name="scripted", vocab_size=100, max_running_requests=4, max_model_len=50,
+                          features=self.features, max_logprobs=self.max_logprobs)  # fmt: skip
 
     async def generate(self, request: EngineRequest):
+        self.requests[request.rid] = request
         try:
             async for chunk in self.script(request):
                 yield chunk
@@ -706,6 +953,191 @@ def test_engine_server_finish_rules_and_failures():
                 await asyncio.sleep(0.01)
             assert len(backend.aborted) == 3
             assert len(backend.closed_streams) == 8  # every stream was closed
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def scripted_logprobs(tokens, top_n: int, first: float = -0.5, floor_at: int | None = None) -> Chunk:
+    """A chunk of ``tokens`` with logprobs: token i gets ``first - i`` (-inf at ``floor_at``); its top
+    ``top_n`` are token + k with ``first - i - k``."""
+    chosen = [float("-inf") if i == floor_at else first - i for i in range(len(tokens))]
+    ids = [t + k for t in tokens for k in range(top_n)]
+    values = [first - i - k for i in range(len(tokens)) for k in range(top_n)]
+    return Chunk(tokens, logprobs=chosen, top_ids=ids, top_logprobs=values)
+
+
+def test_engine_server_packs_and_cuts_logprobs():
+    """Logprobs travel as float32 / uint32 bytes, N per token best first, -inf as -9999.0, and are cut
+    with the tokens at a stop token or the length limit; counts that do not fit the tokens fail the
+    request; Welcome carries the backend's features."""
+
+    async def script(req: EngineRequest):
+        n = req.logprobs or 0
+        kind = req.prompt[0]
+        if kind == 1:  # five tokens in one step: the server stops at the stop token, the third
+            yield scripted_logprobs([20, 21, 22, 23, 24], n, floor_at=1)
+            await asyncio.Event().wait()
+        elif kind == 2:  # two tokens a step: the length limit cuts the second chunk in half
+            yield scripted_logprobs([30, 31], n)
+            yield scripted_logprobs([32, 33], n, first=-3.0)
+            await asyncio.Event().wait()
+        elif kind == 3:  # an engine that returns fewer logprobs than tokens
+            yield Chunk([40, 41], logprobs=[-1.0], top_ids=[], top_logprobs=[])
+        elif kind == 4:  # fewer top entries than asked for
+            yield Chunk([42], logprobs=[-1.0], top_ids=[42], top_logprobs=[-1.0])
+        elif kind == 5:  # the engine's own finish, nothing more to cut
+            yield scripted_logprobs([50], n)
+            chunk = scripted_logprobs([51], n)
+            chunk.finish = "stop"
+            yield chunk
+
+    backend = ScriptedBackend(script, features={"logprobs"}, max_logprobs=5)
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert (welcome.features, welcome.max_logprobs) == (["logprobs"], 5)
+            await fe.generate("stop", (1,), 10, stop=(22,), logprobs=2)
+            await fe.generate("length", (2,), 3, logprobs=2)
+            await fe.generate("chosen", (2,), 3, logprobs=0)
+            await fe.generate("short", (3,), 5, logprobs=0)
+            await fe.generate("few-top", (4,), 5, logprobs=2)
+            await fe.generate("own-stop", (5,), 5, logprobs=1)
+            await fe.generate("none", (2,), 3)
+            done = await fe.results(["stop", "length", "chosen", "short", "few-top", "own-stop", "none"])
+            lp = fe.logprobs
+            assert done["stop"][:2] == ([20, 21, 22], "stop")
+            assert lp["stop"] == ([-0.5, -9999.0, -2.5], [20, 21, 21, 22, 22, 23], [-0.5, -1.5, -1.5, -2.5, -2.5, -3.5])
+            assert done["length"][:2] == ([30, 31, 32], "length")
+            assert lp["length"] == ([-0.5, -1.5, -3.0], [30, 31, 31, 32, 32, 33], [-0.5, -1.5, -1.5, -2.5, -3.0, -4.0])
+            assert done["chosen"][:2] == ([30, 31, 32], "length") and lp["chosen"] == ([-0.5, -1.5, -3.0], [], [])
+            assert done["short"][1] == "error" and "1 logprobs for 2 tokens" in done["short"][2].error
+            assert done["few-top"][1] == "error" and "expected 2 per token" in done["few-top"][2].error
+            assert done["own-stop"][:2] == ([50, 51], "stop")
+            assert lp["own-stop"] == ([-0.5, -0.5], [50, 51], [-0.5, -0.5])
+            assert done["none"][:2] == ([30, 31, 32], "length") and lp["none"] == ([], [], [])
+            assert backend.requests[next(r for r, q in backend.requests.items() if q.prompt == [1])].logprobs == 2
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_engine_server_refuses_what_the_backend_cannot_honour():
+    """A 1.1 field the backend does not list in its features: an ``unsupported`` error naming the field,
+    before the backend sees the request; out-of-range values: ``bad_request`` naming it; an engine's
+    EngineRejected carries its param too."""
+
+    async def script(req: EngineRequest):
+        if req.sampling.min_p > 0.5:
+            raise EngineRejected("min_p too high for this engine", param="sampling.min_p")
+        chunk = scripted_logprobs([10], req.logprobs or 0)
+        chunk.finish = "length"
+        yield chunk
+
+    partial = ScriptedBackend(script, features={"logprobs", "min_p", "structured.json_schema"}, max_logprobs=5)
+    bare = ScriptedBackend(script)
+
+    async def main():
+        server, task, endpoint = await serving(partial)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert (welcome.features, welcome.max_logprobs) == (["logprobs", "min_p", "structured.json_schema"], 5)
+            await fe.generate("bias", (1,), 3, logit_bias={5: 1.0})
+            await fe.generate("regex", (1,), 3, structured=Structured(kind="regex", spec="a+"))
+            await fe.generate("rep", (1,), 3, repetition_penalty=1.2)
+            await fe.generate("min-tokens", (1,), 3, min_tokens=2)
+            await fe.generate("too-many", (1,), 3, logprobs=6)
+            await fe.generate("engine-says", (1,), 3, min_p=0.9)
+            await fe.generate("schema", (1,), 3, min_p=0.1, logprobs=5, structured=STRUCTURED["json_schema"])
+            done = await fe.results(["bias", "regex", "rep", "min-tokens", "too-many", "engine-says", "schema"])
+            errors = {rid: (r[2].code, r[2].param) for rid, r in done.items() if r[1] == "rejected"}
+            assert errors == {
+                "bias": ("unsupported", "sampling.logit_bias"), "regex": ("unsupported", "structured"),
+                "rep": ("unsupported", "sampling.repetition_penalty"),
+                "min-tokens": ("unsupported", "sampling.min_tokens"),
+                "too-many": ("bad_request", "logprobs"), "engine-says": ("bad_request", "sampling.min_p"),
+            }  # fmt: skip
+            assert "regex" in done["regex"][2].message
+            assert done["schema"][1] == "length"  # everything it uses is listed
+            assert len(partial.requests) == 2  # only "engine-says" and "schema" reached the backend
+            (schema,) = [r for r in partial.requests.values() if r.structured is not None]
+            assert (schema.structured, schema.logprobs, schema.sampling.min_p) == (STRUCTURED["json_schema"], 5, 0.1)
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+        server, task, endpoint = await serving(bare)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert (welcome.features, welcome.max_logprobs) == ([], None)  # a 1.1 engine that honours none
+            await fe.generate("lp", (1,), 3, logprobs=0)
+            done = await fe.results(["lp"])
+            assert (done["lp"][2].code, done["lp"][2].param) == ("unsupported", "logprobs")
+            assert bare.requests == {}
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_engine_server_with_sglang_logprobs():
+    """Through the SGLang bridge: logprobs of a request the server stops (ignore_eos: SGLang would go on)."""
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    prompt = (7, 8, 9)
+    full = expected_tokens(prompt, 6)
+
+    async def main():
+        await backend.start()
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert welcome.features == ["logit_bias", "logprobs", "min_p", "repetition_penalty"]
+            await fe.generate("lp", prompt, 6, stop=(full[2],), ignore_eos=True, logprobs=2, logit_bias={3: -5.0})
+            done = await fe.results(["lp"])
+            assert done["lp"][:2] == (full[:3], "stop")
+            assert fe.logprobs["lp"] == ([-0.25] * 3, [t + k for t in full[:3] for k in range(2)], [-0.25, -1.25] * 3)
+            (params,) = [r for r in engine.requests.values() if r["input_ids"] == list(prompt)]
+            assert params["sampling_params"]["logit_bias"] == {"3": -5.0} and params["top_logprobs_num"] == 2
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+            await backend.close()
+
+    asyncio.run(main())
+
+
+def test_vllm_errors_name_the_field():
+    """vLLM's validation errors reach the front end as protocol errors naming the field: its own
+    parameter name mapped to the protocol's, or "structured" for a grammar it cannot compile."""
+    backend, _ = vllm_backend()
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            welcome = await fe.hello()
+            assert welcome.features == sorted(FEATURES) and welcome.max_logprobs == 20
+            await fe.generate("many", (1, 2), 3, logprobs=11)  # within Welcome's 20, beyond this vLLM's 10
+            await fe.generate("schema", (1, 2), 3, structured=Structured(kind="json_schema", spec="{not json"))
+            await fe.generate("ok", (1, 2), 2, logprobs=1, min_p=0.1, min_tokens=1, logit_bias={7: 2.0},
+                              repetition_penalty=1.1, structured=STRUCTURED["choice"])  # fmt: skip
+            done = await fe.results(["many", "schema", "ok"])
+            assert (done["many"][2].code, done["many"][2].param) == ("bad_request", "logprobs")
+            assert "greater than max allowed" in done["many"][2].message
+            assert (done["schema"][2].code, done["schema"][2].param) == ("bad_request", "structured")
+            assert done["ok"][1] == "length" and len(fe.logprobs["ok"][0]) == 2 == len(fe.logprobs["ok"][1])
         finally:
             fe.close()
             await stop_serving(server, task)

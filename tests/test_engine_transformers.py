@@ -43,6 +43,7 @@ from scheduler_client.protocol import (  # noqa: E402
     Outputs,
     SamplingParams,
     Stats,
+    Structured,
     Welcome,
     decode_from_scheduler,
     encode,
@@ -209,6 +210,36 @@ def test_welcome_reports_capacity(probe):
     assert w.scheduler_name.startswith("transformers:random-llama")
     assert w.max_running_requests == 8
     assert w.max_model_len == 4096
+
+
+def test_welcome_offers_no_1_1_features(probe):
+    """Protocol 1.1: transformers' continuous batching honours none of the optional fields (see
+    engines/transformers_backend.py), so Welcome lists none and no max_logprobs."""
+    assert (probe.welcome.features, probe.welcome.max_logprobs) == ([], None)
+
+
+def test_1_1_fields_are_refused_as_unsupported(probe):
+    """Each optional field gets an ``unsupported`` error naming it, and the engine carries on."""
+    cases = {
+        "logprobs": ({"logprobs": 0}, "logprobs"),
+        "structured": ({"structured": Structured(kind="regex", spec="a+")}, "structured"),
+        "min_p": ({"sampling": SamplingParams(min_p=0.1)}, "sampling.min_p"),
+        "repetition": ({"sampling": SamplingParams(repetition_penalty=1.2)}, "sampling.repetition_penalty"),
+        "min_tokens": ({"sampling": SamplingParams(min_tokens=2)}, "sampling.min_tokens"),
+        "logit_bias": ({"sampling": SamplingParams(logit_bias={5: -100.0})}, "sampling.logit_bias"),
+    }
+    for rid, (fields, param) in cases.items():
+        message = Generate(request_id=rid, prompt_token_count=2, max_new_tokens=2, **fields)
+        probe.sock.send_multipart([encode(message), ids_to_frame([11, 12])])
+        deadline = time.monotonic() + 10
+        error = None
+        while error is None and time.monotonic() < deadline:
+            message = probe.recv(0.5)
+            if isinstance(message, Error):
+                error = message
+        assert error is not None and error.request_id == rid, f"{rid}: no error"
+        assert (error.code, error.param) == ("unsupported", param), error
+    assert probe.generate("after", [11, 12], 2, temperature=0.0)[1] == "length"
 
 
 def test_greedy_equals_model_generate(probe, reference_model):
