@@ -222,7 +222,9 @@ class App:
         gen = Generation(
             request_id,
             result.owner,
-            [Choice(i, c.request_id, c.prompt_tokens) for i, c in enumerate(done.choices)],
+            [Choice(i, c.request_id, c.prompt_tokens, c.counts_prompt,
+                    calls_finish="stop" if done.forced_calls == "named" else "tool_calls")
+             for i, c in enumerate(done.choices)],
             arrival,
         )
         extensions = scope.get("extensions") or {}
@@ -244,7 +246,7 @@ class App:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
             else:
-                await self._collect(gen, framer, send, endpoint, timing_headers(done))
+                await self._collect(gen, framer, send, endpoint, timing_headers(done), done)
         finally:
             watcher.cancel()
             gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
@@ -252,7 +254,7 @@ class App:
 
     def _usage(self, gen: Generation) -> dict:
         return fmt.usage(
-            sum(c.prompt_tokens for c in gen.choices),
+            sum(c.prompt_tokens for c in gen.choices if c.counts_prompt),
             sum(c.completion_tokens for c in gen.choices),
             sum(c.cached_tokens for c in gen.choices),
         )
@@ -295,6 +297,9 @@ class App:
                     if kind == "call":
                         gen.buffered -= len(event[2].text)
                         parts.append(framer.call_chunks(event[1], event[2]))
+                    elif kind == "logprobs":
+                        gen.buffered -= len(event[2])
+                        parts.append(framer.logprobs_chunk(event[1], event[2], event[3]))
                     elif kind == "finish":
                         parts.append(framer.finish_chunk(event[1], event[2]))
                         self.gw.metrics.finished(event[2])
@@ -320,8 +325,10 @@ class App:
         tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
         await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
 
-    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=()) -> None:
+    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(),
+                       done=None) -> None:
         texts = [[] for _ in gen.choices]
+        logprobs = [[] for _ in gen.choices] if done is not None and done.logprobs else None
         reasoning = [[] for _ in gen.choices]
         calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
@@ -331,6 +338,11 @@ class App:
             if event[0] == "text":
                 texts[event[1]].append(event[2])
                 gen.buffered -= len(event[2])
+            elif event[0] == "logprobs":
+                texts[event[1]].append(event[2])
+                gen.buffered -= len(event[2])
+                if logprobs is not None:
+                    logprobs[event[1]].append(event[3])
             elif event[0] == "reasoning":
                 reasoning[event[1]].append(event[2])
                 gen.buffered -= len(event[2])
@@ -346,7 +358,8 @@ class App:
                 return
             elif event[0] == "disconnected":
                 return
-        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls)
+        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls,
+                           logprobs, forced_calls=bool(done is not None and done.forced_calls))
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:

@@ -22,10 +22,12 @@ class Choice:
     index: int
     request_id: str
     prompt_tokens: int
+    counts_prompt: bool = True  # usage counts each prompt once, however many choices share it
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None  # as the scheduler or a stop string decided
     tool_calls: int = 0  # calls parsed out of its output
+    calls_finish: str = "tool_calls"  # the finish_reason of a choice with calls ("stop" for a named tool_choice)
     error: str | None = None
     done: bool = False  # its final text has arrived
     scheduler_done: bool = False
@@ -52,6 +54,7 @@ class Generation:
 
 # Events put on Generation.events:
 #   ("text", choice_index, text)
+#   ("logprobs", choice_index, text, fragments) -- text with its tokens' logprobs (tokenizer_workers/logprobs.py)
 #   ("reasoning", choice_index, text)
 #   ("call", choice_index, OutPiece)  -- one whole tool call
 #   ("finish", choice_index, finish_reason)
@@ -109,7 +112,8 @@ class Generations:
                 choice.scheduler_done = True
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
-            per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None))
+            per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None,
+                                                  out.logprobs, out.top_ids, out.top_logprobs))
         if tokens and metrics:
             metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
@@ -120,7 +124,8 @@ class Generations:
         if entry is None:
             return
         gen, _ = entry
-        self.fail(gen, ApiError(400, f"The scheduler rejected the request: {error.message}", "BadRequestError", None, error.code))
+        self.fail(gen, ApiError(400, f"The scheduler rejected the request: {error.message}", "BadRequestError",
+                                _request_field(error.param), error.code))
 
     def on_scheduler_lost(self, why: str) -> None:
         for gen in list(self.live):
@@ -139,7 +144,10 @@ class Generations:
             if entry is None:
                 continue
             gen, choice = entry
-            if delta.text:
+            if delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
+                gen.buffered += len(delta.text)
+                gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs))
+            elif delta.text:
                 gen.buffered += len(delta.text)
                 gen.events.put_nowait(("text", choice.index, delta.text))
             for piece in delta.pieces:
@@ -208,9 +216,18 @@ class Generations:
         self._drop(gen)
 
 
+def _request_field(param: str | None) -> str | None:
+    """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p").
+    "structured" stays as it is: the constraint came from response_format, structured_outputs,
+    guided_* or a forced tool_choice, which only the worker knew."""
+    if not param:
+        return None
+    return "max_tokens" if param == "max_new_tokens" else param.removeprefix("sampling.")
+
+
 def _openai_finish(choice: Choice) -> str:
     # OpenAI knows stop, length and tool_calls; an abort ends the text like a stop would. As vLLM
     # does, "tool_calls" needs calls and a model that stopped by itself: a length cut stays "length".
     if choice.finish_reason == protocol.FINISH_LENGTH:
         return "length"
-    return "tool_calls" if choice.tool_calls else "stop"
+    return choice.calls_finish if choice.tool_calls else "stop"

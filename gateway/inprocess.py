@@ -36,8 +36,8 @@ class InProcessConversion:
     async def start(self) -> None:
         pass
 
-    def limit_context(self, engine_max_model_len: int | None) -> None:
-        self.converter.limit_context(engine_max_model_len)
+    def limit_context(self, limits) -> None:
+        self.converter.limit_context(limits)
         self.max_model_len = self.converter.max_model_len
 
     def check_capacity(self, nbytes: int) -> None:

@@ -43,15 +43,35 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls) -> dict:
-    """A chat.completion message: content null when the model only reasoned or called tools."""
-    out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else None}
+def message(content: str, reasoning: str, calls, forced_calls: bool = False) -> dict:
+    """A chat.completion message: content null when the model only reasoned or called tools (""
+    when the request forced the calls, as vLLM answers)."""
+    empty = "" if forced_calls else None
+    out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else empty}
     if reasoning:
         out["reasoning"] = reasoning
         out["reasoning_content"] = reasoning
     if calls:
         out["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
                              for c in calls]  # fmt: skip
+    return out
+
+
+def chat_logprobs(fragments: list[list[bytes]]) -> dict:
+    """``{"content": [...]}`` from chat fragments (one list per delta, its one item the entries)."""
+    joined = b",".join(f[0] for f in fragments if f and f[0])
+    return {"content": msgspec.Raw(b"[" + joined + b"]")}
+
+
+_COMPLETION_KEYS = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+
+
+def completion_logprobs(fragments: list[list[bytes]]) -> dict:
+    """The legacy completions object from per-delta [text_offset, token_logprobs, tokens, top_logprobs]."""
+    out = {}
+    for k, key in enumerate(_COMPLETION_KEYS):
+        joined = b",".join(f[k] for f in fragments if f and f[k])
+        out[key] = msgspec.Raw(b"[" + joined + b"]")
     return out
 
 
@@ -119,6 +139,15 @@ class Framer:
             for item in (head, args)
         )
 
+    def logprobs_chunk(self, index: int, text: str, fragments: list[bytes]) -> bytes:
+        """A text delta with its tokens' logprobs (fragments from the worker, spliced in as they are)."""
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": chat_logprobs([fragments]),
+                      "finish_reason": None}  # fmt: skip
+        else:
+            choice = {"index": index, "text": text, "logprobs": completion_logprobs([fragments]), "finish_reason": None}
+        return sse(self._chunk([choice]))
+
     def finish_chunk(self, index: int, reason: str) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -130,17 +159,23 @@ class Framer:
         return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                     "choices": [], "usage": usage_obj})
 
-    def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None) -> bytes:
+    def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None,
+             logprobs=None, forced_calls: bool = False) -> bytes:
+        """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked)."""
+        lps = [None] * len(texts)
+        if logprobs is not None:
+            lps = [(chat_logprobs if self.chat else completion_logprobs)(f) for f in logprobs]
         if self.chat:
             choices = [
-                {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else ()),
-                 "logprobs": None, "finish_reason": r}
+                {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else (),
+                                                forced_calls),
+                 "logprobs": lps[i], "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]  # fmt: skip
             obj = "chat.completion"
         else:
             choices = [
-                {"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                {"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]
             obj = "text_completion"

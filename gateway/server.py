@@ -30,7 +30,7 @@ from tokenmill.transport_security import WorkerLinkSecurity, private_dir, requir
 from gateway.worker_pool import WorkerPool
 from scheduler_client.client import SchedulerClient
 from tokenizer_workers.converter import ConverterSettings
-from tokenizer_workers.messages import ApiError
+from tokenizer_workers.messages import ApiError, Limits
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill import systemd_notify
 from tokenmill.procutil import child_env
@@ -91,6 +91,7 @@ class Gateway:
             verify_tokenize_cache=s.verify_tokenize_cache,
             tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
             reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
+            max_n=s.max_n,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -131,7 +132,8 @@ class Gateway:
             )
         self.scheduler = SchedulerClient(
             scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error, curve=scheduler_keys,
-            on_welcome=lambda welcome: self.conversion.limit_context(welcome.max_model_len),
+            on_welcome=lambda welcome: self.conversion.limit_context(
+                Limits(welcome.max_model_len, welcome.features, welcome.max_logprobs)),
         )
         g.conversion, g.scheduler = self.conversion, self.scheduler
         await self.conversion.start()

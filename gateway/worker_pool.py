@@ -141,6 +141,7 @@ class WorkerPool:
         self._closing = False
         self.model_max_model_len: int | None = None  # as the workers loaded it
         self.engine_max_model_len: int | None = None  # as the scheduler's Welcome said
+        self.limits: m.Limits | None = None  # the scheduler's Welcome, as the workers need it
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
         self.sock: LoopSocket | None = None
@@ -499,16 +500,18 @@ class WorkerPool:
         limits = [n for n in (self.model_max_model_len, self.engine_max_model_len) if n]
         return min(limits) if limits else None
 
-    def limit_context(self, engine_max_model_len: int | None) -> None:
-        """The scheduler said hello with its context length: every worker checks requests against it."""
-        self.engine_max_model_len = engine_max_model_len
+    def limit_context(self, limits: m.Limits) -> None:
+        """The scheduler said hello with its context length and features: every worker checks requests
+        against them."""
+        self.limits = limits
+        self.engine_max_model_len = limits.max_model_len
         for worker in self.workers:
             if worker.ready:
                 self._send_limits(worker)
 
     def _send_limits(self, worker: _Worker) -> None:
         try:
-            self.sock.send([worker.identity, m.encoder.encode(m.Limits(self.engine_max_model_len))])
+            self.sock.send([worker.identity, m.encoder.encode(self.limits)])
         except zmq.ZMQError:
             pass  # a dead worker's replacement gets them when it is ready
 
@@ -539,7 +542,7 @@ class WorkerPool:
             self._on_done(worker, msg, frames[2:])
         elif isinstance(msg, m.WorkerReady):
             self.model_max_model_len = msg.max_model_len
-            if self.engine_max_model_len:
+            if self.limits is not None:
                 self._send_limits(worker)
             self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
                             "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip

@@ -152,7 +152,7 @@ def assert_error(status, body, expected_status, *words):
         ({"model": "deepseek-v4", "messages": CHAT, "max_tokens": -5}, 400, ["max_tokens"], "max_tokens"),
         ({"model": "deepseek-v4", "messages": CHAT, "max_tokens": "ten"}, 400, ["int"], "max_tokens"),
         ({"model": "deepseek-v4", "messages": CHAT, "temperature": 7}, 400, ["temperature"], "temperature"),
-        ({"model": "deepseek-v4", "messages": CHAT, "n": 2}, 400, ["n=1"], "n"),
+        ({"model": "deepseek-v4", "messages": CHAT, "n": 0}, 400, ["n must be between 1"], "n"),
         ({"model": "deepseek-v4", "messages": CHAT, "seed": 2**63}, 400, ["seed"], "seed"),
         ({"model": "deepseek-v4", "messages": CHAT, "tool_choice": "required"}, 400, ["tool_choice"], "tool_choice"),
         ({"model": "gpt-9", "messages": CHAT}, 404, ["gpt-9", "does not exist"], "model"),

@@ -13,8 +13,10 @@ completions (streamed and not), usage and finish reasons; that every difference 
 documented ones (docs/engines.md, "A real vLLM in the tests"), asserted as that difference; and
 the bridge's contract with the real engine: client disconnects abort inside vLLM, over-long
 prompts and out-of-vocabulary IDs are clean 400s, vLLM's own validation reaches the client,
-`stop_token_ids` / `ignore_eos` as docs/scheduler-protocol.md says, and an engine killed
-mid-stream (the last test: it costs another engine start).
+`stop_token_ids` / `ignore_eos` as docs/scheduler-protocol.md says, protocol 1.1 straight over
+the scheduler protocol (logprobs, structured outputs, min_tokens, logit_bias, ... against what
+vLLM's own server returns for the same request), and an engine killed mid-stream (the last
+test: it costs another engine start).
 
 Skipped where vLLM's CPU build cannot run (tests/vllm_env.py says why).
 """
@@ -48,6 +50,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from conftest import ROOT, Server, free_port, http  # noqa: E402
 from scheduler_client.protocol import (  # noqa: E402
+    FEATURES,
     PROTOCOL_VERSION,
     Error,
     Generate,
@@ -55,9 +58,12 @@ from scheduler_client.protocol import (  # noqa: E402
     Outputs,
     SamplingParams,
     Stats,
+    Structured,
     Welcome,
+    bytes_to_floats,
     decode_from_scheduler,
     encode,
+    frame_to_ids,
     ids_to_frame,
 )
 
@@ -719,6 +725,227 @@ def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, s
     raise AssertionError("no answer from the engine")
 
 
+# ---- protocol 1.1, straight to the engine -----------------------------------------------------------
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    finish: str
+    error: str | None
+    logprobs: list[float]
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def engine_run(endpoint: str, requests: dict[str, tuple[list[int], dict]], timeout: float = 120) -> dict:
+    """Requests on one session straight to the engine, one after another: request_id -> Result, or the
+    Error. Each value is (prompt IDs, Generate keywords; "sampling" a dict of SamplingParams fields)."""
+    results: dict = {}
+    with engine_session(endpoint, "test-1.1") as sock:
+        messages = engine_messages(sock, timeout)
+        welcome = next(m for m in messages if isinstance(m, Welcome))
+        results["welcome"] = welcome
+        for rid, (prompt, fields) in requests.items():
+            fields = dict(fields)
+            sampling = SamplingParams(**fields.pop("sampling", {}))
+            fields.setdefault("stop_token_ids", [EOS])
+            gen = Generate(request_id=rid, prompt_token_count=len(prompt), sampling=sampling, **fields)
+            sock.send_multipart([encode(gen), ids_to_frame(prompt)])
+            got = Result([], "", None, [], [], [])
+            for message in messages:
+                if isinstance(message, Error):
+                    assert message.request_id == rid, message
+                    results[rid] = message
+                    break
+                if not isinstance(message, Outputs):
+                    continue
+                for out in message.outputs:
+                    assert out.request_id == rid
+                    got.tokens += frame_to_ids(out.token_ids)
+                    got.logprobs += bytes_to_floats(out.logprobs)
+                    got.top_ids += frame_to_ids(out.top_ids)
+                    got.top_logprobs += bytes_to_floats(out.top_logprobs)
+                    got.finish, got.error = out.finish_reason or "", out.error
+                if got.finish:
+                    results[rid] = got
+                    break
+            else:
+                raise AssertionError(f"no answer to {rid} from the engine")
+    return results
+
+
+def vllm_completion(stack: Stack, prompt: list[int], **body) -> dict:
+    """vLLM's own server, the same request by token IDs: its choice, with token IDs (and logprobs keyed by IDs)."""
+    body = {"model": NAME, "prompt": prompt, "temperature": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, **body}  # fmt: skip
+    status, _, answer = http("POST", stack.vllm.url + "/v1/completions", body, timeout=120)
+    assert status == 200, answer
+    return answer["choices"][0]
+
+
+def _token_id(key: str) -> int:
+    assert key.startswith("token_id:"), key
+    return int(key[len("token_id:") :])
+
+
+def whitespace_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The tokens that decode to whitespace only: a random model's greedy JSON is all whitespace, so the
+    structured-output tests ban them with logit_bias."""
+    return [i for i in range(tokenizer.get_vocab_size()) if (t := tokenizer.decode([i])) and not t.strip()]
+
+
+RIVER = [671, 12334, 21928, 13257]  # "The river wound slowly"
+
+
+def test_engine_announces_every_1_1_feature(stack):
+    with engine_session(stack.engine.endpoint, "test-welcome") as sock:
+        welcome = next(m for m in engine_messages(sock, 10) if isinstance(m, Welcome))
+    assert welcome.features == sorted(FEATURES)
+    assert welcome.max_logprobs == 20  # vLLM's max_logprobs default
+
+
+def test_logprobs_equal_vllm(stack):
+    """logprobs 3: one chosen logprob per token and 3 top entries, best first; greedy picks the top entry;
+    the values are those vLLM's server returns for the same request (its raw logprobs). With the best
+    token banned (logit_bias), the chosen one is vLLM's second and its logprob equals that entry; a
+    sampled token has its entry's logprob wherever it is among the top."""
+    n = 8
+    got = engine_run(stack.engine.endpoint, {
+        "top3": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 3}),
+        "chosen": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 0}),
+        "sampled": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 1, "seed": 3}, "logprobs": 5}),
+    })  # fmt: skip
+    top3 = got["top3"]
+    assert (top3.finish, len(top3.tokens), len(top3.logprobs)) == ("length", n, n)
+    assert len(top3.top_ids) == len(top3.top_logprobs) == 3 * n
+    for i, token in enumerate(top3.tokens):
+        ids, values = top3.top_ids[3 * i : 3 * i + 3], top3.top_logprobs[3 * i : 3 * i + 3]
+        assert values == sorted(values, reverse=True), values
+        # greedy: the chosen token is the best (the bfloat16 model's logprobs tie now and then)
+        assert top3.logprobs[i] == values[0] and token in [t for t, v in zip(ids, values) if v == values[0]]
+        assert -20 < values[-1] <= values[0] < 0
+    chosen = got["chosen"]
+    assert chosen.tokens == top3.tokens and chosen.top_ids == chosen.top_logprobs == []
+    assert chosen.logprobs == pytest.approx(top3.logprobs, abs=1e-5)
+    sampled = got["sampled"]
+    assert len(sampled.top_ids) == len(sampled.top_logprobs) == 5 * n
+    for i, token in enumerate(sampled.tokens):
+        ids = sampled.top_ids[5 * i : 5 * i + 5]
+        if token in ids:  # the chosen token's logprob is its entry's
+            assert sampled.logprobs[i] == sampled.top_logprobs[5 * i + ids.index(token)]
+        else:
+            assert sampled.logprobs[i] <= sampled.top_logprobs[5 * i + 4]
+
+    banned = top3.tokens[0]
+    ban_fields = {"max_new_tokens": 1, "sampling": {"temperature": 0, "logit_bias": {banned: -100.0}}, "logprobs": 3}
+    ban = engine_run(stack.engine.endpoint, {"ban": (RIVER, ban_fields)})["ban"]
+    # raw logprobs: the banned token still ranks first; the chosen one is among the next and has that entry's logprob
+    assert banned in ban.top_ids and ban.top_logprobs[ban.top_ids.index(banned)] == ban.top_logprobs[0]
+    assert ban.tokens[0] != banned and ban.tokens[0] in ban.top_ids
+    assert ban.logprobs == [ban.top_logprobs[ban.top_ids.index(ban.tokens[0])]]
+
+    v = vllm_completion(stack, RIVER, max_tokens=n, logprobs=3)
+    assert v["token_ids"] == top3.tokens
+    assert top3.logprobs == pytest.approx(v["logprobs"]["token_logprobs"], abs=1e-4)
+    for i, entries in enumerate(v["logprobs"]["top_logprobs"]):  # vLLM's server: {"token_id:N": logprob}
+        theirs = sorted(((round(lp, 4), _token_id(k)) for k, lp in entries.items()), reverse=True)
+        ours = sorted(zip((round(x, 4) for x in top3.top_logprobs[3 * i : 3 * i + 3]), top3.top_ids[3 * i : 3 * i + 3]),
+                      reverse=True)  # fmt: skip
+        assert theirs == ours, i
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}}}  # fmt: skip
+CHOICES = ["yes", "no", "maybe so"]
+
+
+def test_structured_outputs_equal_vllm(stack):
+    """Greedy constrained decoding through the engine: JSON valid for the schema, one of the choices, a
+    regex / grammar / structural-tag match, each ending in EOS ("stop"); the same tokens as vLLM's server
+    for the same constraint. Constraints vLLM cannot compile are protocol errors naming "structured"."""
+    no_space = {t: -100.0 for t in whitespace_tokens(stack.tokenizer)}
+    greedy = {"temperature": 0}
+    prompts = {"river": RIVER, "cat": stack.tokenizer.encode("Describe a cat").ids}
+    requests = {}
+    for name, prompt in prompts.items():
+        requests[f"json-{name}"] = (prompt, {"max_new_tokens": 60, "sampling": {**greedy, "logit_bias": no_space},
+                                             "structured": Structured(kind="json_schema", spec=json.dumps(SCHEMA))})
+        requests[f"choice-{name}"] = (prompt, {"max_new_tokens": 20, "sampling": greedy,
+                                               "structured": Structured(kind="choice", choices=CHOICES)})
+    requests["regex"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
+                                 "structured": Structured(kind="regex", spec="[0-9]{3}-[a-z]{2}")})
+    requests["grammar"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
+                                   "structured": Structured(kind="grammar", spec='root ::= "ab" ("c" | "d")')})
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hello"}}
+    requests["tag"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
+                               "structured": Structured(kind="structural_tag", spec=json.dumps(tag))})
+    requests["object"] = (RIVER, {"max_new_tokens": 12, "sampling": {**greedy, "logit_bias": no_space},
+                                  "structured": Structured(kind="json_object")})
+    requests["bad-schema"] = (RIVER, {"max_new_tokens": 5, "structured": Structured(kind="json_schema", spec="{not")})
+    requests["bad-regex"] = (RIVER, {"max_new_tokens": 5, "structured": Structured(kind="regex", spec="(unclosed")})
+    got = engine_run(stack.engine.endpoint, requests)  # fmt: skip
+
+    def text(rid: str) -> str:
+        r = got[rid]
+        assert r.finish == "stop" and r.tokens[-1] == EOS, (rid, r)  # the grammar completed, then only EOS
+        return stack.tokenizer.decode(r.tokens[:-1], skip_special_tokens=False)
+
+    for name in prompts:
+        value = json.loads(text(f"json-{name}"))
+        assert set(value) == {"name", "n"} and len(value["name"]) <= 8 and value["n"] in (1, 2, 3), value
+        assert text(f"choice-{name}") in CHOICES
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text("regex"))
+    assert text("grammar") in ("abc", "abd")
+    assert text("tag") == "hello"
+    assert stack.tokenizer.decode(got["object"].tokens).lstrip().startswith("{")
+    for rid in ("bad-schema", "bad-regex"):
+        assert isinstance(got[rid], Error) and (got[rid].code, got[rid].param) == ("bad_request", "structured")
+
+    bias = {str(t): b for t, b in no_space.items()}
+    for name, prompt in prompts.items():
+        v = vllm_completion(stack, prompt, max_tokens=60, logit_bias=bias, structured_outputs={"json": SCHEMA})
+        assert v["token_ids"] == got[f"json-{name}"].tokens
+        v = vllm_completion(stack, prompt, max_tokens=20, structured_outputs={"choice": CHOICES})
+        assert v["token_ids"] == got[f"choice-{name}"].tokens
+
+
+FAREWELL_IDS = [2581, 9605, 75336]  # "We wave farewell": the model's cue for " goodbye" then EOS
+
+
+def test_sampling_fields_equal_vllm(stack):
+    """min_tokens keeps EOS out until that many tokens, logit_bias -100 bans a token, min_p and
+    repetition_penalty are vLLM's: the same tokens as vLLM's server for each."""
+    assert FAREWELL_IDS == stack.tokenizer.encode(FAREWELL).ids
+    plain = engine_run(stack.engine.endpoint, {"plain": (RIVER, {"max_new_tokens": 6, "sampling": {"temperature": 0}})})
+    first = plain["plain"].tokens[0]
+    cases = {
+        "eos": (FAREWELL_IDS, {"max_tokens": 8}),
+        "min-tokens": (FAREWELL_IDS, {"max_tokens": 8, "min_tokens": 5}),
+        "ban": (RIVER, {"max_tokens": 6, "logit_bias": {first: -100.0}}),
+        "boost": (RIVER, {"max_tokens": 3, "logit_bias": {42: 100.0}}),
+        "repetition": (RIVER, {"max_tokens": 8, "repetition_penalty": 1.5}),
+        "min-p": (FAREWELL_IDS, {"max_tokens": 6, "temperature": 1.0, "seed": 7, "min_p": 0.5}),
+    }
+    requests = {}
+    for rid, (prompt, body) in cases.items():
+        sampling = {"temperature": body.get("temperature", 0), **{k: v for k, v in body.items()
+                    if k in ("seed", "min_p", "repetition_penalty", "min_tokens", "logit_bias")}}  # fmt: skip
+        requests[rid] = (prompt, {"max_new_tokens": body["max_tokens"], "sampling": sampling})
+    got = engine_run(stack.engine.endpoint, requests)
+    assert (got["eos"].tokens, got["eos"].finish) == (GOODBYE_IDS, "stop")
+    assert EOS not in got["min-tokens"].tokens[:5] and len(got["min-tokens"].tokens) >= 5
+    assert got["min-tokens"].tokens[0] == GOODBYE_IDS[0]
+    assert got["ban"].tokens[0] != first and first not in got["ban"].tokens
+    assert got["boost"].tokens == [42, 42, 42]
+    assert got["min-p"].tokens[:2] == GOODBYE_IDS  # min_p 0.5 leaves only the cue's follower, then EOS
+    for rid, (prompt, body) in cases.items():
+        if "logit_bias" in body:
+            body = {**body, "logit_bias": {str(t): b for t, b in body["logit_bias"].items()}}
+        v = vllm_completion(stack, prompt, **{"temperature": 0, **body})
+        assert v["token_ids"] == got[rid].tokens, rid
+
+
 # ---- disconnects and engine failure -----------------------------------------------------------------
 
 RUNNING = "tokenmill_scheduler_num_requests_running"
@@ -845,3 +1072,55 @@ def test_engine_killed_mid_stream_then_restarted(stack):
     print(f"\nengine restarted and reconnected in {time.monotonic() - t0:.1f} s")
     again = complete(stack.t, prompt="After the storm", max_tokens=6, temperature=0)
     assert (again.text, again.finish, again.usage) == (expected.text, expected.finish, expected.usage)
+
+
+def test_openai_answers_with_1_1_fields_equal_vllms_server(stack):
+    """The whole path, client to client: the same request to vLLM's own server and to tokenmill in
+    front of the same engine gives the same answer for n with a seed (choice i sampled with seed + i),
+    logprobs (chat's entries: token text, bytes, the top list in vLLM's order; values within float
+    tolerance), a JSON-schema response_format and a choice constraint (greedy: the same text). A named
+    tool_choice needs a tool parser on vLLM's server, which this one runs without; its constraint is
+    the function's parameters schema, so tokenmill's arguments must be what vLLM writes under that
+    schema."""
+    no_space = {str(t): -100 for t in whitespace_tokens(stack.tokenizer)}
+    messages = [{"role": "user", "content": "Describe a cat."}]
+    bodies = {
+        "n": dict(messages=messages, n=3, seed=21, temperature=1, max_tokens=8),
+        "logprobs": dict(messages=messages, logprobs=True, top_logprobs=3, temperature=0, max_tokens=8),
+        "schema": dict(messages=messages, temperature=0, max_tokens=60, logit_bias=no_space,
+                       response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}),
+        "choice": dict(messages=messages, temperature=0, max_tokens=20, structured_outputs={"choice": CHOICES}),
+        "tool": dict(messages=messages, temperature=0, max_tokens=60, logit_bias=no_space,
+                     tools=[{"type": "function", "function": {"name": "describe", "parameters": SCHEMA}}],
+                     tool_choice={"type": "function", "function": {"name": "describe"}}),
+    }  # fmt: skip
+    got = {}
+    for side, url in (("vllm", stack.vllm.url), ("tokenmill", stack.front.url)):
+        for name, body in bodies.items():
+            if side == "vllm" and name == "tool":  # the same prompt (tools rendered), the same constraint
+                body = {**body, "tool_choice": "none", "structured_outputs": {"json": SCHEMA}}
+            status, _, out = http("POST", url + "/v1/chat/completions", {"model": NAME, **body}, timeout=120)
+            assert status == 200, (side, name, out)
+            got[side, name] = out
+    v, t = got["vllm", "n"], got["tokenmill", "n"]
+    assert [c["message"]["content"] for c in t["choices"]] == [c["message"]["content"] for c in v["choices"]]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # vLLM adds null *_details
+    assert [t["usage"][k] for k in counts] == [v["usage"][k] for k in counts]
+
+    def entries(out):
+        return [(e["token"], e["bytes"], e["logprob"], [(x["token"], x["logprob"]) for x in e["top_logprobs"]])
+                for e in out["choices"][0]["logprobs"]["content"]]  # fmt: skip
+
+    ve, te = entries(got["vllm", "logprobs"]), entries(got["tokenmill", "logprobs"])
+    assert len(te) == len(ve) == 8
+    for (vt, vb, vl, vtop), (tt, tb, tl, ttop) in zip(ve, te, strict=True):
+        assert (tt, tb) == (vt, vb) and abs(tl - vl) < 1e-4
+        assert [x[0] for x in ttop] == [x[0] for x in vtop]
+        assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(ttop, vtop))
+    for name in ("schema", "choice"):
+        assert got["tokenmill", name]["choices"][0]["message"]["content"] == got["vllm", name]["choices"][0]["message"]["content"]
+    assert json.loads(got["tokenmill", "schema"]["choices"][0]["message"]["content"]).keys() == {"name", "n"}
+    [tc] = got["tokenmill", "tool"]["choices"][0]["message"]["tool_calls"]
+    assert tc["function"]["name"] == "describe"
+    assert json.loads(tc["function"]["arguments"]) == json.loads(got["vllm", "tool"]["choices"][0]["message"]["content"])
+    assert got["tokenmill", "tool"]["choices"][0]["finish_reason"] == "stop"  # a named function, as OpenAI and vLLM

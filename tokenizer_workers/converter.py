@@ -17,10 +17,11 @@ from typing import Any
 import msgspec
 
 from scheduler_client import protocol
+from tokenizer_workers import generation_params as gp
 from tokenizer_workers import openai_requests as oa
 from tokenizer_workers.chat_messages import to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
-from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob
+from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob, Limits
 from tokenizer_workers.model import Model, load_model
 from tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
 from tokenizer_workers.segment_cache import SegmentEncoder
@@ -43,6 +44,7 @@ class ConverterSettings(msgspec.Struct):
     verify_tokenize_cache: bool = False
     tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
     reasoning_parser: str = ""
+    max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
 
 
 @dataclass
@@ -55,6 +57,8 @@ class DetokSpec:
     parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
     include_reasoning: bool = True
     tool_parser_name: str = ""
+    logprobs: int | None = None  # None: no logprobs; else how many top tokens to show per token
+    chat: bool = True  # logprobs in chat's shape, else in completions'
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Converter:
         self.tokenizer = self.model.tokenizer
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
+        self.engine = gp.Engine()  # what the scheduler honours, from its Welcome (limit_context)
         self.templates = ChatTemplates(
             self.model.templates, self.model.special_tokens, settings.default_chat_template_kwargs
         )
@@ -84,10 +89,12 @@ class Converter:
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
 
-    def limit_context(self, engine_max_model_len: int | None) -> None:
-        """Check requests against the engine's context length too, where it is the smaller."""
+    def limit_context(self, limits: Limits) -> None:
+        """The engine's Welcome: check requests against its context length too, where it is the
+        smaller, and against the protocol 1.1 features it honours."""
         own = self.model.max_model_len
-        self.max_model_len = min(own, engine_max_model_len) if engine_max_model_len else own
+        self.max_model_len = min(own, limits.max_model_len) if limits.max_model_len else own
+        self.engine = gp.Engine(limits.features, limits.max_logprobs)
 
     def without_cache(self) -> Converter:
         """A converter for another thread: the same model, templates and parsers, but it encodes
@@ -133,16 +140,26 @@ class Converter:
         req: oa.ChatCompletionRequest = oa.parse("chat", body)
         self._check_model(req.model)
         oa.check_sampling(req)
-        parse_tools = self._tool_choice(req)  # refuse a tool_choice we cannot honour before rendering
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        # everything that can be refused is refused before rendering
+        forced_spec, forced = gp.forced_tools(req, self.engine)
+        spec = gp.structured(req, self.engine)
+        if forced_spec is not None and spec is not None:
+            raise oa.InvalidRequest("A forced tool_choice constrains the output already; drop the other output "
+                                    "constraint or use tool_choice 'auto'.", "tool_choice")
+        params = self._generation(req, max_tokens, forced_spec or spec, chat=True)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
         t0 = time.perf_counter()
         prompt = self.render(req.messages, req)
         t1, cpu = time.perf_counter(), time.process_time()
         ids, report = self.encode_chat(prompt)
         t2, cpu = time.perf_counter(), time.process_time() - cpu
-        conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1)
-        self._attach_parser(conversion.detok[0], req, prompt, parse_tools)
+        conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params)
+        for spec_ in conversion.detok:
+            self._attach_parser(spec_, req, prompt, parse_tools, forced)
+        if forced is not None:
+            conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         return conversion
@@ -154,13 +171,14 @@ class Converter:
         self._check_max_tokens(req.max_tokens, "max_tokens")
         if req.echo:
             raise oa.InvalidRequest("echo is not supported by this server.", "echo")
+        params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
         t1 = time.perf_counter()
-        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0)
+        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params)
 
     def _convert_tokenize(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.TokenizeRequest = oa.parse("tokenize", body)
@@ -197,27 +215,20 @@ class Converter:
 
     # ---- pieces ---------------------------------------------------------------------
 
-    @staticmethod
-    def _tool_choice(req) -> bool:
-        """Whether to parse tool calls out of the output (tool_choice auto with tools), or a 400."""
-        choice = req.tool_choice
-        if isinstance(choice, dict) or choice == "required":
-            raise oa.InvalidRequest(
-                "tool_choice 'required' and a named function need constrained decoding, which this server does not "
-                "offer yet; use tool_choice 'auto' (the model decides, and its calls are parsed) or 'none'.",
-                "tool_choice",
-            )
-        if choice not in (None, "auto", "none"):
-            raise oa.InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
-                                    "tool_choice")
-        return bool(req.tools) and choice != "none"
+    def _generation(self, req, max_tokens, spec, chat: bool) -> "_Generation":
+        """The request's generation fields as protocol values, every one checked (generation_params.py)."""
+        if not 1 <= req.n <= self.settings.max_n:
+            raise oa.InvalidRequest(f"n must be between 1 and {self.settings.max_n}.", "n")
+        return _Generation(gp.sampling(req, self.engine, self.vocab_size, max_tokens), spec,
+                           gp.logprobs(req, chat, self.engine), req.n)
 
-    def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool) -> None:
-        parser = self.parsers.make(req.tools if parse_tools else None, prompt[-256:])
+    def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
+        max_calls = 1 if req.parallel_tool_calls is False else 0
+        parser = self.parsers.make(req.tools if parse_tools else None, prompt[-256:], forced, max_calls)
         if parser is not None:
             spec.parser = parser
             spec.include_reasoning = req.include_reasoning
-            spec.tool_parser_name = self.parsers.tool_name
+            spec.tool_parser_name = "forced" if forced is not None else self.parsers.tool_name
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -289,21 +300,16 @@ class Converter:
             "prompt must be a string, a list of strings, a list of token IDs, or a list of token-ID lists.", "prompt"
         )
 
-    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s) -> Conversion:
-        sampling = protocol.SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-        )
+    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s, params: "_Generation") -> Conversion:
+        """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
+        choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does."""
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = oa.stop_strings(req)
+        seed = params.sampling.seed
         choices, frames, detok = [], [], []
-        for i, ids in enumerate(id_lists):
+        for ids in id_lists:
             n = len(ids)
             limit = self.max_model_len
             if n + (max_tokens or 0) > limit or n >= limit:
@@ -317,19 +323,27 @@ class Converter:
                 )
             if n == 0:
                 raise oa.InvalidRequest(f"The {what} is empty after tokenization.", what)
-            rid = f"{job.request_id}-{i}"
-            header = protocol.Generate(
-                request_id=rid,
-                prompt_token_count=n,
-                max_new_tokens=max_tokens if max_tokens is not None else limit - n,
-                sampling=sampling,
-                stop_token_ids=stop_ids,
-                ignore_eos=req.ignore_eos,
-            )
-            choices.append(ChoicePlan(rid, n))
-            frames.append(protocol.encode(header))
-            frames.append(protocol.ids_to_frame(ids))
-            detok.append(DetokSpec(rid, stops, req.skip_special_tokens))
+            prompt_frame = protocol.ids_to_frame(ids)
+            for i in range(params.n):
+                rid = f"{job.request_id}-{len(choices)}"
+                sampling = params.sampling
+                if i and seed is not None:
+                    sampling = msgspec.structs.replace(sampling, seed=_wrap_seed(seed + i))
+                header = protocol.Generate(
+                    request_id=rid,
+                    prompt_token_count=n,
+                    max_new_tokens=max_tokens if max_tokens is not None else limit - n,
+                    sampling=sampling,
+                    stop_token_ids=stop_ids,
+                    ignore_eos=req.ignore_eos,
+                    logprobs=params.logprobs,
+                    structured=params.structured,
+                )
+                choices.append(ChoicePlan(rid, n, i == 0))
+                frames.append(protocol.encode(header))
+                frames.append(prompt_frame)
+                detok.append(DetokSpec(rid, stops, req.skip_special_tokens, logprobs=params.logprobs,
+                                       chat=what == "messages"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -338,9 +352,22 @@ class Converter:
             include_usage=include_usage,
             render_s=render_s,
             tokenize_s=tokenize_s,
+            logprobs=params.logprobs is not None,
         )
         return Conversion(done, frames, detok)
 
+
+@dataclass
+class _Generation:
+    sampling: protocol.SamplingParams
+    structured: protocol.Structured | None
+    logprobs: int | None
+    n: int
+
+
+def _wrap_seed(seed: int) -> int:
+    """seed + i stays a signed 64-bit integer."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def _template_kwargs(req) -> dict | None:

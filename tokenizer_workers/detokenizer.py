@@ -21,13 +21,14 @@ from tokenizers.decoders import DecodeStream
 
 from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers.converter import DetokSpec
+from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
 
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
-                 "include_reasoning", "parser_name")  # fmt: skip
+                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -42,6 +43,9 @@ class _Stream:
         self.pending = ""  # produced but not yet sent, because it may start a stop string
         self.include_reasoning = spec.include_reasoning
         self.parser_name = spec.tool_parser_name
+        self.top_n = spec.logprobs  # None: no logprobs
+        self.chat = spec.chat
+        self.text_offset = 0  # completions' logprobs.text_offset so far
 
 
 class Detokenizer:
@@ -53,6 +57,7 @@ class Detokenizer:
         self.states: OrderedDict[str, _Stream] = OrderedDict()
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._drop_ids: dict[tuple, frozenset] = {}
+        self._texts: TokenTexts | None = None  # each token's own text, for logprobs (made on first use)
         self.parse_failures: dict[str, int] = {}  # since the last take_failures()
 
     def open(self, spec: DetokSpec) -> None:
@@ -78,8 +83,20 @@ class Detokenizer:
             if state is None:  # released, or never opened: tell the gateway it is over
                 out.append(DetokDelta(item.request_id, "", False, True))
                 continue
-            out.append(self._advance(item.request_id, state, item.token_ids, item.finished))
+            delta = self._advance(item.request_id, state, item.token_ids, item.finished)
+            if state.top_n is not None and item.logprobs:
+                delta.logprobs = self._logprobs(state, item)
+            out.append(delta)
         return out
+
+    def _logprobs(self, state: _Stream, item: DetokItem) -> list[bytes]:
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer)
+        arrays = (item.token_ids, item.logprobs, item.top_ids, item.top_logprobs)
+        if state.chat:
+            return [chat_entries(self._texts, state.top_n, *arrays)]
+        parts, state.text_offset = completion_lists(self._texts, state.top_n, state.text_offset, *arrays)
+        return parts
 
     def take_failures(self) -> dict[str, int]:
         out, self.parse_failures = self.parse_failures, {}

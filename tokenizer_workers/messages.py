@@ -25,6 +25,10 @@ class DetokItem(msgspec.Struct, array_like=True):
     request_id: str
     token_ids: bytes  # raw little-endian uint32 from the scheduler, untouched
     finished: bool  # the scheduler ended this request: flush and free its state
+    # the scheduler's logprob arrays for these tokens (RequestOutput's), untouched; empty without logprobs
+    logprobs: bytes = b""
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
 
 
 class DetokBatch(msgspec.Struct, tag="detok"):
@@ -42,10 +46,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class Limits(msgspec.Struct, tag="limits"):
-    """The engine's own context length (from its Welcome): requests are checked against the smaller
-    of it and the model's, so a prompt the engine would refuse is a 400 that says why."""
+    """What the engine's Welcome said: requests are checked against the smaller of its context length
+    and the model's, so a prompt the engine would refuse is a 400 that says why, and a field the
+    engine does not list among its protocol 1.1 features is refused by name."""
 
     max_model_len: int | None = None
+    features: list[str] | None = None
+    max_logprobs: int | None = None
 
 
 ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits
@@ -91,6 +98,7 @@ class ChoicePlan(msgspec.Struct, array_like=True):
 
     request_id: str
     prompt_tokens: int
+    counts_prompt: bool = True  # False for the 2nd..nth choice of one prompt: usage counts a prompt once
 
 
 class ConvertDone(msgspec.Struct, tag="done"):
@@ -107,6 +115,8 @@ class ConvertDone(msgspec.Struct, tag="done"):
     choices: list[ChoicePlan] = []
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
+    forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
     render_s: float = 0.0
     tokenize_s: float = 0.0
     tokenize_cpu_s: float = 0.0  # CPU seconds of the worker process while tokenizing (all its threads)
@@ -130,6 +140,9 @@ class DetokDelta(msgspec.Struct, array_like=True):
     stopped: bool  # a stop string matched: the gateway ends the choice and aborts it
     final: bool  # the worker has freed this request's state; no more deltas follow
     pieces: list[OutPiece] = []
+    # logprobs of this delta's tokens as JSON fragments, entries comma-joined without brackets:
+    # chat: [content]; completions: [tokens, token_logprobs, top_logprobs, text_offset]
+    logprobs: list[bytes] = []
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):

@@ -35,7 +35,18 @@ class SamplingFields(RefusableFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
-    logprobs: Any = None
+    logprobs: Any = None  # chat: a bool; completions: the number of top tokens (0-20)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # token ID (as a JSON key) -> bias
+    # constrained decoding: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -43,6 +54,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call, as vLLM keeps
+    top_logprobs: int | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)
     documents: list[dict[str, Any]] | None = None
@@ -123,10 +136,6 @@ def check_sampling(req: SamplingFields) -> None:
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server: usage comes "
                              "in the last chunk (include_usage).", "stream_options.continuous_usage_stats")
-    if req.n != 1:
-        raise InvalidRequest("Only n=1 is supported.", "n")
-    if req.logprobs not in (None, False):
-        raise InvalidRequest("logprobs is not supported by this server.", "logprobs")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2.", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

@@ -32,10 +32,6 @@ def _equals(default) -> Callable[[Any], bool]:
     return lambda value: value is None or (not isinstance(value, bool) and value == default)
 
 
-def _text_format(value) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _text_modalities(value) -> bool:
     return value is None or value == ["text"]
 
@@ -44,27 +40,15 @@ def _true(value) -> bool:
     return value is None or value is True
 
 
-_STRUCTURED = "structured outputs (constrained decoding) are not available yet"
-_LOGPROBS = "log probabilities are not available yet"
+_STRUCTURED = "use structured_outputs (json, regex, choice, grammar, structural_tag) or response_format"
 
 # field -> (holds its default?, why a non-default value is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_text_format, f"only {{'type': 'text'}}: {_STRUCTURED}"),
-    "structured_outputs": (_none, _STRUCTURED),
-    "guided_json": (_none, _STRUCTURED),
-    "guided_regex": (_none, _STRUCTURED),
-    "guided_choice": (_none, _STRUCTURED),
-    "guided_grammar": (_none, _STRUCTURED),
     "structural_tag": (_none, _STRUCTURED),
-    "guided_decoding_backend": (_none, _STRUCTURED),
-    "guided_whitespace_pattern": (_none, _STRUCTURED),
-    "top_logprobs": (_equals(0), _LOGPROBS),
-    "prompt_logprobs": (_none, _LOGPROBS),
-    "return_tokens_as_token_ids": (_false, _LOGPROBS),
-    "logit_bias": (_empty, "the scheduler protocol carries no logit bias yet"),
-    "min_p": (_equals(0), "the scheduler protocol carries no min_p yet"),
-    "repetition_penalty": (_equals(1), "the scheduler protocol carries no repetition penalty yet"),
-    "min_tokens": (_equals(0), "the scheduler protocol carries no minimum length yet"),
+    "guided_decoding_backend": (_none, "the engine chooses its constrained-decoding backend"),
+    "guided_whitespace_pattern": (_none, "the engine's constrained-decoding backend decides whitespace"),
+    "prompt_logprobs": (_none, "the scheduler protocol returns logprobs of generated tokens only"),
+    "return_tokens_as_token_ids": (_false, "logprobs name tokens by their text"),
     "allowed_token_ids": (_none, "the scheduler protocol carries no token allow-list"),
     "bad_words": (_empty, "the scheduler protocol carries no banned words"),
     "logits_processors": (_none, "custom logits processors cannot cross the scheduler protocol"),
@@ -76,7 +60,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt that is too long is a 400"),
     "return_token_ids": (_false, "responses carry text, not token IDs"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
-    "parallel_tool_calls": (_true, "every call the model makes is returned; false would need constrained decoding"),
     "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
     "function_call": (_none, "use tool_choice (function_call is OpenAI's deprecated form)"),
     "prediction": (_none, "predicted outputs are not available"),

@@ -116,8 +116,8 @@ class Worker:
         elif isinstance(msg, m.Release):
             self.detokenizer.release(msg.request_ids)
         elif isinstance(msg, m.Limits):
-            self.converter.limit_context(msg.max_model_len)
-            self.quick_converter.limit_context(msg.max_model_len)
+            self.converter.limit_context(msg)
+            self.quick_converter.limit_context(msg)
         elif isinstance(msg, m.Shutdown):
             return False
         return True

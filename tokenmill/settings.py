@@ -70,6 +70,7 @@ class ServeSettings:
     verify_tokenize_cache: bool = False
     affinity: bool = True
     quick_conversion_bytes: int = 8192
+    max_n: int = 128
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     conversion_mode: str = "pool"
@@ -128,6 +129,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
                                "without waiting for a free worker or the tokenization cache (0 = never)."),
+    "max_n": (int, "The most choices (n) one request may ask for; each is a scheduler request (OpenAI allows 128)."),
     "tool_call_parser": (str, "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
                          "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
                          "auto (from the chat template), or none. Default: auto for the embedded model, else none."),

@@ -85,13 +85,21 @@ class ParserChoice:
         self.tool_name = tool_cls.name if tool_cls else ""
         self.reasoning_name = reasoning_cls.name if reasoning_cls else ""
 
-    def make(self, tools: list[dict] | None, prompt_tail: str) -> OutputParser | None:
-        """A parser for one choice: tool calls only when ``tools`` are to be parsed."""
-        tool_parser = self.tool_cls(tools) if self.tool_cls and tools else None
+    def make(self, tools: list[dict] | None, prompt_tail: str, forced: str | None = None,
+             max_calls: int = 0) -> OutputParser | None:
+        """A parser for one choice: tool calls only when ``tools`` are to be parsed. ``forced``: the
+        request forced calls (tool_choice "required": "", a named function: its name), so the output
+        is constrained JSON rather than the model's markup. ``max_calls`` 1: parallel_tool_calls false."""
+        if forced is not None:
+            from tokenizer_workers.output_parsers.forced import ForcedCallParser
+
+            tool_parser = ForcedCallParser(tools, forced or None)
+        else:
+            tool_parser = self.tool_cls(tools) if self.tool_cls and tools else None
         reasoning = self.reasoning_cls(prompt_tail) if self.reasoning_cls else None
         if tool_parser is None and reasoning is None:
             return None
-        return OutputParser(reasoning, tool_parser)
+        return OutputParser(reasoning, tool_parser, max_calls)
 
 
 def choose_parsers(tool_name: str, reasoning_name: str, template: str) -> ParserChoice:
@@ -111,10 +119,11 @@ def choose_parsers(tool_name: str, reasoning_name: str, template: str) -> Parser
 class OutputParser:
     """Reasoning, then tool calls, over one choice's output; calls get their index and id here."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int = 0) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.calls = 0
+        self.max_calls = max_calls  # 0: no limit; 1: parallel_tool_calls false keeps the first call, as vLLM does
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -150,6 +159,8 @@ class OutputParser:
         out = []
         for kind, value in pieces:
             if kind == CALL:
+                if self.max_calls and self.calls >= self.max_calls:
+                    continue
                 call_id = value.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
                 value = ToolCall(value.name, value.arguments, call_id, self.calls)
                 self.calls += 1

@@ -1,0 +1,271 @@
+"""What an OpenAI request asks of generation, as scheduler-protocol fields, checked before it leaves.
+
+Sampling (min_p, repetition_penalty, min_tokens, logit_bias), constrained decoding
+(response_format, vLLM's structured_outputs and guided_* fields, and the schema a forced
+tool_choice implies, built as vLLM builds it), logprobs and n. Everything is validated here, in
+the worker: an invalid schema, regex or grammar, a token ID outside the vocabulary or a value out
+of range is a 400 naming the field, and so is a field the connected engine did not list among the
+protocol 1.1 features it honours (a 1.0 scheduler would ignore it without a word).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+from scheduler_client import protocol
+from scheduler_client.structured import StructuredError, check as check_structured
+from tokenizer_workers.openai_requests import InvalidRequest
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
+
+# structured_outputs keys that choose the constraint (vLLM's StructuredOutputsParams), and the kind each means
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object", "structural_tag": "structural_tag"}  # fmt: skip
+# vLLM's guided_* fields (older releases) and the kind each means
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class Engine:
+    """What the connected engine said it honours (its Welcome, relayed to the workers as Limits)."""
+
+    def __init__(self, features: list[str] | None = None, max_logprobs: int | None = None) -> None:
+        self.features = frozenset(features or ())
+        self.known = features is not None  # None: a 1.0 scheduler, or none connected yet
+        self.max_logprobs = max_logprobs if max_logprobs is not None else MAX_LOGPROBS
+
+    def require(self, feature: str, param: str, what: str) -> None:
+        if feature not in self.features:
+            why = "does not say it can" if self.known else "speaks scheduler protocol 1.0, which cannot carry it"
+            raise InvalidRequest(f"{what} is not available: the engine behind this server {why} "
+                                 f"({feature}).", param, code="unsupported")  # fmt: skip
+
+
+def sampling(req, engine: Engine, vocab_size: int, max_tokens: int | None) -> protocol.SamplingParams:
+    """The request's sampling settings; the 1.1 ones only when set, and only if the engine has them."""
+    params = protocol.SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
+    if req.min_p is not None and req.min_p != 0:
+        if not 0.0 <= req.min_p <= 1.0:
+            raise InvalidRequest("min_p must be between 0 and 1.", "min_p")
+        engine.require("min_p", "min_p", "min_p")
+        params.min_p = req.min_p
+    if req.repetition_penalty is not None and req.repetition_penalty != 1:
+        if not (0.0 < req.repetition_penalty <= 2.0):
+            raise InvalidRequest("repetition_penalty must be greater than 0 and at most 2.", "repetition_penalty")
+        engine.require("repetition_penalty", "repetition_penalty", "repetition_penalty")
+        params.repetition_penalty = req.repetition_penalty
+    if req.min_tokens:
+        if req.min_tokens < 0:
+            raise InvalidRequest("min_tokens must be at least 0.", "min_tokens")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                                 "min_tokens")
+        engine.require("min_tokens", "min_tokens", "min_tokens")
+        params.min_tokens = req.min_tokens
+    if req.logit_bias:
+        params.logit_bias = _logit_bias(req.logit_bias, vocab_size)
+        engine.require("logit_bias", "logit_bias", "logit_bias")
+    return params
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token IDs, got {key!r}.", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias has token ID {token}, outside the vocabulary [0, {vocab_size}).",
+                                 "logit_bias")
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and -100 <= value <= 100):
+            raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {value!r} for {token}.",
+                                 "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def logprobs(req, chat: bool, engine: Engine) -> int | None:
+    """Generate.logprobs: None (none asked), 0 (the chosen tokens'), or the top-N count."""
+    if chat:
+        top = req.top_logprobs
+        if req.logprobs not in (None, True, False):
+            raise InvalidRequest("logprobs must be true or false.", "logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_LOGPROBS}.", "top_logprobs")
+        if top and not req.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true.", "top_logprobs")
+        count, param = (top or 0, "top_logprobs") if req.logprobs else (None, "logprobs")
+    else:
+        value = req.logprobs
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be an integer between 0 and {MAX_LOGPROBS}.", "logprobs")
+        count, param = value, "logprobs"
+    if count is None:
+        return None
+    engine.require(protocol.FEATURE_LOGPROBS, "logprobs", "logprobs")
+    if count > engine.max_logprobs:
+        raise InvalidRequest(f"{param} must be at most {engine.max_logprobs} on this engine.", param)
+    return count
+
+
+def structured(req, engine: Engine) -> protocol.Structured | None:
+    """The output constraint asked for by response_format, structured_outputs or guided_*."""
+    found: list[tuple[str, str, protocol.Structured]] = []  # (field, the part of it holding the spec, spec)
+    rf = req.response_format
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            where = "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"
+            found.append(("response_format", where, spec))
+    if req.structured_outputs is not None:
+        key, spec = _structured_outputs(req.structured_outputs)
+        found.append(("structured_outputs", f"structured_outputs.{key}", spec))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, name, _spec(kind, value, name)))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequest(f"Give one output constraint, not {' and '.join(f[0] for f in found)}.", found[1][0])
+    param, where, spec = found[0]
+    validate(spec, param, engine, where)
+    return spec
+
+
+def validate(spec: protocol.Structured, param: str, engine: Engine, where: str | None = None) -> None:
+    """A 400 naming ``where`` (the spec's place in the request) for an invalid spec; then one naming
+    ``param`` if the engine cannot honour this kind."""
+    where = where or param
+    try:
+        check_structured(spec, where)
+    except StructuredError as exc:
+        raise InvalidRequest(str(exc), where) from None
+    engine.require(f"structured.{spec.kind}", param, f"{param} ({spec.kind})")
+
+
+def _response_format(rf: dict) -> protocol.Structured | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return protocol.Structured("json_object")
+    if kind == "json_schema":
+        body = rf.get("json_schema")
+        if not isinstance(body, dict):
+            raise InvalidRequest("response_format.json_schema must be an object with a schema.",
+                                 "response_format.json_schema")
+        schema = body.get("schema", body.get("json_schema"))
+        if schema is None:
+            raise InvalidRequest("response_format.json_schema.schema is missing.", "response_format.json_schema.schema")
+        return _spec("json_schema", schema, "response_format.json_schema.schema")
+    if kind == "structural_tag":
+        return protocol.Structured("structural_tag", json.dumps(rf, ensure_ascii=False))
+    raise InvalidRequest(f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                         f"got {kind!r}.", "response_format.type")
+
+
+def _structured_outputs(so: dict) -> tuple[str, protocol.Structured]:
+    chosen = [key for key in _STRUCTURED_KEYS if so.get(key) not in (None, False)]
+    others = [key for key, value in so.items() if key not in _STRUCTURED_KEYS and value not in (None, False)]
+    if others:
+        raise InvalidRequest(f"structured_outputs.{others[0]} is not supported by this server: the engine's "
+                             "constrained-decoding backend decides it.", f"structured_outputs.{others[0]}")
+    if len(chosen) != 1:
+        raise InvalidRequest("structured_outputs must set exactly one of " + ", ".join(_STRUCTURED_KEYS) + ".",
+                             "structured_outputs")
+    key = chosen[0]
+    return key, _spec(_STRUCTURED_KEYS[key], so[key], f"structured_outputs.{key}")
+
+
+def _spec(kind: str, value: Any, param: str) -> protocol.Structured:
+    if kind == "json_object":
+        return protocol.Structured("json_object")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{param} must be a non-empty list of strings.", param)
+        return protocol.Structured("choice", choices=list(value))
+    if kind in ("json_schema", "structural_tag"):
+        if isinstance(value, str):
+            return protocol.Structured(kind, value)
+        if isinstance(value, (dict, bool)):
+            return protocol.Structured(kind, json.dumps(value, ensure_ascii=False))
+        raise InvalidRequest(f"{param} must be a JSON schema (an object, or its JSON text).", param)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{param} must be a non-empty string.", param)
+    return protocol.Structured(kind, value)
+
+
+# ---- forced tool calls -----------------------------------------------------------------
+
+
+def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str | None]:
+    """For tool_choice "required" or a named function: the JSON schema the output must follow (as
+    vLLM builds it) and what the worker's parser reads ("" for required, else the function name).
+    (None, None) for "auto" and "none"."""
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return None, None
+    if choice != "required" and not isinstance(choice, dict):
+        raise InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
+                             "tool_choice")
+    functions = _functions(req.tools)
+    if not functions:
+        raise InvalidRequest("tool_choice needs tools: none were given.", "tool_choice")
+    if choice == "required":
+        items = []
+        defs: dict[str, Any] = {}
+        for fn in functions:
+            params = copy.deepcopy(fn.get("parameters")) or None
+            if isinstance(params, dict) and "$defs" in params:
+                more = params.pop("$defs")
+                if not isinstance(more, dict):
+                    raise InvalidRequest(f"$defs in the parameters of tool {fn['name']!r} must be an object.", "tools")
+                for name, schema in more.items():
+                    if name in defs and defs[name] != schema:
+                        raise InvalidRequest(f"Tools define {name!r} in $defs differently.", "tools")
+                    defs[name] = schema
+            items.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]},
+                                         "parameters": params or {"type": "object", "properties": {}}},
+                          "required": ["name", "parameters"]})  # fmt: skip
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        forced = ""
+    else:
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise InvalidRequest("tool_choice must be 'auto', 'none', 'required' or "
+                                 "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+        match = next((f for f in functions if f["name"] == name), None)
+        if match is None:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
+        schema = match.get("parameters") or {"type": "object", "properties": {}}
+        forced = name
+    spec = protocol.Structured("json_schema", json.dumps(schema, ensure_ascii=False))
+    validate(spec, "tool_choice", engine)
+    return spec, forced
+
+
+def _functions(tools) -> list[dict]:
+    out = []
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out.append(fn)
+    return out

@@ -1,0 +1,107 @@
+"""Logprobs in OpenAI's shapes, built in the worker from the scheduler's packed arrays.
+
+The scheduler sends, per generated token, the chosen token's logprob and the top N (IDs and
+logprobs, best first) as float32/uint32 bytes; the gateway forwards them untouched. Here they
+become JSON fragments the gateway splices into its chunks without looking inside: for chat, the
+entries of ``logprobs.content``; for completions, the four parallel lists of the legacy object.
+
+The details follow vLLM's server, so a client sees the same bytes from both on the same engine:
+a token's text is the token decoded alone (with a SentencePiece word marker's space put back),
+``bytes`` is that text's UTF-8 (a partial character is U+FFFD's three bytes), logprobs below
+-9999 are -9999, and the top list is the chosen token followed by the top N, each token once, cut
+to N for chat (N + 1 for completions, which OpenAI defines as "the top N and the chosen one").
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from scheduler_client.protocol import bytes_to_floats, frame_to_ids
+
+_json = msgspec.json.Encoder()
+_FLOOR = -9999.0
+
+
+class TokenTexts:
+    """Each token's text, decoded alone, cached (bounded) per worker."""
+
+    def __init__(self, tokenizer, max_entries: int = 1 << 16) -> None:
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._cache: dict[int, str] = {}
+        self.marker = _space_marker(tokenizer)
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
+            if self.marker:
+                raw = self.tokenizer.id_to_token(token_id) or ""
+                spaces = len(raw) - len(raw.lstrip(self.marker))
+                missing = spaces - (len(text) - len(text.lstrip(" ")))
+                if missing > 0:
+                    text = " " * missing + text
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()
+            self._cache[token_id] = text
+        return text
+
+
+def _space_marker(tokenizer) -> str | None:
+    """The Metaspace replacement character of a SentencePiece-style tokenizer ("▁"), else None."""
+    try:
+        pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+    except Exception:
+        return None
+    for part in [pre, *(pre.get("pretokenizers") or [])]:
+        if isinstance(part, dict) and part.get("type") == "Metaspace":
+            return part.get("replacement", "▁")
+    return None
+
+
+def _steps(token_ids: bytes, logprobs: bytes, top_ids: bytes, top_logprobs: bytes):
+    """(chosen ID, its logprob, {ID: logprob} of the chosen token then the top N in order) per token."""
+    ids = frame_to_ids(token_ids)
+    lps = bytes_to_floats(logprobs)
+    tops = frame_to_ids(top_ids)
+    top_lps = bytes_to_floats(top_logprobs)
+    per = len(tops) // len(ids) if ids else 0
+    for i, (tid, lp) in enumerate(zip(ids, lps)):
+        ranked = {tid: lp}
+        for j in range(i * per, (i + 1) * per):
+            ranked[tops[j]] = top_lps[j]
+        yield tid, ranked[tid], ranked  # the chosen token's value as its top entry has it, as vLLM reads it
+
+
+def chat_entries(texts: TokenTexts, top_n: int, token_ids: bytes, logprobs: bytes, top_ids: bytes,
+                 top_logprobs: bytes) -> bytes:
+    """The ``logprobs.content`` entries of these tokens, comma-joined (no brackets)."""
+    entries = []
+    for tid, lp, ranked in _steps(token_ids, logprobs, top_ids, top_logprobs):
+        text = texts(tid)
+        top = []
+        if top_n:
+            for other, other_lp in list(ranked.items())[:top_n]:
+                other_text = texts(other)
+                top.append({"token": other_text, "logprob": max(other_lp, _FLOOR),
+                            "bytes": list(other_text.encode("utf-8", "replace"))})  # fmt: skip
+        entries.append({"token": text, "logprob": max(lp, _FLOOR), "bytes": list(text.encode("utf-8", "replace")),
+                        "top_logprobs": top})  # fmt: skip
+    return _json.encode(entries)[1:-1]
+
+
+def completion_lists(texts: TokenTexts, top_n: int, offset: int, token_ids: bytes, logprobs: bytes,
+                     top_ids: bytes, top_logprobs: bytes) -> tuple[list[bytes], int]:
+    """[text_offset, token_logprobs, tokens, top_logprobs] fragments of these tokens, and the
+    text offset after them (offsets count the tokens' own texts, as vLLM's do)."""
+    offsets, lps, tokens, tops = [], [], [], []
+    for tid, lp, ranked in _steps(token_ids, logprobs, top_ids, top_logprobs):
+        text = texts(tid)
+        offsets.append(offset)
+        offset += len(text)
+        lps.append(max(lp, _FLOOR))
+        tokens.append(text)
+        tops.append({texts(other): max(other_lp, _FLOOR) for other, other_lp in list(ranked.items())[: top_n + 1]})
+    return [_json.encode(part)[1:-1] for part in (offsets, lps, tokens, tops)], offset
