@@ -276,6 +276,7 @@ class EngineServer(SchedulerServer):
             max_model_len=self._info.max_model_len,
             features=sorted(self.features),
             max_logprobs=self.max_logprobs if "logprobs" in self.features else None,
+            vocab_size=self._info.vocab_size,
         )
 
     def stats(self) -> Stats:

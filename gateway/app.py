@@ -229,11 +229,14 @@ class App:
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
-        gw.generations.add(gen)
         try:
+            rank = gw.scheduler.pick(done.conversation)
+            gen.rank = rank.index
+            gw.generations.add(gen)
             for i in range(len(done.choices)):
-                gw.scheduler.generate(result.frames[2 * i], result.frames[2 * i + 1])
+                gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])
         except SchedulerUnavailable:
+            gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state
             watcher.cancel()
             gw.generations.cancel(gen, abort=True, reason="scheduler_lost")
             await self.error(send, fmt.error(503, "The GPU scheduler became unavailable; retry shortly.",
@@ -379,6 +382,10 @@ class App:
             "scheduler_connected": gw.scheduler.connected,
             "draining": gw.draining,
         }
+        ranks = gw.scheduler.state()
+        if len(ranks) > 1:  # data-parallel: which ranks serve, and why the others do not
+            state["scheduler_ranks"] = ranks
+            state["missing_ranks"] = [r["endpoint"] for r in ranks if not r["connected"] or r["refused"]]
         await self.respond(send, 200 if state["ready"] else 503, _json.encode(state), "/ready")
 
     async def state(self, scope, receive, send) -> None:

@@ -46,6 +46,7 @@ class Generation:
     last_token_at: float | None = None
     buffered: int = 0  # characters of text in events the handler has not taken yet
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
+    rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
 
     @property
     def finished(self) -> bool:
@@ -64,7 +65,7 @@ class Generation:
 class Generations:
     def __init__(self, conversion, scheduler, metrics=None, max_buffered: int = 0):
         self.conversion = conversion  # WorkerPool or an in-process equivalent
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # SchedulerRanks
         self.metrics = metrics
         self.max_buffered = max_buffered  # text a client may leave unread before its request is aborted (0: no limit)
         self.by_request: dict[str, tuple[Generation, Choice]] = {}
@@ -112,6 +113,7 @@ class Generations:
                 choice.scheduler_done = True
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
+                self.scheduler.finished(gen.rank, choice.prompt_tokens if choice.counts_prompt else 0, out.cached_tokens)
             per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None,
                                                   out.logprobs, out.top_ids, out.top_logprobs))
         if tokens and metrics:
@@ -127,8 +129,10 @@ class Generations:
         self.fail(gen, ApiError(400, f"The scheduler rejected the request: {error.message}", "BadRequestError",
                                 _request_field(error.param), error.code))
 
-    def on_scheduler_lost(self, why: str) -> None:
-        for gen in list(self.live):
+    def on_rank_lost(self, rank: int, why: str) -> None:
+        """A scheduler rank went away: its requests fail (it will not know them when it is back); the
+        other ranks' carry on."""
+        for gen in [g for g in self.live if g.rank == rank]:
             self.fail(gen, ApiError(503, f"The GPU scheduler became unavailable ({why}); retry the request.",
                                     "ServiceUnavailableError", None, "scheduler_unavailable"),
                       abort=False, reason="scheduler_lost")
@@ -163,7 +167,7 @@ class Generations:
             if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
                 choice.finish_reason = protocol.FINISH_STOP
                 if not choice.scheduler_done:
-                    self.scheduler.abort([choice.request_id])
+                    self.scheduler.abort(gen.rank, [choice.request_id])
             if delta.final:
                 choice.done = True
                 self.by_request.pop(choice.request_id, None)
@@ -206,9 +210,11 @@ class Generations:
         if gen not in self.live:
             return
         running = [c.request_id for c in gen.choices if not c.done]
-        if abort and running:
-            to_abort = [c.request_id for c in gen.choices if not c.done and not c.scheduler_done]
-            self.scheduler.abort(to_abort)
+        unfinished = [c.request_id for c in gen.choices if not c.done and not c.scheduler_done]
+        if abort and unfinished:
+            self.scheduler.abort(gen.rank, unfinished)
+        for _ in unfinished:  # the gateway stops waiting for them: they no longer count as its load
+            self.scheduler.finished(gen.rank)
         if running:
             self.conversion.release(gen.owner, running)
             if self.metrics:

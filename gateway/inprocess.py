@@ -26,6 +26,7 @@ class InProcessConversion:
         self.converter = Converter(settings)
         self.detokenizer = Detokenizer(self.converter.tokenizer)
         self.max_model_len = self.converter.max_model_len
+        self.vocab_size = self.converter.vocab_size
         parsers = self.converter.parsers
         self.parsers = {"tool_call_parser": parsers.tool_name or None, "reasoning_parser": parsers.reasoning_name or None}
         self.on_detok = on_detok

@@ -103,9 +103,43 @@ class Metrics:
         self.tool_parse_failures = _Bound(Counter(
             "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
             label + ["parser"], registry=r), model_name)  # fmt: skip
+        # per scheduler rank (data-parallel engines, gateway/scheduler_ranks.py), set at each scrape
+        rank = label + ["rank"]
+        self.rank_connected = Gauge("tokenmill_rank_connected", "1 while the scheduler rank is connected and accepted.",
+                                    rank, registry=r)
+        self.rank_in_flight = Gauge("tokenmill_rank_requests_in_flight", "Scheduler requests this gateway has on the rank.",
+                                    rank, registry=r)
+        self.rank_running = Gauge("tokenmill_rank_num_requests_running", "Running requests as the rank reports them.",
+                                  rank, registry=r)
+        self.rank_waiting = Gauge("tokenmill_rank_num_requests_waiting", "Waiting requests as the rank reports them.",
+                                  rank, registry=r)
+        self._rank_counts = {name: Counter(name, doc, rank, registry=r) for name, doc in (
+            ("tokenmill_rank_requests", "Scheduler requests sent to the rank."),
+            ("tokenmill_rank_prompt_tokens", "Prompt tokens of the rank's finished requests."),
+            ("tokenmill_rank_cached_prompt_tokens", "Of those, tokens the engine served from its prefix cache."))}  # fmt: skip
+        self._rank_seen: dict[tuple[str, int], float] = {}
         # bind the labelled families to this model, keeping .labels(reason=...) call sites short
         self.aborts = _Bound(self.aborts, model_name)
         self.rejections = _Bound(self.rejections, model_name)
+
+    def observe_ranks(self, ranks) -> None:
+        """The scheduler ranks' state and counters (kept on the ranks, so the loop pays nothing per request)."""
+        for r in ranks:
+            labels = (self.model_name, str(r.index))
+            self.rank_connected.labels(*labels).set(1 if r.ready else 0)
+            self.rank_in_flight.labels(*labels).set(r.in_flight)
+            stats = r.client.stats
+            if stats is not None:
+                self.rank_running.labels(*labels).set(stats.num_running)
+                self.rank_waiting.labels(*labels).set(stats.num_waiting)
+            for name, value in (("tokenmill_rank_requests", r.requests), ("tokenmill_rank_prompt_tokens", r.prompt_tokens),
+                                ("tokenmill_rank_cached_prompt_tokens", r.cached_tokens)):  # fmt: skip
+                seen = self._rank_seen.get((name, r.index), 0)
+                if value > seen:
+                    self._rank_counts[name].labels(*labels).inc(value - seen)
+                    self._rank_seen[name, r.index] = value
+                else:
+                    self._rank_counts[name].labels(*labels)  # exported at 0 from the start
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(self.model_name, endpoint, str(status)).inc()

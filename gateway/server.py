@@ -28,9 +28,9 @@ from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
 from tokenmill.transport_security import WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway.worker_pool import WorkerPool
-from scheduler_client.client import SchedulerClient
+from gateway.scheduler_ranks import SchedulerRanks
 from tokenizer_workers.converter import ConverterSettings
-from tokenizer_workers.messages import ApiError, Limits
+from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill import systemd_notify
 from tokenmill.procutil import child_env
@@ -107,13 +107,13 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         scheduler_keys = scheduler_client_keys(s.curve_keys_dir)
-        if s.scheduler:
-            require_secure(s.scheduler, "The scheduler", s.insecure_tcp, scheduler_keys is not None)
+        endpoints = s.scheduler_endpoints
+        for endpoint in endpoints:
+            require_secure(endpoint, "The scheduler", s.insecure_tcp, scheduler_keys is not None)
         self.runtime_dir = self._make_runtime_dir()
-        scheduler_endpoint = s.scheduler
-        if scheduler_endpoint is None:
-            scheduler_endpoint = f"ipc://{self.runtime_dir}/scheduler.sock"
-            await self._start_simulator(scheduler_endpoint)
+        if not endpoints:
+            endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
+            await self._start_simulator(endpoints[0])
         self.generations = Generations(None, None, self.metrics, max_buffered=s.stream_buffer_limit)
         g = self.generations
         if s.conversion_mode == "pool":
@@ -130,11 +130,9 @@ class Gateway:
             self.conversion = InProcessConversion(
                 self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
             )
-        self.scheduler = SchedulerClient(
-            scheduler_endpoint, g.on_outputs, g.on_scheduler_lost, g.on_scheduler_error, curve=scheduler_keys,
-            on_welcome=lambda welcome: self.conversion.limit_context(
-                Limits(welcome.max_model_len, welcome.features, welcome.max_logprobs)),
-        )
+        self.scheduler = SchedulerRanks(endpoints, g.on_outputs, g.on_rank_lost, g.on_scheduler_error,
+                                        lambda limits: self.conversion.limit_context(limits), curve=scheduler_keys,
+                                        policy=s.dp_policy)  # fmt: skip
         g.conversion, g.scheduler = self.conversion, self.scheduler
         await self.conversion.start()
         await self.scheduler.start()
@@ -160,6 +158,7 @@ class Gateway:
         deadline = time.monotonic() + timeout
         if not await self.conversion.wait_ready(1, timeout):
             return False
+        self.scheduler.check_vocabulary(self.conversion.vocab_size)
         return await self.scheduler.wait_connected(max(0.1, deadline - time.monotonic()))
 
     async def _measure_loop_lag(self, interval: float = 0.005) -> None:
@@ -189,6 +188,7 @@ class Gateway:
             "queued_conversions": self.conversion.queued,
             "conversions_in_flight": len(getattr(self.conversion, "jobs", ())),
             "scheduler_connected": self.scheduler.connected,
+            "scheduler_ranks": self.scheduler.state(),
             "draining": self.draining,
             "workers": self.conversion.state() if hasattr(self.conversion, "state") else [],
             "parsers": self.conversion.parsers,
@@ -216,9 +216,11 @@ class Gateway:
         m.scheduler_connected.set(1 if self.scheduler.connected else 0)
         m.draining.set(1 if self.draining else 0)
         m.queued_bytes.set(getattr(self.conversion, "queued_bytes", 0))
-        if self.scheduler.stats is not None:
-            m.scheduler_running.set(self.scheduler.stats.num_running)
-            m.scheduler_waiting.set(self.scheduler.stats.num_waiting)
+        stats = self.scheduler.stats
+        if stats is not None:
+            m.scheduler_running.set(stats.num_running)
+            m.scheduler_waiting.set(stats.num_waiting)
+        m.observe_ranks(self.scheduler.ranks)
         return m.render()
 
     async def drain(self) -> None:

@@ -142,6 +142,7 @@ class WorkerPool:
         self.model_max_model_len: int | None = None  # as the workers loaded it
         self.engine_max_model_len: int | None = None  # as the scheduler's Welcome said
         self.limits: m.Limits | None = None  # the scheduler's Welcome, as the workers need it
+        self.vocab_size = 0  # the tokenizer's (WorkerReady)
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
         self.sock: LoopSocket | None = None
@@ -542,6 +543,7 @@ class WorkerPool:
             self._on_done(worker, msg, frames[2:])
         elif isinstance(msg, m.WorkerReady):
             self.model_max_model_len = msg.max_model_len
+            self.vocab_size = msg.vocab_size
             if self.limits is not None:
                 self._send_limits(worker)
             self.parsers = {"tool_call_parser": msg.tool_call_parser or None,

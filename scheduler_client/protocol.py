@@ -100,6 +100,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     # 1.1: the optional Generate fields this scheduler honours (FEATURES); None: a 1.0 scheduler
     features: list[str] | None = None
     max_logprobs: int | None = None  # the largest Generate.logprobs it takes, if it takes logprobs
+    vocab_size: int | None = None  # 1.1: prompt token IDs must be below it; data-parallel ranks must agree
 
 
 class RequestOutput(msgspec.Struct):

@@ -63,6 +63,7 @@ import signal
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,37 @@ def resolve_model_dir(model: str) -> Path:
     return Path(model)
 
 
+class PrefixCache:
+    """A model of an engine's prefix cache (vLLM's automatic prefix caching), for data-parallel tests.
+
+    Prompts are cut into blocks of ``BLOCK`` tokens; a block is cached when the same block with the
+    same prefix was prefilled before (a chained hash), and the least recently used blocks go first
+    once ``capacity_tokens`` are held. ``admit`` returns the prompt tokens served from the cache and
+    caches the rest; the simulator prefills only those that were not.
+    """
+
+    BLOCK = 16
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity = max(1, capacity_tokens // self.BLOCK)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def admit(self, prompt_bytes: bytes) -> int:
+        step = 4 * self.BLOCK
+        chain, hit, counting = 0, 0, True
+        for start in range(0, len(prompt_bytes) - step + 1, step):
+            chain = hash((chain, prompt_bytes[start : start + step]))
+            if counting and chain in self.blocks:
+                self.blocks.move_to_end(chain)
+                hit += self.BLOCK
+                continue
+            counting = False
+            self.blocks[chain] = None
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return hit
+
+
 # --------------------------------------------------------------------------- requests
 
 _WAITING, _PREFILLING, _DECODING = "waiting", "prefilling", "decoding"
@@ -239,6 +271,7 @@ class _Request:
     next_token: Callable[[_Request], tuple[int | None, str | None]] | None = None  # set at accept
     state: str = _WAITING
     generated: int = 0
+    cached: int = 0  # prompt tokens found in the prefix cache (--prefix-cache-tokens)
     prefill_start: float = 0.0
     ready_at: float = 0.0
     # palette cursor: (sentence index, position in it)
@@ -324,6 +357,7 @@ class SimulatedScheduler(SchedulerServer):
         replies: str | Path | None = None,
         tokens_per_step: int = 1,
         max_model_len: int | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
@@ -373,6 +407,7 @@ class SimulatedScheduler(SchedulerServer):
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self.tokens_per_step = tokens_per_step  # >1: several tokens per step, as speculative decoding emits
         self.max_model_len = max_model_len or None  # prompt and output together, as an engine's context
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.inter_token_latency_s = float(inter_token_latency_s)
         self.max_running = int(max_running)
         self.mode = mode
@@ -426,6 +461,7 @@ class SimulatedScheduler(SchedulerServer):
             max_model_len=self.max_model_len,
             features=sorted(self.features),
             max_logprobs=self.max_logprobs,
+            vocab_size=self.vocab_size,
         )
 
     def check(self, gen: Generate) -> None:
@@ -489,6 +525,8 @@ class SimulatedScheduler(SchedulerServer):
             req.logprobs = gen.logprobs
             req.lp_key = _logprob_key(gen, prompt_bytes)
         req.next_token = self._next_token if not (req.min_tokens or sampling.logit_bias) else self._next_token_11
+        if self.prefix_cache is not None:
+            req.cached = self.prefix_cache.admit(prompt_bytes)
         self._requests[req.key] = req
         self._waiting[req.key] = req
         self._wake_engine()
@@ -538,7 +576,7 @@ class SimulatedScheduler(SchedulerServer):
     def _prefill_cost(self, req: _Request) -> float:
         if self.prefill_tokens_per_s <= 0:
             return 0.0
-        return req.prompt_tokens / self.prefill_tokens_per_s
+        return (req.prompt_tokens - req.cached) / self.prefill_tokens_per_s
 
     def _admit(self, now: float) -> None:
         while self._waiting and self.num_running < self.max_running:
@@ -804,7 +842,7 @@ class SimulatedScheduler(SchedulerServer):
             token_ids=token_ids,
             finish_reason=reason,
             prompt_tokens=req.prompt_tokens,
-            cached_tokens=0,
+            cached_tokens=req.cached,
             completion_tokens=req.generated,
         )
 
@@ -842,6 +880,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the engine's context length (prompt and output), reported in Welcome; longer prompts are refused "
         "(0: none; default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="model a prefix cache of N tokens (blocks of 16, LRU): cached prompt tokens skip prefill and "
+        "are reported as cached_tokens (0: none; default %(default)s)",
     )
     parser.add_argument(
         "--tokens-per-step",
@@ -928,6 +974,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         curve_secret_key=curve,
         replies=args.replies,
         tokens_per_step=args.tokens_per_step,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         max_model_len=args.max_model_len or None,
     )
 

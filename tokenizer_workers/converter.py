@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +163,7 @@ class Converter:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
+        conversion.done.conversation = _conversation_key(req.messages)
         return conversion
 
     def _convert_completion(self, job: ConvertJob, body: bytes) -> Conversion:
@@ -368,6 +370,13 @@ class _Generation:
 def _wrap_seed(seed: int) -> int:
     """seed + i stays a signed 64-bit integer."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def _conversation_key(messages: list[dict]) -> int:
+    """What identifies a conversation on every turn: its messages up to the first user message (a
+    system prompt alone is shared by many), for the scheduler rank holding its history."""
+    end = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1) + 1
+    return zlib.crc32(_json.encode(messages[:end]))
 
 
 def _template_kwargs(req) -> dict | None:

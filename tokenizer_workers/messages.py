@@ -68,6 +68,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     tokenize_cache_reason: str = ""
     tool_call_parser: str = ""  # the parsers the worker applies ("" = none), "auto" resolved
     reasoning_parser: str = ""
+    vocab_size: int = 0  # the tokenizer's, with added tokens: a scheduler rank must take every ID below it
 
 
 class CacheReport(msgspec.Struct, array_like=True):
@@ -116,6 +117,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
+    conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
     render_s: float = 0.0
     tokenize_s: float = 0.0

@@ -75,7 +75,7 @@ class Worker:
         parsers = self.converter.parsers
         sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
                                               self.converter.segments.enabled, self.converter.segments.self_test_reason,
-                                              parsers.tool_name, parsers.reasoning_name)))
+                                              parsers.tool_name, parsers.reasoning_name, self.converter.vocab_size)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)

@@ -71,6 +71,7 @@ class ServeSettings:
     affinity: bool = True
     quick_conversion_bytes: int = 8192
     max_n: int = 128
+    dp_policy: str = "affinity"
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     conversion_mode: str = "pool"
@@ -88,6 +89,16 @@ class ServeSettings:
             self.default_chat_template_kwargs = {}
         if not self.workers:
             self.workers = _default_workers()
+        endpoints = self.scheduler_endpoints
+        duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
+        if duplicates:
+            raise SystemExit(f"scheduler: {', '.join(duplicates)} listed more than once; each data-parallel rank "
+                             "is one endpoint")
+
+    @property
+    def scheduler_endpoints(self) -> list[str]:
+        """The scheduler endpoints, one per data-parallel rank ([] : start the simulated scheduler)."""
+        return [e.strip() for e in (self.scheduler or "").split(",") if e.strip()]
 
 
 # name -> (type, help); defaults come from ServeSettings.
@@ -96,7 +107,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "host": (str, "Address to listen on."),
     "port": (int, "Port to listen on."),
     "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one)."),
-    "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://). Default: start the simulated scheduler."),
+    "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
+                  "data-parallel ranks (each request goes to one). Default: start the simulated scheduler."),
     "chat_template": (str, "Chat template file that overrides the model's."),
     "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
     "served_model_name": (str, "Model name clients must use. Default: the model directory's name."),
@@ -129,6 +141,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
                                "without waiting for a free worker or the tokenization cache (0 = never)."),
+    "dp_policy": (str, "With several --scheduler ranks: affinity (a conversation stays on the rank holding its "
+                  "prefix cache, within 1.25x a fair share of the load), least_loaded, or round_robin."),
     "max_n": (int, "The most choices (n) one request may ask for; each is a scheduler request (OpenAI allows 128)."),
     "tool_call_parser": (str, "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
                          "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
@@ -152,6 +166,7 @@ CHOICES = {
     "reasoning_parser": (*_PARSER_NAMES, *REASONING_PARSERS),
     "chat_template_content_format": ("auto", "string", "openai"),
     "conversion_mode": ("pool", "inline", "thread"),
+    "dp_policy": ("affinity", "least_loaded", "round_robin"),
     "sim_mode": ("random", "echo"),
     "log_level": ("debug", "info", "warning", "error"),
 }
@@ -167,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{text} [env {env}; default: {default if default not in (None, '') else 'none'}]"
         if kind is _bool:
             parser.add_argument(flag, dest=name, nargs="?", const=True, type=_bool, default=None, help=help_text)
+        elif name == "scheduler":
+            parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=help_text)
 
@@ -190,6 +207,8 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> ServeSettings:
         flag = getattr(args, name, None)
         if flag is not None:
             values[name] = flag
+    if isinstance(values.get("scheduler"), list):  # repeated --scheduler, or a TOML list
+        values["scheduler"] = ",".join(values["scheduler"])
     for name, allowed in CHOICES.items():
         if name in values and values[name] not in allowed:
             raise SystemExit(f"{name} must be one of {allowed}, got {values[name]!r}")
