@@ -6,10 +6,9 @@ conversation's history in its prefix cache or recomputes it, so the policy is KV
 with bounded load, as the worker pool does for its tokenization cache:
 
 * a conversation (the worker's hash of its messages up to the first user message, the same on
-  every turn) goes to the rank that served its previous turn, or for a new one to its place on a
-  consistent-hash ring of the ranks;
-* unless that rank already has more than 1.25x its share of the load (the requests in flight,
-  or the rank's own running + waiting count where higher) or is not connected: then the least
+  every turn) goes to the rank that served its previous turn; a new one to the least loaded rank;
+* unless that rank already has more than 1.25x its share of the load, plus two (the requests in
+  flight, or the rank's own running + waiting count where higher) or is not connected: then the least
   loaded rank takes it, and the conversation's home moves there.
 
 ``least_loaded`` and ``round_robin`` are the baselines ``tokenmill bench dp`` compares with.
@@ -21,10 +20,8 @@ context length differs from the other ranks', is refused at welcome.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,8 +72,6 @@ class SchedulerRanks:
             rank.client = SchedulerClient(endpoint, on_outputs, lambda why, r=rank: self._lost(r, why), on_error,
                                           on_welcome=lambda w, r=rank: self._welcome(r, w), curve=curve)  # fmt: skip
             self.ranks.append(rank)
-        # consistent-hash ring: 64 points per rank, so a rank's share moves little if ranks come and go
-        self.ring = sorted((zlib.crc32(f"rank{i}:{v}".encode()), i) for i in range(len(endpoints)) for v in range(64))
         self.homes: dict[int, int] = {}  # conversation key -> the rank that served it last (bounded, insertion-ordered)
         self.model_vocab_size = 0  # the served tokenizer's, once the workers have said (check_vocabulary)
         self._next = 0  # round robin
@@ -118,11 +113,14 @@ class SchedulerRanks:
 
     def _home(self, key: int, ready: list[Rank]) -> Rank:
         index = self.homes.get(key)
-        if index is None:
-            index = self.ring[bisect.bisect(self.ring, (key,)) % len(self.ring)][1]
+        if index is None:  # a new conversation: where there is most room (a hash ring split a few unevenly)
+            return self._least_loaded(ready)
         home = self.ranks[index]
         total = sum(r.load for r in ready) + 1
-        bound = max(1, math.ceil(1.25 * total / len(ready)))
+        # 1.25x a fair share, and never less than 2 requests more than that: with a few requests in
+        # flight a bound near the mean would move a conversation (its whole history recomputed on a
+        # rank without it) for a momentary imbalance of one request
+        bound = math.ceil(1.25 * total / len(ready)) + 2
         if home.ready and home.load < bound:
             return home
         return self._least_loaded(ready)

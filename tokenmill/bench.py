@@ -32,10 +32,11 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams"),
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp"),
                         help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
                              "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
-                             "vLLM's own server on the same engine; streams: hundreds of concurrent streams.")
+                             "vLLM's own server on the same engine; streams: hundreds of concurrent streams; "
+                             "dp: data-parallel routing policies and the engines' prefix caches.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -56,6 +57,9 @@ def add_arguments(parser) -> None:
     from tokenmill import bench_streams
 
     bench_streams.add_arguments(parser)
+    from tokenmill import bench_dp
+
+    bench_dp.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -446,6 +450,10 @@ def run(args) -> int:
         from tokenmill import bench_streams
 
         return bench_streams.run(args)
+    if args.scenario == "dp":
+        from tokenmill import bench_dp
+
+        return bench_dp.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)
