@@ -189,13 +189,13 @@ class Cluster:
         import openai
 
         headers = {"X-Session-Id": session} if session else {}
-        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="none", max_retries=0, timeout=60, default_headers=headers)
+        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="none", max_retries=0, timeout=20, default_headers=headers)
 
     def chat(self, session: str | None, messages=None, max_tokens: int = 4, **kw) -> tuple[int, str | None, dict]:
         """A non-streamed chat completion through the router: (status, X-Tokenmill-Node, body)."""
         body = {"model": MODEL, "messages": messages or [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens, **kw}
         status, headers, answer = http("POST", self.router.url + "/v1/chat/completions", body,
-                                       headers={"X-Session-Id": session} if session else {}, timeout=60)  # fmt: skip
+                                       headers={"X-Session-Id": session} if session else {}, timeout=20)  # fmt: skip
         return status, _header(headers, "x-tokenmill-node"), answer
 
 
@@ -354,7 +354,7 @@ def test_a_draining_node_finishes_its_streams_and_its_sessions_move(tmp_path):
                 streaming_then = sum(t.is_alive() for t, _ in streams[1:])
             i += 1
         for thread, _ in streams:
-            thread.join(30)
+            thread.join(max(1.0, 45 - (time.monotonic() - t0)))  # all of them within 45 s of the signal
         print("after SIGTERM (s, big body, status, node, code):", [(round(a[0], 2), *a[1:]) for a in answers])
         print(f"left the pool after {left_pool_at:.2f} s, with {streaming_then} of its streams still running")
 
@@ -409,10 +409,8 @@ def test_a_killed_node_fails_only_its_streams(tmp_path):
 
         after = [c.chat(sessions[i % len(sessions)]) for i in range(6)]
         elapsed = time.monotonic() - t0
-        for t in calls:
-            t.join(30)
-        for t, _ in [*streams, survivor_stream]:
-            t.join(30)
+        for t in [*calls, *(t for t, _ in [*streams, survivor_stream])]:
+            t.join(max(1.0, 45 - (time.monotonic() - t0)))  # all of them within 45 s of the kill
         print("new requests after SIGKILL:", [(s, n) for s, n, _ in after], f"in {elapsed:.2f} s")
         print("in flight:", {k: (v[0], v[1], v[2].get("error") if isinstance(v[2], dict) else v[2]) for k, v in results.items()})
         print("streams:", [(out.node, out.chunks, out.finish, [repr(e) for e in _chain(out.error)]) for _, out in streams])
