@@ -18,6 +18,7 @@ from typing import Any
 from scheduler_client import protocol
 from scheduler_client.structured import StructuredError, check as check_structured
 from tokenizer_workers.openai_requests import InvalidRequest
+from tokenizer_workers.output_parsers.base import functions as tool_functions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
 
@@ -221,7 +222,7 @@ def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str |
     if choice != "required" and not isinstance(choice, dict):
         raise InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
                              "tool_choice")
-    functions = _functions(req.tools)
+    functions = tool_functions(req.tools)
     if not functions:
         raise InvalidRequest("tool_choice needs tools: none were given.", "tool_choice")
     if choice == "required":
@@ -260,12 +261,3 @@ def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str |
     spec = protocol.Structured("json_schema", json.dumps(schema, ensure_ascii=False))
     validate(spec, "tool_choice", engine)
     return spec, forced
-
-
-def _functions(tools) -> list[dict]:
-    out = []
-    for tool in tools or ():
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            out.append(fn)
-    return out

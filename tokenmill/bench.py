@@ -217,13 +217,18 @@ def _short_requests(port: int, model: str, count: int, concurrency: int, out) ->
 # ---- servers ---------------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on right now (for the servers a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _Server:
     def __init__(self, mode: str, workers: int | None, itl_ms: float, extra: tuple = ()):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--conversion-mode", mode,
                 "--sim-inter-token-latency-ms", str(itl_ms), "--sim-prefill-tokens-per-s", "1e12",
                 "--log-level", "warning", "--max-queued-conversions", "100000"]  # fmt: skip

@@ -40,7 +40,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.bench import corpus, pct
+from tokenmill.bench import corpus, free_port, pct
+from tokenmill.procutil import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("affinity", "round_robin", "least_loaded")
@@ -146,18 +146,10 @@ def ideal_cached(prompts: list[list[int]], block: int, keep_last: bool) -> list[
 # ---- processes -------------------------------------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_the_bench() -> None:
     """In the child, before exec: SIGTERM when the bench dies, even by kill -9 (vLLM stops its own
     processes on SIGTERM; tokenmill engine takes them along on a harder death)."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    die_with_parent(sig=signal.SIGTERM)
 
 
 class Proc:
@@ -168,7 +160,7 @@ class Proc:
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_the_bench if sys.platform == "linux" else None)  # fmt: skip
+                                     preexec_fn=_die_with_the_bench)  # fmt: skip
 
     def log(self) -> str:
         try:
@@ -260,7 +252,7 @@ class Front:
     """``tokenmill serve`` in front of both ranks with one --dp-policy."""
 
     def __init__(self, ranks: Ranks, policy: str, workdir: Path) -> None:
-        self.port = _port()
+        self.port = free_port()
         args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--dp-policy", policy,
                 "--log-level", "warning"]  # fmt: skip
         for endpoint in ranks.endpoints:

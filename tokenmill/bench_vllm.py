@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from tokenmill.bench import _probe_health, _r, corpus, pct
+from tokenmill.bench import _probe_health, _r, corpus, free_port, pct
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench"
@@ -50,12 +49,6 @@ def add_arguments(parser) -> None:
 
 
 # ---- the two stacks ----------------------------------------------------------------------------
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str, timeout: float = 5):
@@ -77,7 +70,7 @@ class Stacks:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
-        self.vllm_port, self.tokenmill_port = _port(), _port()
+        self.vllm_port, self.tokenmill_port = free_port(), free_port()
         engine = f"ipc://{workdir}/engine.sock"
         self._start("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),

@@ -22,9 +22,9 @@ def _prctl(option: int, arg) -> None:
         pass
 
 
-def die_with_parent(expected_parent: int | None = None) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies, even by kill -9."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` (SIGKILL) to this process when its parent dies, even by kill -9."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)  # the parent died before the request took effect
 

@@ -108,7 +108,7 @@ class ToolParser:
     template_signature: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[dict] | None = None) -> None:
-        self.tools = {t["name"]: t for t in _functions(tools)}
+        self.tools = {t["name"]: t for t in functions(tools)}
         self.failures = 0  # calls that came back as content
 
     def feed(self, text: str) -> list[Piece]:
@@ -196,7 +196,7 @@ def json_prefix(text: str, at: int = 0) -> tuple[Any, int]:
         raise ValueError("JSON nested too deeply") from None
 
 
-def _functions(tools: list[dict] | None) -> list[dict]:
+def functions(tools: list[dict] | None) -> list[dict]:
     """The function definitions of an OpenAI ``tools`` list (entries without a name skipped)."""
     out = []
     for tool in tools or ():
