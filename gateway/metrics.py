@@ -22,6 +22,38 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
+# How each gauge merges when N gateway processes (``serve --gateways N``) answer one scrape as the node
+# (gateway/metrics_merge.py). Counters and histograms are always summed. Every gauge must be listed here:
+# tests/test_metrics_merge.py fails on one that is not, so a new gauge cannot silently double count.
+#   "sum": the process's own state; the node's figure is the total over gateways.
+#   "max": a node-wide fact every gateway observes the same (up to staleness); summing would count it N times.
+#   "min": a per-gateway link that the node needs on every gateway; 0 if any gateway lost it, so alerts fire.
+GAUGE_MERGE: dict[str, str] = {
+    # this gateway's own requests, queues and shutdown state: the node's is the total
+    "tokenmill_gateway_processes": "sum",  # each process sets 1: the sum is how many gateways answered
+    "tokenmill_num_requests_running": "sum",
+    "tokenmill_num_requests_waiting": "sum",  # each gateway queues its own conversions
+    "tokenmill_queued_request_bytes": "sum",
+    "tokenmill_draining": "sum",  # how many gateways are draining
+    "tokenmill_rank_requests_in_flight": "sum",  # "requests this gateway has on the rank"
+    "tokenmill_workers_busy": "sum",  # each counts the workers busy with its own jobs, and a worker takes one at a time
+    # the tokenizer workers, shared by the node's gateways: each gateway counts the workers linked to it and
+    # keeps their reports, so these are per-gateway figures in truth, of the same workers. (Were each gateway
+    # to run a pool of its own, workers_alive and tokenize_cache_bytes would have to be "sum".)
+    "tokenmill_workers_alive": "max",
+    "tokenmill_tokenize_cache_bytes": "max",  # by worker: each gateway has that worker's last report, some older
+    "tokenmill_tokenize_cache_enabled": "max",  # the model's self-test, the same for every worker of the model
+    # what the one scheduler and its ranks report: each gateway's client gets the same stats, about a second old
+    "tokenmill_scheduler_num_requests_running": "max",
+    "tokenmill_scheduler_num_requests_waiting": "max",
+    "tokenmill_rank_num_requests_running": "max",
+    "tokenmill_rank_num_requests_waiting": "max",
+    # each gateway's own link to the scheduler and its ranks: a gateway without one fails its requests,
+    # which "max" would hide behind the others' 1
+    "tokenmill_scheduler_connected": "min",
+    "tokenmill_rank_connected": "min",
+}
+
 
 class Metrics:
     def __init__(self, model_name: str):
@@ -100,6 +132,15 @@ class Metrics:
         self.closed_connections = _Bound(self.closed_connections, model_name)
         for reason in ("header_timeout", "slow_client"):  # exported at 0 from the start, for dashboards and alerts
             self.closed_connections.labels(reason=reason)
+        self.remote_worker_refusals = _Bound(c(
+            "tokenmill_remote_worker_refusals",
+            "Remote tokenizer workers refused: unknown CURVE key, or a tokenizer/template different from the gateway's.",
+            ["reason"]), model_name)  # fmt: skip
+        for reason in ("curve_key", "fingerprint"):  # exported at 0 from the start
+            self.remote_worker_refusals.labels(reason=reason)
+        self.gateway_processes = g("tokenmill_gateway_processes",
+                                   "Gateway processes whose metrics this scrape shows (each sets 1; summed when merged).")
+        self.gateway_processes.set(1)
         self.tool_parse_failures = _Bound(Counter(
             "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
             label + ["parser"], registry=r), model_name)  # fmt: skip

@@ -26,7 +26,7 @@ from gateway.generations import Generations
 from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
-from tokenmill.transport_security import WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
+from tokenmill.transport_security import RemoteWorkerSecurity, WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway.worker_pool import WorkerPool
 from gateway.scheduler_ranks import SchedulerRanks
 from tokenizer_workers.converter import ConverterSettings
@@ -92,6 +92,7 @@ class Gateway:
             tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
             reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
             max_n=s.max_n,
+            fingerprint=bool(s.remote_workers),
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -119,12 +120,21 @@ class Gateway:
         if s.conversion_mode == "pool":
             endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
             tcp = endpoint.startswith("tcp://")
-            security = WorkerLinkSecurity(zmq.asyncio.Context.instance()) if tcp and not s.insecure_tcp else None
+            ctx = zmq.asyncio.Context.instance()
+            security = WorkerLinkSecurity(ctx) if tcp and not s.insecure_tcp else None
+            remote_security = None
+            if s.remote_workers:
+                require_secure(s.remote_workers, "The remote workers'", s.insecure_tcp, bool(s.curve_keys_dir))
+                if s.curve_keys_dir and s.remote_workers.startswith("tcp://"):
+                    remote_security = RemoteWorkerSecurity(
+                        ctx, s.curve_keys_dir, lambda reason: self.metrics.remote_worker_refusals.labels(reason=reason).inc())
             self.conversion = WorkerPool(
                 s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
                 security=security, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
+                remote_endpoint=s.remote_workers, remote_security=remote_security,
+                remote_timeout=s.remote_worker_timeout,
             )  # fmt: skip
         else:
             self.conversion = InProcessConversion(

@@ -13,6 +13,11 @@ between conversions, since a worker's IO thread runs while its conversion thread
 The pool owns the worker processes: a worker that dies (crash, kill -9, OOM, or killed
 here for overrunning the conversion deadline) is replaced at once, and its in-flight
 conversion is dispatched once more or failed.
+
+Workers on other hosts (``tokenmill worker --connect``, on the --remote-workers socket)
+join and leave at any time. The pool cannot watch their processes, so a remote worker
+that falls silent for ``remote_timeout`` seconds is counted lost exactly as a local one
+that died: its conversion is dispatched again, and its streams end with an error.
 """
 
 from __future__ import annotations
@@ -81,6 +86,11 @@ class _Job:
 class _Worker:
     index: int
     identity: bytes
+    link: LoopSocket | None = None  # the socket it is reached on
+    host: str = ""  # a remote worker's host ("" for the gateway's own)
+    pid: int = 0
+    last_seen: float = 0.0
+    retired: bool = False  # a lost remote worker's slot, free for the next one to join
     process: asyncio.subprocess.Process | None = None
     ready: bool = False
     job: _Job | None = None
@@ -110,6 +120,9 @@ class WorkerPool:
         quick_depth: int = 16,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
+        remote_endpoint: str | None = None,
+        remote_security=None,
+        remote_timeout: float = 5.0,
     ):
         self.size = size
         self.endpoint = endpoint
@@ -124,14 +137,18 @@ class WorkerPool:
         self.affinity = affinity
         self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
         self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
-        # consistent-hash ring: 64 points per worker, so a worker's share moves little if the pool changes
-        self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in range(size) for v in range(64))
+        self.remote_endpoint = remote_endpoint  # where workers on other hosts join (None: nowhere)
+        self.remote_security = remote_security  # transport_security.RemoteWorkerSecurity
+        self.remote_timeout = remote_timeout
+        self.fingerprint = ""  # the first worker's: every remote worker must convert the same way
         self.homes: dict[int, int] = {}  # conversation key -> worker that converted it last (insertion-ordered, bounded)
         self.cold_s_per_byte = 1e-6  # conversion time per body byte with nothing cached (running average)
         self._steal_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.workers = [_Worker(i, f"w{i}".encode()) for i in range(size)]
+        self.by_identity = {w.identity: w for w in self.workers}
+        self._ring()
         self.queue: deque[_Job] = deque()
         self.quick_queue: deque[_Job] = deque()  # quick jobs waiting for a worker with room
         self.queued_bytes = 0
@@ -146,6 +163,8 @@ class WorkerPool:
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
         self.sock: LoopSocket | None = None
+        self.remote_sock: LoopSocket | None = None
+        self._reaper: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -157,10 +176,32 @@ class WorkerPool:
         if self.security:
             self.security.secure_server(sock)
         sock.bind(self.endpoint)
-        self.sock = LoopSocket(sock, self._on_message)
+        self.sock = LoopSocket(sock, lambda frames: self._on_message(self.sock, frames))
         self.sock.start()
         for worker in self.workers:
+            worker.link = self.sock
+        if self.remote_endpoint:  # remote workers outlive a gateway restart: they join the next one
+            remote = zmq.Socket(self.ctx, zmq.ROUTER)
+            remote.setsockopt(zmq.LINGER, 0)
+            remote.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            remote.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker reconnecting after a network blip
+            remote.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # drop TCP paths that died without a FIN
+            remote.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+            if self.remote_security:
+                self.remote_security.secure_server(remote)
+            remote.bind(self.remote_endpoint)
+            self.remote_sock = LoopSocket(remote, lambda frames: self._on_message(self.remote_sock, frames))
+            self.remote_sock.start()
+            self._reaper = asyncio.create_task(self._reap_silent())
+            log.info("remote tokenizer workers may join at %s", self.remote_endpoint)
+        for worker in self.workers:
             await self._start_process(worker)
+
+    def _ring(self) -> None:
+        """The consistent-hash ring: 64 points per worker, so a worker's share moves little when the
+        pool changes. Local workers stay on it while restarting; remote ones while they are joined."""
+        members = [w.index for w in self.workers if not w.host or (w.ready and not w.retired)]
+        self.ring = sorted((zlib.crc32(f"{i}:{v}".encode()), i) for i in members for v in range(64))
 
     async def wait_ready(self, count: int | None = None, timeout: float = 120.0) -> bool:
         count = self.size if count is None else count
@@ -192,6 +233,8 @@ class WorkerPool:
         self._closing = True
         if self._steal_timer is not None:
             self._steal_timer.cancel()
+        if self._reaper is not None:
+            self._reaper.cancel()
         for worker in self.workers:
             if worker.process and worker.process.returncode is None:
                 worker.process.terminate()
@@ -209,8 +252,12 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.sock is not None:
             self.sock.close()
+        if self.remote_sock is not None:
+            self.remote_sock.close()
         if self.security:
             self.security.stop()
+        if self.remote_security:
+            self.remote_security.stop()
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://") :])
@@ -284,6 +331,8 @@ class WorkerPool:
             owned, worker.owned = worker.owned, set()
             self.on_owner_lost(worker.index, owned)
         self.homes = {key: index for key, index in self.homes.items() if index != worker.index}  # its cache is gone
+        if worker.host:
+            self._ring()
         while worker.lane:  # whoever is free takes what waited for this worker
             job = worker.lane.popleft()
             job.lane = self.queue
@@ -346,6 +395,8 @@ class WorkerPool:
             return None
         index = self.homes.get(job.affinity)
         if index is None:
+            if not self.ring:
+                return None
             index = self.ring[bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)][1]
         worker = self.workers[index]
         alive = [w for w in self.workers if w.ready]
@@ -447,7 +498,7 @@ class WorkerPool:
     def _send_job(self, worker: _Worker, job: _Job) -> None:
         header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id, job.quick))
         try:
-            self.sock.send([worker.identity, header, job.body])
+            worker.link.send([worker.identity, header, job.body])
         except zmq.ZMQError:
             worker.ready = False  # its death is being reported; try another worker
             self._enqueue(job, front=True)
@@ -467,7 +518,15 @@ class WorkerPool:
 
     def _overrun(self, worker: _Worker, job: _Job) -> None:
         running = worker.job is job or worker.quick.get(job.job_id) is job
-        if running and worker.process and worker.process.returncode is None:
+        if running and worker.host and not worker.retired:  # not ours to kill: stop it, and count it lost
+            log.error("request %s overran the conversion timeout on remote worker %d (%s); dropping the worker",
+                      job.request_id, worker.index, worker.host)
+            job.timed_out = True
+            if self.metrics:
+                self.metrics.conversion_timeouts.inc()
+            self._send(worker, [m.encoder.encode(m.Shutdown("a conversion overran the conversion timeout"))])
+            self._lose(worker, "it overran the conversion timeout")
+        elif running and worker.process and worker.process.returncode is None:
             log.error("request %s overran the conversion timeout; killing tokenizer worker %d", job.request_id, worker.index)
             job.timed_out = True
             if self.metrics:
@@ -491,10 +550,7 @@ class WorkerPool:
         for item in items:
             if item.finished:
                 worker.owned.discard(item.request_id)
-        try:
-            self.sock.send([worker.identity, m.encoder.encode(m.DetokBatch(items))])
-        except zmq.ZMQError:
-            pass  # the worker is dead; _on_worker_death fails these requests
+        self._send(worker, [m.encoder.encode(m.DetokBatch(items))])  # a dead worker's requests fail on its death
 
     @property
     def max_model_len(self) -> int | None:
@@ -511,30 +567,44 @@ class WorkerPool:
                 self._send_limits(worker)
 
     def _send_limits(self, worker: _Worker) -> None:
+        self._send(worker, [m.encoder.encode(self.limits)])  # a dead worker's replacement gets them when ready
+
+    @staticmethod
+    def _send(worker: _Worker, frames: list) -> bool:
         try:
-            self.sock.send([worker.identity, m.encoder.encode(self.limits)])
+            worker.link.send([worker.identity, *frames])
+            return True
         except zmq.ZMQError:
-            pass  # a dead worker's replacement gets them when it is ready
+            return False
 
     def release(self, owner: int, request_ids: list[str]) -> None:
         worker = self.workers[owner]
         worker.owned.difference_update(request_ids)
-        try:
-            self.sock.send([worker.identity, m.encoder.encode(m.Release(request_ids))])
-        except zmq.ZMQError:
-            pass
+        self._send(worker, [m.encoder.encode(m.Release(request_ids))])
 
     # ---- receive loop -----------------------------------------------------------------
 
-    def _on_message(self, frames) -> None:
+    def _on_message(self, link: LoopSocket, frames) -> None:
         identity = frames[0].bytes
         try:
-            index = int(identity[1:])
-            worker = self.workers[index]
             msg = m.from_worker.decode(frames[1].buffer)
-        except (ValueError, IndexError, msgspec.DecodeError):
+        except (IndexError, msgspec.DecodeError):
             log.error("undecodable message from worker %r", identity)
             return
+        worker = self.by_identity.get(identity)
+        if worker is None or worker.link is not link or worker.retired:
+            if link is self.remote_sock:
+                self._on_stranger(identity, msg)
+            return
+        if worker.host:
+            worker.last_seen = time.monotonic()
+            if isinstance(msg, m.Heartbeat):
+                return
+            if isinstance(msg, m.WorkerHello):  # it restarted under the same identity: a new session
+                self._lose(worker, "it said hello again")
+                self._on_stranger(identity, msg)
+                return
+        index = worker.index
         if isinstance(msg, m.DetokOut):
             if self.metrics:
                 self.metrics.detokenize_seconds.observe(msg.detok_s)
@@ -542,6 +612,8 @@ class WorkerPool:
         elif isinstance(msg, m.ConvertDone):
             self._on_done(worker, msg, frames[2:])
         elif isinstance(msg, m.WorkerReady):
+            if not self._admit_ready(worker, msg):
+                return
             self.model_max_model_len = msg.max_model_len
             self.vocab_size = msg.vocab_size
             if self.limits is not None:
@@ -556,12 +628,79 @@ class WorkerPool:
                 log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
             worker.ready = True
             self._ready_changed.set()
-            log.info("tokenizer worker %d ready (pid %d; tool-call parser %s, reasoning parser %s)", index, msg.pid,
+            if worker.host:
+                self._ring()
+            log.info("tokenizer worker %d%s ready (pid %d; tool-call parser %s, reasoning parser %s)", index,
+                     f" on {worker.host}" if worker.host else "", msg.pid,
                      msg.tool_call_parser or "none", msg.reasoning_parser or "none")
             self._dispatch()
 
+    # ---- remote workers ---------------------------------------------------------------
+
+    def _on_stranger(self, identity: bytes, msg) -> None:
+        """A message on the remote socket from a worker not in the pool: a hello joins it; anything
+        else comes from a session this gateway does not know (it restarted, or counted the worker
+        lost), so the worker is told to join again."""
+        if not isinstance(msg, m.WorkerHello):
+            try:
+                self.remote_sock.send([identity, m.encoder.encode(m.Rejoin())])
+            except zmq.ZMQError:
+                pass
+            return
+        worker = next((w for w in self.workers if w.retired and not w.owned), None)
+        if worker is None:
+            worker = _Worker(len(self.workers), identity)
+            self.workers.append(worker)
+        else:
+            self.by_identity.pop(worker.identity, None)
+        worker.identity, worker.link, worker.host, worker.pid = identity, self.remote_sock, msg.host, msg.pid
+        worker.retired, worker.ready, worker.last_seen = False, False, time.monotonic()
+        worker.job, worker.quick, worker.owned = None, {}, set()
+        self.by_identity[identity] = worker
+        log.info("remote tokenizer worker on %s (pid %d) joins as worker %d; it loads the model", msg.host, msg.pid,
+                 worker.index)
+        self._send(worker, [m.encoder.encode(m.WorkerSettings(worker.index, msgspec.json.encode(self.settings)))])
+
+    def _admit_ready(self, worker: _Worker, msg: m.WorkerReady) -> bool:
+        """The first worker's fingerprint is the pool's; a remote worker with another is refused."""
+        if not self.fingerprint or not worker.host:
+            self.fingerprint = self.fingerprint or msg.fingerprint
+            return True
+        if msg.fingerprint == self.fingerprint:
+            return True
+        log.error("refused remote tokenizer worker %d on %s (pid %d): its tokenizer, templates or context length "
+                  "differ from this gateway's (fingerprint %s, expected %s); give it the same model (--model)",
+                  worker.index, worker.host, msg.pid, msg.fingerprint, self.fingerprint)
+        if self.metrics:
+            self.metrics.remote_worker_refusals.labels(reason="fingerprint").inc()
+        self._send(worker, [m.encoder.encode(m.Shutdown(
+            "its tokenizer, chat templates or context length differ from the gateway's; load the same model"))])
+        self._lose(worker, None)
+        return False
+
+    def _lose(self, worker: _Worker, why: str | None) -> None:
+        """A remote worker leaves the pool: its work goes as a dead local worker's does."""
+        if why:
+            log.warning("remote tokenizer worker %d on %s (pid %d) is lost: %s", worker.index, worker.host,
+                        worker.pid, why)
+        worker.retired = True
+        self.by_identity.pop(worker.identity, None)
+        self._on_worker_death(worker)
+
+    async def _reap_silent(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.remote_timeout / 4))
+            now = time.monotonic()
+            for worker in self.workers:
+                if worker.host and not worker.retired and now - worker.last_seen > self.remote_timeout:
+                    self._lose(worker, f"silent for {now - worker.last_seen:.1f} s")
+
     def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:
-        job = self.jobs.pop(done.job_id, None)
+        job = self.jobs.get(done.job_id)
+        if job is not None and job.worker not in (None, worker.index):
+            job = None  # a remote worker's answer to a job that has moved on to another worker since
+        else:
+            self.jobs.pop(done.job_id, None)
         cache = done.cache
         if job is not None and cache is not None and cache.cached_tokens == 0 and len(job.body) >= 16384:
             rate = (done.render_s + done.tokenize_s) / len(job.body)  # a cold conversion: what a move costs
@@ -585,7 +724,8 @@ class WorkerPool:
 
     def state(self) -> list[dict]:
         return [
-            {"index": w.index, "pid": w.process.pid if w.process else None, "alive": w.ready,
-             "busy": w.job is not None or bool(w.quick), "quick_jobs": len(w.quick), "streams": len(w.owned)}
-            for w in self.workers
+            {"index": w.index, "pid": w.process.pid if w.process else w.pid or None, "alive": w.ready,
+             "host": w.host or None, "busy": w.job is not None or bool(w.quick), "quick_jobs": len(w.quick),
+             "streams": len(w.owned)}
+            for w in self.workers if not w.retired
         ]  # fmt: skip

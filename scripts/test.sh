@@ -24,6 +24,12 @@ if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)"
     echo "scripts/test.sh: could not install haproxy (see /tmp/tokenmill-apt-haproxy.log)" >&2
   fi
 fi
+# tests/test_remote_workers.py makes a second host with `ip netns` and a veth pair (Debian package iproute2).
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; } >/tmp/tokenmill-apt-iproute2.log 2>&1; then
+    echo "scripts/test.sh: could not install iproute2 (see /tmp/tokenmill-apt-iproute2.log)" >&2
+  fi
+fi
 # tests/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install --quiet torch==2.13.0
 # tests/test_output_parsers.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which

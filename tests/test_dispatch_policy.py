@@ -38,6 +38,7 @@ def _pool() -> tuple[WorkerPool, list]:
     pool.sock = _Socket(sent)
     for worker in pool.workers:
         worker.ready = True
+        worker.link = pool.sock
     pool.cold_s_per_byte = 1e-6  # 1 MB converts cold in 1 s
     return pool, sent
 

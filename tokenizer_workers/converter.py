@@ -9,6 +9,8 @@ or in its thread pool.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import time
 import zlib
 from array import array
@@ -46,6 +48,7 @@ class ConverterSettings(msgspec.Struct):
     tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
     reasoning_parser: str = ""
     max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
+    fingerprint: bool = False  # report Converter.fingerprint() when ready (the pool admits remote workers)
 
 
 @dataclass
@@ -89,6 +92,15 @@ class Converter:
         self.parsers: ParserChoice = choose_parsers(
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
+
+    def fingerprint(self) -> str:
+        """What must be equal for two workers to convert a request to the same tokens: the tokenizer,
+        the templates, their special tokens and the context length (a remote worker is refused on a
+        difference, since it would answer differently from the rest of the pool)."""
+        digest = hashlib.sha256(self.tokenizer.to_str().encode())
+        digest.update(json.dumps([self.model.templates, self.model.special_tokens, self.model.max_model_len],
+                                 sort_keys=True, default=str).encode())
+        return digest.hexdigest()[:32]
 
     def limit_context(self, limits: Limits) -> None:
         """The engine's Welcome: check requests against its context length too, where it is the

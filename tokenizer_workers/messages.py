@@ -42,7 +42,7 @@ class Release(msgspec.Struct, tag="release"):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
+    reason: str = ""  # to a refused remote worker: why (it logs it and exits with an error)
 
 
 class Limits(msgspec.Struct, tag="limits"):
@@ -55,7 +55,20 @@ class Limits(msgspec.Struct, tag="limits"):
     max_logprobs: int | None = None
 
 
-ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits
+class WorkerSettings(msgspec.Struct, tag="settings"):
+    """The answer to a remote worker's hello: its place in the pool and the converter settings
+    (ConverterSettings as JSON), so a worker on another host converts exactly as local ones do."""
+
+    worker_index: int
+    settings: bytes
+
+
+class Rejoin(msgspec.Struct, tag="rejoin"):
+    """To a remote worker the gateway no longer counts (it went silent, or the gateway restarted):
+    forget every request and say hello again."""
+
+
+ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin
 
 # ---- worker -> gateway ------------------------------------------------------------
 
@@ -69,6 +82,19 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     tool_call_parser: str = ""  # the parsers the worker applies ("" = none), "auto" resolved
     reasoning_parser: str = ""
     vocab_size: int = 0  # the tokenizer's, with added tokens: a scheduler rank must take every ID below it
+    fingerprint: str = ""  # hash of tokenizer, templates and context length: a remote worker must match
+
+
+class WorkerHello(msgspec.Struct, tag="hello"):
+    """A remote worker (``tokenmill worker --connect``) asks to join the pool."""
+
+    pid: int
+    host: str
+
+
+class Heartbeat(msgspec.Struct, tag="beat"):
+    """A remote worker is alive (sent every second): a host that vanishes sends no FIN, so silence is
+    the only sign, and its jobs must move on within seconds."""
 
 
 class CacheReport(msgspec.Struct, array_like=True):
@@ -153,7 +179,7 @@ class DetokOut(msgspec.Struct, tag="detok_out"):
     parse_failures: dict[str, int] = {}  # tool-call parser name -> calls returned as content
 
 
-FromWorker = WorkerReady | ConvertDone | DetokOut
+FromWorker = WorkerReady | ConvertDone | DetokOut | WorkerHello | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)

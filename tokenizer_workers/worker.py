@@ -14,7 +14,9 @@ tokenizers thread-pool threads it creates: on a busy node the gateway, the sched
 this worker's IO thread win the CPU, and conversion uses what is left.
 
 Started by the gateway as ``python -m tokenizer_workers.worker --connect EP --index N``
-with its settings in the TOKENMILL_WORKER_SETTINGS environment variable.
+with its settings in the TOKENMILL_WORKER_SETTINGS environment variable, or on another host
+as ``tokenmill worker --connect tcp://...``, which takes its settings from the gateway and
+sends heartbeats (remote_link.py).
 """
 
 from __future__ import annotations
@@ -35,20 +37,24 @@ from tokenmill.transport_security import secure_worker_socket
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
+from tokenizer_workers.remote_link import RemoteWorkerLink
 from tokenmill.procutil import die_with_supervisor, limit_memory, set_process_name
 
 log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
+_HEARTBEAT = m.encoder.encode(m.Heartbeat())
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enums cost a call
 
 
 class Worker:
     CONVERSION_NICE = 10
 
-    def __init__(self, index: int, endpoint: str, settings: ConverterSettings, ctx: zmq.Context | None = None):
+    def __init__(self, index: int, endpoint: str, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
+                 remote: RemoteWorkerLink | None = None):
         self.index = index
         self.endpoint = endpoint
-        self.settings = settings
+        self.settings = settings  # None for a remote worker until the gateway sends its own
+        self.remote = remote  # keys, identity and model override of a worker on another host
         self.converter: Converter | None = None
         self.detokenizer: Detokenizer | None = None
         self._loaded = threading.Event()
@@ -57,31 +63,37 @@ class Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://worker-wake-{id(self)}"
+        self._beat_at = 0.0
 
     def run(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
         sock.setsockopt(zmq.LINGER, 0)
-        secure_worker_socket(sock)
+        if self.remote is None:
+            sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
+            secure_worker_socket(sock)
+        else:
+            self.remote.prepare(sock)
         sock.connect(self.endpoint)
+        if self.remote is not None:
+            self._join(sock)
         wake_rx = self.ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
-        self._loaded.wait()
+        while not self._loaded.wait(self.remote.HEARTBEAT_S if self.remote else None):
+            self._beat(sock)  # loading a model takes seconds: the gateway must not think us gone
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
         self.quick_converter = self.converter.without_cache()  # the cache belongs to the conversion thread
-        parsers = self.converter.parsers
-        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
-                                              self.converter.segments.enabled, self.converter.segments.self_test_reason,
-                                              parsers.tool_name, parsers.reasoning_name, self.converter.vocab_size)))
+        self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or self.remote else ""
+        self._send_ready(sock)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
         recv, get = sock.recv, sock.get
+        timeout = 1000 * self.remote.HEARTBEAT_S if self.remote else None
         while True:
-            for ready, _ in poller.poll():
+            for ready, _ in poller.poll(timeout):
                 if ready is wake_rx:
                     while wake_rx.get(_EVENTS) & _POLLIN:
                         wake_rx.recv(_NOBLOCK)
@@ -95,6 +107,34 @@ class Worker:
                         frames.append(frame)
                     if not self._handle(sock, frames):
                         return
+            if self.remote is not None and time.monotonic() - self._beat_at >= self.remote.HEARTBEAT_S:
+                self._beat(sock)
+
+    def _beat(self, sock) -> None:
+        self._beat_at = time.monotonic()
+        try:
+            sock.send(_HEARTBEAT, _NOBLOCK)  # never block on a link that is down: it reconnects by itself
+        except zmq.Again:
+            pass
+
+    def _send_ready(self, sock) -> None:
+        parsers = self.converter.parsers
+        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
+                                              self.converter.segments.enabled, self.converter.segments.self_test_reason,
+                                              parsers.tool_name, parsers.reasoning_name, self.converter.vocab_size,
+                                              self._fingerprint)))
+
+    def _join(self, sock) -> None:
+        """A remote worker says hello until the gateway answers with its place and settings."""
+        settings, self.index = self.remote.join(sock, self.endpoint)
+        if self.remote.model_dir:
+            settings.model_dir = self.remote.model_dir  # the same model, where this host keeps it
+        if self.settings is None:
+            self.settings = settings
+        elif settings != self.settings:
+            raise SystemExit("the gateway's converter settings changed since this worker loaded its model; "
+                             "exiting so that a restart loads them")
+        self._beat_at = time.monotonic()
 
     def _handle(self, sock, frames) -> bool:
         try:
@@ -119,7 +159,14 @@ class Worker:
             self.converter.limit_context(msg)
             self.quick_converter.limit_context(msg)
         elif isinstance(msg, m.Shutdown):
+            if msg.reason:
+                raise SystemExit(f"the gateway refused this worker: {msg.reason}")
             return False
+        elif isinstance(msg, m.Rejoin) and self.remote is not None:
+            log.warning("worker %d: the gateway no longer counts this worker; joining again", self.index)
+            self.detokenizer = Detokenizer(self.converter.tokenizer)  # its streams were failed there
+            self._join(sock)
+            self._send_ready(sock)
         return True
 
     def _convert_loop(self) -> None:

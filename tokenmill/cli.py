@@ -13,7 +13,8 @@ COMMANDS = {
     "simulate-scheduler": ("scheduler_client.simulated", "Run the simulated GPU scheduler on its own."),
     "engine": ("engines.server", "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol."),
     "render": ("tokenmill.render_command", "Render conversations with a model's chat template and tokenize them."),
-    "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link."),
+    "worker": ("tokenmill.worker_command", "Run a tokenizer worker that joins a gateway's pool from another host."),
+    "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
     "bench": ("tokenmill.bench", "Benchmark the front loop under long-context load (or the multiturn cache, or the output parsers)."),
 }
 

@@ -51,6 +51,8 @@ class ServeSettings:
     trust_request_chat_template: bool = False
     runtime_dir: str | None = None
     worker_endpoint: str | None = None
+    remote_workers: str | None = None
+    remote_worker_timeout: float = 5.0
     api_key: str | None = None
     max_body_bytes: int = 64 << 20
     max_queued_conversions: int = 1024
@@ -87,7 +89,7 @@ class ServeSettings:
     def __post_init__(self):
         if self.default_chat_template_kwargs is None:
             self.default_chat_template_kwargs = {}
-        if not self.workers:
+        if not self.workers and not self.remote_workers:
             self.workers = _default_workers()
         endpoints = self.scheduler_endpoints
         duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
@@ -106,7 +108,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "model": (str, "HuggingFace model directory (tokenizer.json, tokenizer_config.json, ...). Default: the embedded DeepSeek-V4 tokenizer."),
     "host": (str, "Address to listen on."),
     "port": (int, "Port to listen on."),
-    "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one)."),
+    "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
+                "0 = none: only remote workers convert)."),
     "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
                   "data-parallel ranks (each request goes to one). Default: start the simulated scheduler."),
     "chat_template": (str, "Chat template file that overrides the model's."),
@@ -117,6 +120,10 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "trust_request_chat_template": (_bool, "Accept a chat_template given in a request."),
     "runtime_dir": (str, "Directory for ipc:// sockets (mode 0700). Default: $RUNTIME_DIRECTORY or a new temporary directory."),
     "worker_endpoint": (str, "Endpoint the gateway binds for its workers. Default: ipc:// in the runtime directory."),
+    "remote_workers": (str, "Endpoint (tcp://ADDR:PORT) where tokenizer workers on other hosts join the pool "
+                       "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/security.md)."),
+    "remote_worker_timeout": (float, "Seconds of silence after which a remote worker counts as lost (its conversion "
+                              "is dispatched again, its streams end with an error)."),
     "api_key": (str, "Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize."),
     "max_body_bytes": (int, "Largest request body accepted (413 above)."),
     "max_queued_conversions": (int, "Requests allowed to wait for a worker (429 above)."),
@@ -134,7 +141,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "stream_buffer_limit": (int, "Characters of generated text one client may leave unread; past it the request is "
                             "aborted (code slow_client) and its connection closed (0 = no limit)."),
     "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
-    "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler (see docs/security.md)."),
+    "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler, and for remote workers "
+                       "(see docs/security.md)."),
     "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
                              "pieces, one quarter for recent whole prompts (0 = off)."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
