@@ -398,5 +398,5 @@ class App:
         await self.respond(send, 200, body, "/debug/loop-lag")
 
     async def metrics(self, scope, receive, send) -> None:
-        await self.respond(send, 200, self.gw.collect_metrics(), "/metrics",
+        await self.respond(send, 200, await self.gw.node_metrics(), "/metrics",
                            [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])

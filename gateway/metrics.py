@@ -117,7 +117,6 @@ class Metrics:
                                  label + ["worker"], registry=r)
         self.tokenize_cache_enabled = g("tokenmill_tokenize_cache_enabled",
                                         "1 when the model passed the segment-separability self-test and the cache is on.")
-        self._evictions_seen: dict[int, int] = {}
         self.draining = g("tokenmill_draining", "1 while the server drains for shutdown (readiness fails).")
         self.queued_bytes = g("tokenmill_queued_request_bytes", "Request body bytes waiting for a tokenizer worker.")
         self.stream_errors = Counter("tokenmill_stream_errors", "Streams that ended with an error event after a 200, by code.",
@@ -204,9 +203,7 @@ class Metrics:
             self.cache_tokens.inc(cache.cached_tokens)
             self.fresh_tokens.inc(cache.fresh_tokens)
             self.cache_mismatches.inc(cache.mismatches)
-            seen = self._evictions_seen.get(worker, 0)
-            self.cache_evictions.inc(max(0, cache.evictions_total - seen))  # a restarted worker starts again at 0
-            self._evictions_seen[worker] = cache.evictions_total
+            self.cache_evictions.inc(cache.evictions)
             self.cache_bytes.labels(self.model_name, str(worker)).set(cache.bytes_used)
 
     def render(self) -> bytes:

@@ -27,6 +27,9 @@ from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
 from tokenmill.transport_security import RemoteWorkerSecurity, WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
+from gateway import siblings
+from gateway.metrics_merge import merge_expositions
+from gateway.siblings import MetricsExchange, SiblingGateways
 from gateway.worker_pool import WorkerPool
 from gateway.scheduler_ranks import SchedulerRanks
 from tokenizer_workers.converter import ConverterSettings
@@ -55,8 +58,12 @@ def _parser_setting(value: str, model: str | None) -> str:
 
 
 class Gateway:
-    def __init__(self, settings: ServeSettings):
+    def __init__(self, settings: ServeSettings, sibling: dict | None = None):
         self.settings = settings
+        self.sibling = sibling  # for gateways 1..N-1 of --gateways N: index, runtime_dir, schedulers
+        self.index = sibling["index"] if sibling else 0
+        self.siblings: SiblingGateways | None = None
+        self.exchange: MetricsExchange | None = None
         self.model_name = settings.served_model_name or (
             os.path.basename(os.path.abspath(settings.model)) if settings.model else DEFAULT_MODEL_NAME
         )
@@ -92,12 +99,14 @@ class Gateway:
             tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
             reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
             max_n=s.max_n,
-            fingerprint=bool(s.remote_workers),
+            fingerprint=bool(s.remote_workers) or s.gateways > 1,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def _make_runtime_dir(self) -> str:
+        if self.sibling:
+            return self.sibling["runtime_dir"]  # gateway 0's
         if self.settings.runtime_dir:
             return private_dir(self.settings.runtime_dir)
         if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=
@@ -112,12 +121,22 @@ class Gateway:
         for endpoint in endpoints:
             require_secure(endpoint, "The scheduler", s.insecure_tcp, scheduler_keys is not None)
         self.runtime_dir = self._make_runtime_dir()
-        if not endpoints:
+        if self.sibling:
+            endpoints = self.sibling["schedulers"]
+        elif not endpoints:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])
         self.generations = Generations(None, None, self.metrics, max_buffered=s.stream_buffer_limit)
         g = self.generations
-        if s.conversion_mode == "pool":
+        if self.sibling:  # no workers of its own: the node's workers join it
+            self.conversion = WorkerPool(
+                0, f"ipc://{self.runtime_dir}/gateway-{self.index}-own.sock", self.converter_settings(), g.on_detok,
+                g.on_owner_lost, max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
+                conversion_timeout=s.conversion_timeout, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes,
+                metrics=self.metrics, remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
+                remote_timeout=s.remote_worker_timeout,
+            )  # fmt: skip
+        elif s.conversion_mode == "pool":
             endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
             tcp = endpoint.startswith("tcp://")
             ctx = zmq.asyncio.Context.instance()
@@ -135,6 +154,7 @@ class Gateway:
                 security=security, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
                 remote_endpoint=s.remote_workers, remote_security=remote_security,
                 remote_timeout=s.remote_worker_timeout,
+                attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),
             )  # fmt: skip
         else:
             self.conversion = InProcessConversion(
@@ -146,6 +166,12 @@ class Gateway:
         g.conversion, g.scheduler = self.conversion, self.scheduler
         await self.conversion.start()
         await self.scheduler.start()
+        if s.gateways > 1:
+            self.exchange = MetricsExchange(self.runtime_dir, self.index, s.gateways, self.collect_metrics)
+            self.exchange.start()
+            if not self.sibling:
+                self.siblings = SiblingGateways(s, self.runtime_dir, endpoints)
+                await self.siblings.start()
         self._lag_task = asyncio.create_task(self._measure_loop_lag())
         interval = systemd_notify.watchdog_interval()
         self._watchdog_task = asyncio.create_task(systemd_notify.pet_watchdog(interval)) if interval else None
@@ -193,6 +219,9 @@ class Gateway:
         """What is in flight, for operators and tests (GET /debug/state)."""
         g = self.generations
         return {
+            "gateway": self.index,
+            "pid": os.getpid(),
+            "gateway_pids": [os.getpid(), *self.siblings.pids()] if self.siblings else None,
             "generations": len(g.live),
             "scheduler_requests": len(g.by_request),
             "queued_conversions": self.conversion.queued,
@@ -217,8 +246,17 @@ class Gateway:
             del self.lag_samples[:]
         return out
 
+    async def node_metrics(self) -> bytes:
+        """/metrics: this process's figures, or with --gateways N the node's, merged from all of them."""
+        own = self.collect_metrics()
+        if self.exchange is None:
+            return own
+        others = await self.exchange.gather()
+        return await asyncio.to_thread(merge_expositions, [own, *others])  # ~10 ms per exposition parsed
+
     def collect_metrics(self) -> bytes:
         m = self.metrics
+        m.gateway_processes.set(1)
         m.workers_alive.set(self.conversion.alive)
         m.workers_busy.set(self.conversion.busy)
         m.num_requests_running.set(len(self.generations))
@@ -248,6 +286,11 @@ class Gateway:
         await asyncio.sleep(0.05)  # let handlers write those errors
 
     async def close(self) -> None:
+        if self.siblings is not None:
+            self.siblings.terminate()
+            await self.siblings.wait(self.settings.shutdown_timeout + 10)
+        if self.exchange is not None:
+            self.exchange.close()
         self._lag_task.cancel()
         if self._watchdog_task:
             self._watchdog_task.cancel()
@@ -280,7 +323,9 @@ class Gateway:
                 timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
             )  # fmt: skip
             server = _Server(config)
-            server_task = asyncio.create_task(server.serve())
+            # with --gateways N every gateway binds the port (SO_REUSEPORT); the kernel spreads connections
+            sockets = [siblings.reuseport_socket(s.host, s.port)] if s.gateways > 1 else None
+            server_task = asyncio.create_task(server.serve(sockets=sockets))
             ready_task = asyncio.create_task(self.wait_ready())
             stop_task = asyncio.create_task(stop.wait())
             await asyncio.wait({ready_task, stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,6 +340,8 @@ class Gateway:
                 log.error("tokenmill did not become ready (workers alive: %d, scheduler connected: %s)",
                           self.conversion.alive, self.scheduler.connected)
             await stop_task
+            if self.siblings is not None:
+                self.siblings.terminate()  # systemd signals gateway 0 only; the others drain too
             systemd_notify.notify("STOPPING=1\nSTATUS=draining in-flight requests")
             log.info("stopping: draining in-flight requests (up to %gs)", s.shutdown_timeout)
             await self.drain()
@@ -305,11 +352,27 @@ class Gateway:
             await self.close()
 
 
-def run(settings: ServeSettings, on_ready=None) -> int:
+def run(settings: ServeSettings, on_ready=None, sibling: dict | None = None) -> int:
     import uvloop
 
     from tokenmill.procutil import set_process_name
 
-    set_process_name("tm-gateway")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
-    return uvloop.run(Gateway(settings).serve(on_ready))
+    name = f"gateway {sibling['index']}" if sibling else "gateway"
+    set_process_name(f"tm-gateway-{sibling['index']}" if sibling else "tm-gateway")
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    return uvloop.run(Gateway(settings, sibling).serve(on_ready))
+
+
+def sibling_main() -> int:
+    """Gateway 1..N-1 of --gateways N, started by gateway 0 (gateway/siblings.py)."""
+    import json
+
+    from tokenmill.procutil import die_with_supervisor
+
+    die_with_supervisor()
+    sibling = json.loads(os.environ[siblings.SIBLING_ENV])
+    return run(ServeSettings(**sibling.pop("settings")), sibling=sibling)
+
+
+if __name__ == "__main__":
+    sys.exit(sibling_main())

@@ -91,6 +91,7 @@ class _Worker:
     pid: int = 0
     last_seen: float = 0.0
     retired: bool = False  # a lost remote worker's slot, free for the next one to join
+    elsewhere: bool = False  # converting a job of another gateway of the node (--gateways N)
     process: asyncio.subprocess.Process | None = None
     ready: bool = False
     job: _Job | None = None
@@ -99,6 +100,16 @@ class _Worker:
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
     lane: deque = field(default_factory=deque)  # jobs waiting for this worker's segment cache
     quick: dict = field(default_factory=dict)  # job id -> quick job sent to it and not answered yet
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 class WorkerPool:
@@ -123,6 +134,7 @@ class WorkerPool:
         remote_endpoint: str | None = None,
         remote_security=None,
         remote_timeout: float = 5.0,
+        attach: tuple[str, ...] = (),
     ):
         self.size = size
         self.endpoint = endpoint
@@ -140,6 +152,7 @@ class WorkerPool:
         self.remote_endpoint = remote_endpoint  # where workers on other hosts join (None: nowhere)
         self.remote_security = remote_security  # transport_security.RemoteWorkerSecurity
         self.remote_timeout = remote_timeout
+        self.attach = attach  # the node's other gateways (--gateways N), which each worker joins too
         self.fingerprint = ""  # the first worker's: every remote worker must convert the same way
         self.homes: dict[int, int] = {}  # conversation key -> worker that converted it last (insertion-ordered, bounded)
         self.cold_s_per_byte = 1e-6  # conversion time per body byte with nothing cached (running average)
@@ -279,7 +292,7 @@ class WorkerPool:
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
             "--connect", self.endpoint, "--index", str(worker.index), "--memory-limit-mb", str(self.memory_limit_mb),
-            env=env,
+            *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env,
         )  # fmt: skip
         self._spawn_task(self._watch_process(worker, worker.process))
 
@@ -299,7 +312,7 @@ class WorkerPool:
             await self._start_process(worker)
 
     def _on_worker_death(self, worker: _Worker) -> None:
-        worker.ready = False
+        worker.ready = worker.elsewhere = False
         self._ready_changed.set()
         lost = [*worker.quick.values(), *([worker.job] if worker.job is not None else [])]
         worker.job, worker.quick = None, {}
@@ -402,9 +415,9 @@ class WorkerPool:
         alive = [w for w in self.workers if w.ready]
         if not worker.ready:
             return None
-        total = sum((w.job is not None) + len(w.lane) for w in alive) + len(self.queue) + 1
+        total = sum((w.job is not None or w.elsewhere) + len(w.lane) for w in alive) + len(self.queue) + 1
         bound = max(1, math.ceil(1.25 * total / len(alive)))
-        return worker if (worker.job is not None) + len(worker.lane) < bound else None
+        return worker if (worker.job is not None or worker.elsewhere) + len(worker.lane) < bound else None
 
     def _set_home(self, key: int, index: int) -> None:
         """A conversation converted by a worker stays with it: that worker now holds its segments,
@@ -473,7 +486,7 @@ class WorkerPool:
         if self.quick_queue:
             self._dispatch_quick()
         for worker in self.workers:
-            if worker.ready and worker.job is None:
+            if worker.ready and worker.job is None and not worker.elsewhere:
                 job = self._take(worker)
                 if job is not None:
                     self._send_job(worker, job)
@@ -600,11 +613,19 @@ class WorkerPool:
             worker.last_seen = time.monotonic()
             if isinstance(msg, m.Heartbeat):
                 return
-            if isinstance(msg, m.WorkerHello):  # it restarted under the same identity: a new session
-                self._lose(worker, "it said hello again")
+            if isinstance(msg, m.WorkerHello):
+                if not worker.ready and worker.pid == msg.pid:  # a hello repeated before our answer reached it
+                    self._send_settings(worker)
+                    return
+                self._lose(worker, "it said hello again")  # it restarted under the same identity: a new session
                 self._on_stranger(identity, msg)
                 return
         index = worker.index
+        if isinstance(msg, m.WorkerBusy):
+            worker.elsewhere = msg.busy
+            if not msg.busy:
+                self._dispatch()
+            return
         if isinstance(msg, m.DetokOut):
             if self.metrics:
                 self.metrics.detokenize_seconds.observe(msg.detok_s)
@@ -647,19 +668,35 @@ class WorkerPool:
             except zmq.ZMQError:
                 pass
             return
-        worker = next((w for w in self.workers if w.retired and not w.owned), None)
-        if worker is None:
-            worker = _Worker(len(self.workers), identity)
-            self.workers.append(worker)
-        else:
-            self.by_identity.pop(worker.identity, None)
+        worker = self._free_slot(msg.index)
+        self.by_identity.pop(worker.identity, None)
         worker.identity, worker.link, worker.host, worker.pid = identity, self.remote_sock, msg.host, msg.pid
         worker.retired, worker.ready, worker.last_seen = False, False, time.monotonic()
         worker.job, worker.quick, worker.owned = None, {}, set()
         self.by_identity[identity] = worker
-        log.info("remote tokenizer worker on %s (pid %d) joins as worker %d; it loads the model", msg.host, msg.pid,
-                 worker.index)
+        log.info("%s on %s (pid %d) joins as worker %d", self._kind, msg.host, msg.pid, worker.index)
+        self._send_settings(worker)
+
+    @property
+    def _kind(self) -> str:
+        return "tokenizer worker" if self.remote_endpoint.startswith("ipc://") else "remote tokenizer worker"
+
+    def _send_settings(self, worker: _Worker) -> None:
         self._send(worker, [m.encoder.encode(m.WorkerSettings(worker.index, msgspec.json.encode(self.settings)))])
+
+    def _free_slot(self, wanted: int) -> _Worker:
+        """A place in the pool for a joining worker: the index it asks for when that is free (a worker of
+        this node has the same index in every gateway, so the hash ring sends a conversation to the same
+        worker whichever gateway takes it), else a lost worker's place, else a new one."""
+        while wanted >= len(self.workers):
+            self.workers.append(_Worker(len(self.workers), b"", host="-", retired=True))
+        if wanted >= 0 and self.workers[wanted].retired and not self.workers[wanted].owned:
+            return self.workers[wanted]
+        free = next((w for w in self.workers if w.retired and not w.owned and w.index >= self.size), None)
+        if free is None:
+            free = _Worker(len(self.workers), b"", host="-", retired=True)
+            self.workers.append(free)
+        return free
 
     def _admit_ready(self, worker: _Worker, msg: m.WorkerReady) -> bool:
         """The first worker's fingerprint is the pool's; a remote worker with another is refused."""
@@ -681,19 +718,23 @@ class WorkerPool:
     def _lose(self, worker: _Worker, why: str | None) -> None:
         """A remote worker leaves the pool: its work goes as a dead local worker's does."""
         if why:
-            log.warning("remote tokenizer worker %d on %s (pid %d) is lost: %s", worker.index, worker.host,
-                        worker.pid, why)
+            log.warning("%s %d on %s (pid %d) is lost: %s", self._kind, worker.index, worker.host, worker.pid, why)
         worker.retired = True
         self.by_identity.pop(worker.identity, None)
         self._on_worker_death(worker)
 
     async def _reap_silent(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.remote_timeout / 4))
+            await asyncio.sleep(min(0.25 if self.remote_endpoint.startswith("ipc://") else 1.0, self.remote_timeout / 4))
             now = time.monotonic()
+            same_host = self.remote_endpoint.startswith("ipc://")
             for worker in self.workers:
-                if worker.host and not worker.retired and now - worker.last_seen > self.remote_timeout:
+                if not worker.host or worker.retired:
+                    continue
+                if now - worker.last_seen > self.remote_timeout:
                     self._lose(worker, f"silent for {now - worker.last_seen:.1f} s")
+                elif same_host and not _pid_alive(worker.pid):  # on this host, a death need not wait for silence
+                    self._lose(worker, f"process {worker.pid} exited")
 
     def _on_done(self, worker: _Worker, done: m.ConvertDone, frames) -> None:
         job = self.jobs.get(done.job_id)

@@ -144,7 +144,7 @@ def test_remote_worker_converts_like_a_local_one(host, keys, echo_server):
     try:
         joined = wait_for(lambda: remote_alive(server), 60, "the remote worker to join")
         assert joined[0]["pid"] and joined[0]["host"]
-        assert http("GET", server.url + "/ready")[0] == 200
+        wait_for(lambda: http("GET", server.url + "/ready")[0] == 200, 60, "/ready (the scheduler connects too)")
         body = {"model": MODEL, "max_tokens": 64, "messages": [
             {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count: один, two, 三."}]}
         here = http("POST", server.url + "/v1/chat/completions", body)

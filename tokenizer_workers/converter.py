@@ -121,10 +121,11 @@ class Converter:
         segments = self.segments
         if not self.use_cache:
             ids = array("I", self.tokenizer.encode(prompt, add_special_tokens=False).ids)
-            return ids, CacheReport(0, 0, 0, len(ids), 0, segments.cache.evictions, segments.bytes_used)
+            return ids, CacheReport(0, 0, 0, len(ids), 0, 0, segments.bytes_used)
+        evicted = segments.cache.evictions
         ids, stats = segments.encode(prompt)
         report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,
-                             segments.cache.evictions, segments.bytes_used, stats.prefix_hits)  # fmt: skip
+                             segments.cache.evictions - evicted, segments.bytes_used, stats.prefix_hits)  # fmt: skip
         return ids, report
 
     # ---- entry point ----------------------------------------------------------------

@@ -90,6 +90,7 @@ class WorkerHello(msgspec.Struct, tag="hello"):
 
     pid: int
     host: str
+    index: int = -1  # its index in the gateway that spawned it: the same place in every pool keeps affinity
 
 
 class Heartbeat(msgspec.Struct, tag="beat"):
@@ -105,7 +106,7 @@ class CacheReport(msgspec.Struct, array_like=True):
     cached_tokens: int
     fresh_tokens: int
     mismatches: int
-    evictions_total: int
+    evictions: int  # pieces evicted during this conversion (a count per conversion adds up across gateways)
     bytes_used: int
     prefix_hits: int = 0  # 1 when the prompt began with the IDs of an earlier prompt of this worker
 
@@ -179,7 +180,14 @@ class DetokOut(msgspec.Struct, tag="detok_out"):
     parse_failures: dict[str, int] = {}  # tool-call parser name -> calls returned as content
 
 
-FromWorker = WorkerReady | ConvertDone | DetokOut | WorkerHello | Heartbeat
+class WorkerBusy(msgspec.Struct, tag="busy"):
+    """To the other gateways of a worker shared by several (--gateways N): its conversion thread
+    started (busy) or finished a job of another gateway, so they do not queue long jobs behind it."""
+
+    busy: bool
+
+
+FromWorker = WorkerReady | ConvertDone | DetokOut | WorkerHello | Heartbeat | WorkerBusy
 
 encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -26,9 +26,11 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -46,15 +48,34 @@ _HEARTBEAT = m.encoder.encode(m.Heartbeat())
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enums cost a call
 
 
+@dataclass(eq=False)
+class _Link:
+    """One gateway this worker serves: the one that spawned it, or one it joined (another gateway
+    process of the node, or a gateway on another host)."""
+
+    sock: zmq.Socket
+    endpoint: str
+    index: int  # this worker's place in that gateway's pool
+    joined: bool  # the gateway answered hello (always true for the spawning gateway)
+    beats: bool  # a joined gateway cannot watch this process: it hears heartbeats
+    said_hello: float = 0.0
+    beat_at: float = 0.0
+    streams: set = field(default_factory=set)  # request ids whose decoder state this gateway opened
+
+
 class Worker:
     CONVERSION_NICE = 10
+    HEARTBEAT_S = RemoteWorkerLink.HEARTBEAT_S
+    HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
 
     def __init__(self, index: int, endpoint: str, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
-                 remote: RemoteWorkerLink | None = None):
+                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = ()):
         self.index = index
         self.endpoint = endpoint
         self.settings = settings  # None for a remote worker until the gateway sends its own
         self.remote = remote  # keys, identity and model override of a worker on another host
+        self.attach = attach  # the node's other gateway processes, which this worker joins too
+        self.links: list[_Link] = []
         self.converter: Converter | None = None
         self.detokenizer: Detokenizer | None = None
         self._loaded = threading.Event()
@@ -63,80 +84,110 @@ class Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://worker-wake-{id(self)}"
-        self._beat_at = 0.0
 
-    def run(self) -> None:
+    def _socket(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.remote is None:
+        return sock
+
+    def run(self) -> None:
+        if self.remote is not None:
+            sock = self._socket()
+            self.remote.prepare(sock)
+            sock.connect(self.endpoint)
+            settings, index = self.remote.join(sock, self.endpoint)
+            self._take_settings(settings)
+            self.links.append(_Link(sock, self.endpoint, index, joined=True, beats=True))
+        else:
+            sock = self._socket()
             sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
             secure_worker_socket(sock)
-        else:
-            self.remote.prepare(sock)
-        sock.connect(self.endpoint)
-        if self.remote is not None:
-            self._join(sock)
+            sock.connect(self.endpoint)
+            self.links.append(_Link(sock, self.endpoint, self.index, joined=True, beats=False))
+            for endpoint in self.attach:
+                sock = self._socket()
+                sock.setsockopt(zmq.IDENTITY, f"a{self.index}-{os.getpid()}".encode())
+                sock.connect(endpoint)
+                self.links.append(_Link(sock, endpoint, -1, joined=False, beats=True))
         wake_rx = self.ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
-        while not self._loaded.wait(self.remote.HEARTBEAT_S if self.remote else None):
-            self._beat(sock)  # loading a model takes seconds: the gateway must not think us gone
+        beating = any(link.beats for link in self.links)
+        while not self._loaded.wait(self.HEARTBEAT_S if beating else None):
+            self._tick()  # loading a model takes seconds: joined gateways must not think us gone
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
         self.quick_converter = self.converter.without_cache()  # the cache belongs to the conversion thread
-        self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or self.remote else ""
-        self._send_ready(sock)
+        self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or beating else ""
+        for link in self.links:
+            if link.joined:
+                self._send_ready(link)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
-        recv, get = sock.recv, sock.get
-        timeout = 1000 * self.remote.HEARTBEAT_S if self.remote else None
+        by_sock = {link.sock: link for link in self.links}
+        timeout = 500 * self.HEARTBEAT_S if beating else None
         while True:
             for ready, _ in poller.poll(timeout):
                 if ready is wake_rx:
                     while wake_rx.get(_EVENTS) & _POLLIN:
                         wake_rx.recv(_NOBLOCK)
-                    self._send_results(sock)
+                    self._send_results()
                     continue
+                link = by_sock[ready]
+                recv, get = ready.recv, ready.get
                 while get(_EVENTS) & _POLLIN:  # everything waiting, before polling again
                     frame = recv(_NOBLOCK, copy=False)
                     frames = [frame]
                     while frame.more:
                         frame = recv(_NOBLOCK, copy=False)
                         frames.append(frame)
-                    if not self._handle(sock, frames):
+                    if not self._handle(link, frames):
                         return
-            if self.remote is not None and time.monotonic() - self._beat_at >= self.remote.HEARTBEAT_S:
-                self._beat(sock)
+            if beating:
+                self._tick()
 
-    def _beat(self, sock) -> None:
-        self._beat_at = time.monotonic()
+    def _tick(self) -> None:
+        """Heartbeats to joined gateways; hello again to those that have not answered."""
+        now = time.monotonic()
+        for link in self.links:
+            if not link.beats:
+                continue
+            if link.joined and now - link.beat_at >= self.HEARTBEAT_S:
+                link.beat_at = now
+                self._send_nowait(link, _HEARTBEAT)
+            elif not link.joined and now - link.said_hello >= self.HELLO_EVERY_S:
+                link.said_hello = now
+                self._send_nowait(link, m.encoder.encode(m.WorkerHello(os.getpid(), socket.gethostname(), self.index)))
+
+    @staticmethod
+    def _send_nowait(link: _Link, message: bytes) -> None:
         try:
-            sock.send(_HEARTBEAT, _NOBLOCK)  # never block on a link that is down: it reconnects by itself
+            link.sock.send(message, _NOBLOCK)  # never block on a link that is down: it reconnects by itself
         except zmq.Again:
             pass
 
-    def _send_ready(self, sock) -> None:
+    def _send_ready(self, link: _Link) -> None:
         parsers = self.converter.parsers
-        sock.send(m.encoder.encode(m.WorkerReady(self.index, os.getpid(), self.converter.max_model_len,
-                                              self.converter.segments.enabled, self.converter.segments.self_test_reason,
-                                              parsers.tool_name, parsers.reasoning_name, self.converter.vocab_size,
-                                              self._fingerprint)))
+        link.sock.send(m.encoder.encode(m.WorkerReady(link.index, os.getpid(), self.converter.max_model_len,
+                                                   self.converter.segments.enabled,
+                                                   self.converter.segments.self_test_reason, parsers.tool_name,
+                                                   parsers.reasoning_name, self.converter.vocab_size,
+                                                   self._fingerprint)))  # fmt: skip
 
-    def _join(self, sock) -> None:
-        """A remote worker says hello until the gateway answers with its place and settings."""
-        settings, self.index = self.remote.join(sock, self.endpoint)
-        if self.remote.model_dir:
+    def _take_settings(self, settings: ConverterSettings) -> None:
+        """A joined gateway's settings: the first ones this worker loads; later ones must be the same."""
+        if self.remote is not None and self.remote.model_dir:
             settings.model_dir = self.remote.model_dir  # the same model, where this host keeps it
         if self.settings is None:
             self.settings = settings
-        elif settings != self.settings:
-            raise SystemExit("the gateway's converter settings changed since this worker loaded its model; "
+        elif msgspec.structs.replace(settings, fingerprint=self.settings.fingerprint) != self.settings:
+            raise SystemExit("a gateway's converter settings differ from those this worker loaded its model with; "
                              "exiting so that a restart loads them")
-        self._beat_at = time.monotonic()
 
-    def _handle(self, sock, frames) -> bool:
+    def _handle(self, link: _Link, frames) -> bool:
         try:
             msg = m.to_worker.decode(frames[0].buffer)
         except msgspec.DecodeError:
@@ -146,15 +197,18 @@ class Worker:
             t0 = time.perf_counter()
             deltas = self.detokenizer.step(msg.items)
             out = m.DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures())
-            sock.send(m.encoder.encode(out))
+            link.sock.send(m.encoder.encode(out))
+            if link.beats:
+                link.streams.difference_update(item.request_id for item in msg.items if item.finished)
         elif isinstance(msg, m.ConvertJob):
             body = frames[1].bytes if len(frames) > 1 else b""
             if msg.quick:
-                self._send(sock, self._convert(self.quick_converter, msg, body, time.perf_counter()))
+                self._send(link, self._convert(self.quick_converter, msg, body, time.perf_counter()))
             else:
-                self.jobs.put((msg, body, time.perf_counter()))
+                self.jobs.put((msg, body, time.perf_counter(), link))
         elif isinstance(msg, m.Release):
             self.detokenizer.release(msg.request_ids)
+            link.streams.difference_update(msg.request_ids)
         elif isinstance(msg, m.Limits):
             self.converter.limit_context(msg)
             self.quick_converter.limit_context(msg)
@@ -162,11 +216,18 @@ class Worker:
             if msg.reason:
                 raise SystemExit(f"the gateway refused this worker: {msg.reason}")
             return False
-        elif isinstance(msg, m.Rejoin) and self.remote is not None:
-            log.warning("worker %d: the gateway no longer counts this worker; joining again", self.index)
-            self.detokenizer = Detokenizer(self.converter.tokenizer)  # its streams were failed there
-            self._join(sock)
-            self._send_ready(sock)
+        elif isinstance(msg, m.WorkerSettings) and link.beats:
+            self._take_settings(msgspec.json.decode(msg.settings, type=ConverterSettings))
+            link.index, link.joined, link.beat_at = msg.worker_index, True, time.monotonic()
+            if self._loaded.is_set() and self._load_error is None:
+                self._send_ready(link)
+        elif isinstance(msg, m.Rejoin) and link.beats and link.joined:
+            log.warning("worker %d: the gateway at %s no longer counts this worker; joining again", self.index,
+                        link.endpoint)
+            self.detokenizer.release(list(link.streams))  # that gateway failed those streams
+            link.streams.clear()
+            link.joined, link.said_hello = False, 0.0
+            self._tick()
         return True
 
     def _convert_loop(self) -> None:
@@ -183,9 +244,15 @@ class Worker:
             return
         finally:
             self._loaded.set()
+        shared = len(self.links) > 1
         while True:
-            job, body, received = self.jobs.get()
-            self.results.put(self._convert(self.converter, job, body, received))
+            job, body, received, link = self.jobs.get()
+            if shared:
+                self.results.put((True, link))
+                wake.send(b"")
+            self.results.put((self._convert(self.converter, job, body, received), link))
+            if shared:
+                self.results.put((False, link))
             wake.send(b"")
 
     def _convert(self, converter: Converter, job: m.ConvertJob, body: bytes, received: float):
@@ -199,18 +266,26 @@ class Worker:
         conversion.done.queue_s = started - received
         return conversion
 
-    def _send_results(self, sock) -> None:
+    def _send_results(self) -> None:
         while True:
             try:
-                conversion = self.results.get_nowait()
+                conversion, link = self.results.get_nowait()
             except queue.Empty:
                 return
-            self._send(sock, conversion)
+            if isinstance(conversion, bool):  # busy with, or done with, a job of this link's gateway
+                notice = m.encoder.encode(m.WorkerBusy(conversion))
+                for other in self.links:
+                    if other is not link and other.joined:
+                        self._send_nowait(other, notice)
+                continue
+            self._send(link, conversion)
 
-    def _send(self, sock, conversion) -> None:
+    def _send(self, link: _Link, conversion) -> None:
         for spec in conversion.detok:
             self.detokenizer.open(spec)
-        sock.send_multipart([m.encoder.encode(conversion.done), *conversion.frames], copy=False)
+            if link.beats:
+                link.streams.add(spec.request_id)
+        link.sock.send_multipart([m.encoder.encode(conversion.done), *conversion.frames], copy=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--title", default=None, help="What ps shows for this process.")
     parser.add_argument("--memory-limit-mb", type=int, default=0)
+    parser.add_argument("--attach", action="append", default=[], help="Another gateway of the node to join.")
     args = parser.parse_args(argv)
     die_with_supervisor()
     limit_memory(args.memory_limit_mb)
@@ -230,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     # detokenization of running streams waits at most that long behind a conversion.
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
-    Worker(args.index, args.connect, settings).run()
+    Worker(args.index, args.connect, settings, attach=tuple(args.attach)).run()
     return 0
 
 

@@ -41,6 +41,7 @@ class ServeSettings:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    gateways: int = 1
     workers: int = 0  # 0: CPU count minus one, at least one
     scheduler: str | None = None
     chat_template: str | None = None
@@ -91,6 +92,11 @@ class ServeSettings:
             self.default_chat_template_kwargs = {}
         if not self.workers and not self.remote_workers:
             self.workers = _default_workers()
+        if self.gateways < 1:
+            raise SystemExit("gateways: at least 1")
+        if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):
+            raise SystemExit("--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
+                             "(remote workers join one gateway) nor with --conversion-mode inline/thread")
         endpoints = self.scheduler_endpoints
         duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
         if duplicates:
@@ -108,6 +114,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "model": (str, "HuggingFace model directory (tokenizer.json, tokenizer_config.json, ...). Default: the embedded DeepSeek-V4 tokenizer."),
     "host": (str, "Address to listen on."),
     "port": (int, "Port to listen on."),
+    "gateways": (int, "Gateway processes sharing the port (SO_REUSEPORT), each with its own event loop and "
+                 "scheduler sessions, all sharing the tokenizer workers; /metrics on any shows the node's totals."),
     "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
                 "0 = none: only remote workers convert)."),
     "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "

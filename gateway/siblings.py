@@ -1,0 +1,183 @@
+"""Several gateway processes on one port (``--gateways N``): how they start and find each other.
+
+The process ``tokenmill serve`` starts (the one systemd watches) is gateway 0. It starts the
+simulated scheduler if there is one, the tokenizer workers, and gateways 1..N-1, restarting
+any that dies; they die with it. Every gateway listens on the same host and port with
+SO_REUSEPORT, so the kernel spreads new connections over them, runs its own uvloop, and has
+its own session with every scheduler rank. They share one worker pool: each worker is a local
+worker of gateway 0 and joins every other gateway (``--attach``) at the same index, so a
+conversation hashes to the same worker whichever gateway takes its connection.
+
+Each gateway answers /health and /ready for itself. /metrics on any of them shows the node's
+totals: it asks the others for their own exposition over ipc:// and merges them
+(gateway/metrics_merge.py), so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict
+from typing import Callable
+
+import zmq
+
+from tokenmill.loop_socket import LoopSocket
+from tokenmill.procutil import child_env
+
+log = logging.getLogger("tokenmill.gateway")
+SIBLING_ENV = "TOKENMILL_GATEWAY_SIBLING"
+
+
+def worker_endpoint(runtime_dir: str, index: int) -> str:
+    """Where gateway ``index`` (1..N-1) lets the node's workers join it."""
+    return f"ipc://{runtime_dir}/gateway-{index}-workers.sock"
+
+
+def metrics_endpoint(runtime_dir: str, index: int) -> str:
+    return f"ipc://{runtime_dir}/gateway-{index}-metrics.sock"
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that the other gateway processes bind too; the kernel spreads connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class SiblingGateways:
+    """In gateway 0: starts gateways 1..N-1 and restarts one that exits."""
+
+    def __init__(self, settings, runtime_dir: str, schedulers: list[str]):
+        self.settings = settings
+        self.runtime_dir = runtime_dir
+        self.schedulers = schedulers
+        self.processes: dict[int, asyncio.subprocess.Process] = {}
+        self.restarts = 0
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for index in range(1, self.settings.gateways):
+            await self._spawn(index)
+
+    async def _spawn(self, index: int) -> None:
+        env = child_env()
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # systemd hears gateway 0 only
+            env.pop(name, None)
+        env[SIBLING_ENV] = json.dumps({"index": index, "runtime_dir": self.runtime_dir, "schedulers": self.schedulers,
+                                       "settings": asdict(self.settings)})
+        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.server", env=env)
+        self.processes[index] = process
+        self._tasks.append(asyncio.create_task(self._watch(index, process, time.monotonic())))
+
+    async def _watch(self, index: int, process, started: float) -> None:
+        code = await process.wait()
+        if self._closing:
+            return
+        log.warning("gateway %d (pid %d) exited with %s; starting a replacement", index, process.pid, code)
+        self.restarts += 1
+        if time.monotonic() - started < 2.0:  # crash-looping: back off a little
+            await asyncio.sleep(2.0)
+        if not self._closing:
+            await self._spawn(index)
+
+    def terminate(self) -> None:
+        """SIGTERM: each gateway drains its own requests, as this one does."""
+        self._closing = True
+        for process in self.processes.values():
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+
+    async def wait(self, timeout: float) -> None:
+        self._closing = True
+        for process in self.processes.values():
+            try:
+                await asyncio.wait_for(process.wait(), timeout)
+            except asyncio.TimeoutError:
+                process.kill()
+                await process.wait()
+        for task in self._tasks:
+            task.cancel()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes.values() if p.returncode is None]
+
+
+class MetricsExchange:
+    """Each gateway answers the others' requests for its own exposition, and gathers theirs."""
+
+    def __init__(self, runtime_dir: str, index: int, count: int, render: Callable[[], bytes], timeout: float = 1.0):
+        self.runtime_dir, self.index, self.count = runtime_dir, index, count
+        self.render = render
+        self.timeout = timeout
+        self.server: LoopSocket | None = None
+        self.peers: dict[int, LoopSocket] = {}
+        self.waiting: dict[bytes, asyncio.Future] = {}
+        self._nonce = 0
+
+    def start(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(metrics_endpoint(self.runtime_dir, self.index))
+        self.server = LoopSocket(sock, self._answer)
+        self.server.start()
+        for other in range(self.count):
+            if other == self.index:
+                continue
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.setsockopt(zmq.SNDHWM, 16)
+            peer.connect(metrics_endpoint(self.runtime_dir, other))
+            self.peers[other] = LoopSocket(peer, self._reply)
+            self.peers[other].start()
+
+    def _answer(self, frames) -> None:
+        try:
+            self.server.send([frames[0].bytes, frames[1].bytes, self.render()])
+        except zmq.ZMQError:
+            pass  # the asker is gone
+
+    def _reply(self, frames) -> None:
+        future = self.waiting.pop(frames[0].bytes, None)
+        if future is not None and not future.done():
+            future.set_result(frames[1].bytes)
+
+    async def gather(self) -> list[bytes]:
+        """The other gateways' expositions; one that does not answer within the timeout is left out
+        (tokenmill_gateway_processes then shows fewer than --gateways)."""
+        loop = asyncio.get_running_loop()
+        asked = []
+        for peer in self.peers.values():
+            self._nonce += 1
+            nonce = self._nonce.to_bytes(8, "little")
+            future = loop.create_future()
+            self.waiting[nonce] = future
+            try:
+                peer.send([nonce])
+                asked.append((nonce, future))
+            except zmq.ZMQError:
+                self.waiting.pop(nonce, None)
+        if not asked:
+            return []
+        await asyncio.wait([f for _, f in asked], timeout=self.timeout)
+        for nonce, _ in asked:
+            self.waiting.pop(nonce, None)
+        return [f.result() for _, f in asked if f.done() and not f.cancelled()]
+
+    def close(self) -> None:
+        for sock in (self.server, *self.peers.values()):
+            if sock is not None:
+                sock.close()

@@ -1,0 +1,127 @@
+"""`tokenmill serve --gateways 2`: two gateway processes on one port, sharing the tokenizer workers.
+
+Every request here opens a new connection (urllib), so the kernel's SO_REUSEPORT hashing spreads
+them over both gateways; which one answered is read from /debug/state's pid.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import Server, http
+
+MODEL = "deepseek-v4"
+
+
+def metric(text: str, name: str, default: float | None = None, **labels) -> float:
+    want = {"model_name": MODEL, **labels}
+    total = default
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if got == want:
+            total = float(match.group(2))
+    assert total is not None, f"{name}{labels} not in /metrics"
+    return total
+
+
+def scrape(server: Server) -> str:
+    status, _, body = http("GET", server.url + "/metrics")
+    assert status == 200
+    return body.decode()
+
+
+def states(server: Server, n: int) -> list[dict]:
+    return [http("GET", server.url + "/debug/state")[2] for _ in range(n)]
+
+
+def chat(server: Server, content: str, system: str = "You are terse.") -> dict:
+    status, _, body = http("POST", server.url + "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": content}]})  # fmt: skip
+    assert status == 200, body
+    return body
+
+
+@pytest.fixture(scope="module")
+def node():
+    srv = Server("--gateways", "2", "--workers", "2", "--sim-inter-token-latency-ms", "1")
+    deadline = time.monotonic() + 60
+    while len({s["pid"] for s in states(srv, 10)}) < 2 or not all(
+            sum(w["alive"] for w in s["workers"]) == 2 for s in states(srv, 10)):
+        assert time.monotonic() < deadline, "the second gateway did not come up with both workers"
+        time.sleep(0.2)
+    yield srv
+    srv.stop()
+
+
+def test_both_gateways_serve_the_port_with_the_same_workers(node):
+    seen = {}
+    for state in states(node, 40):
+        seen[state["pid"]] = state
+    assert len(seen) == 2, "40 new connections all reached one gateway: SO_REUSEPORT is not spreading them"
+    assert sorted(s["gateway"] for s in seen.values()) == [0, 1]
+    primary = next(s for s in seen.values() if s["gateway"] == 0)
+    assert sorted(primary["gateway_pids"]) == sorted(seen)
+    # the same worker processes, at the same indices, in both pools
+    pools = [sorted((w["index"], w["pid"]) for w in s["workers"] if w["alive"]) for s in seen.values()]
+    assert pools[0] == pools[1] and len(pools[0]) == 2
+    for state in seen.values():  # each answers /health and /ready for itself
+        assert state["scheduler_connected"]
+
+
+def test_metrics_on_either_gateway_show_the_node_totals(node):
+    before = scrape(node)
+    base = metric(before, "tokenmill_requests_total", 0.0, endpoint="/v1/chat/completions", status="200")
+    for i in range(12):
+        chat(node, f"Say {i}.")
+    for _ in range(6):  # each scrape lands on either gateway; each must show all twelve, once
+        text = scrape(node)
+        assert metric(text, "tokenmill_requests_total", endpoint="/v1/chat/completions", status="200") == base + 12
+        assert metric(text, "tokenmill_gateway_processes") == 2
+        assert metric(text, "tokenmill_workers_alive") == 2  # the shared workers, not counted twice
+        assert metric(text, "tokenmill_scheduler_connected") == 1
+
+
+def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
+    """Turn after turn of one conversation, on new connections (so on both gateways), is converted
+    by the worker holding its cached segments: only the new words are tokenized afresh."""
+    system = "Policy. " + " ".join(f"Rule {i}: answer question {i} with care and cite section {i % 17}." for i in range(900))
+    first = chat(node, "Question 0?", system)
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 10000
+    before = metric(scrape(node), "tokenmill_prompt_tokens_tokenized_total", 0.0)
+    for i in range(1, 9):
+        chat(node, f"Question {i}?", system)
+    fresh = metric(scrape(node), "tokenmill_prompt_tokens_tokenized_total") - before
+    assert fresh < 0.5 * prompt_tokens, f"{fresh} tokens tokenized afresh over 8 turns of a {prompt_tokens}-token prompt"
+
+
+def test_a_gateway_that_dies_is_replaced_and_sigterm_stops_them_all():
+    srv = Server("--gateways", "2", "--workers", "1", "--sim-inter-token-latency-ms", "1")
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids := next((s["gateway_pids"] for s in states(srv, 10) if s["gateway"] == 0), None)) or len(pids) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        second = [p for p in pids if p != srv.proc.pid][0]
+        os.kill(second, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the kernel stops sending connections to a closed listener: requests keep succeeding
+            chat(srv, "Still there?")
+            found = {s["pid"] for s in states(srv, 10)}
+            if len(found) == 2 and second not in found:
+                break
+            assert time.monotonic() < deadline, f"no replacement for gateway pid {second}: {found}"
+            time.sleep(0.2)
+        children = set(srv.children())
+    finally:
+        assert srv.stop() == 0
+    assert "gateway 1 (pid" in srv.read_output() and "starting a replacement" in srv.read_output()
+    time.sleep(0.5)
+    alive = [p for p in children if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
+    assert not alive, f"processes left after SIGTERM: {alive}"
