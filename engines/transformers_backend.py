@@ -21,16 +21,28 @@ and per-request temperature, top-k and top-p processors, and every request sets 
 * ``presence_penalty`` / ``frequency_penalty`` other than 0 are **rejected** (continuous
   batching has no per-request penalties).
 
-Protocol 1.1: this engine offers none of the optional features (Welcome.features is empty),
-so the engine server refuses ``logprobs``, ``structured``, ``min_p``, ``repetition_penalty``,
-``min_tokens`` and ``logit_bias`` with ``unsupported``. What transformers 5.24's continuous
-batching has: per-request processors only for temperature, top-k and top-p (its
+Protocol 1.1: ``logprobs`` is honoured (Welcome.features ``["logprobs"]``, max_logprobs 20);
+``structured``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``logit_bias`` are refused
+with ``unsupported`` by the engine server. transformers 5.24's continuous batching has
+per-request processors only for temperature, top-k and top-p (its
 ``CLASSIC_TO_CB_PROCESSORS_MAP``; any other processor would apply to the whole batch with one
-value), no constrained decoding, and ``ContinuousBatchingConfig(return_logprobs=True)``, a
-manager-wide switch that returns the sampled token's logprob only (no top N), taken from the
-*processed* distribution the token was sampled from: after temperature, top-k and top-p. For a
-greedy request (top-k 1 here) that is 0.0 for every token, so it is not the model's logprob
-that OpenAI's and vLLM's ``logprobs`` mean, and the bridge does not offer it.
+value) and no constrained decoding.
+
+Logprobs are the model's raw ones, as vLLM's default ``logprobs_mode="raw_logprobs"``:
+log_softmax of the logits before temperature, top-k and top-p. transformers' own
+``ContinuousBatchingConfig(return_logprobs=True)`` is not that: manager-wide, the sampled
+token only, and from the *processed* distribution (0.0 for every greedy token, top-k 1 here).
+So :func:`_install_raw_logprobs` gives the batch processor a model runner whose step, once
+transformers has run the forward pass, the processors and the sampler, also writes per logits
+row the chosen token's raw logprob and the top ``MAX_LOGPROBS`` (IDs, logprobs) into extra
+rows of the step's static ``output_ids`` tensor. transformers already carries that tensor to
+the host (synchronously, or double-buffered in its async mode) and ``update_batch`` maps row i
+to the i-th request with a new token; our ``prepare_batch_update`` hands it each row's
+``(chosen, top_ids, top_logprobs)`` as the "logprob" it appends to that request's
+``logprobs``. So each request gets its own rows, in step with its ``generated_tokens``,
+whatever else is in the batch, and since it is all tensor ops on static buffers, CUDA graphs
+and torch.compile capture it with the rest of the step (torch.compile checked on CPU; CUDA
+graphs and async batching not yet run on a GPU).
 
 ``--random-weights`` builds a tiny Llama with random weights (:func:`build_random_model`)
 over the vocabulary of the model tokenmill serves, so that the whole path — prompt token
@@ -50,7 +62,7 @@ from typing import Any
 
 from engines import require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
-from scheduler_client.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
+from scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
 from scheduler_client.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.transformers")
@@ -67,6 +79,8 @@ RANDOM_DEFAULTS = {
 }
 # CPU defaults for the paged cache (transformers would otherwise size it from 60% of RAM).
 CPU_CACHE_DEFAULTS = {"num_blocks": 256, "page_size": 32, "max_batch_tokens": 512, "max_running": 16}
+# The top N logprobs computed for every generated token (Welcome.max_logprobs), as vLLM's default.
+MAX_LOGPROBS = 20
 
 
 def _require() -> None:
@@ -128,6 +142,70 @@ def build_random_model(
     return model.eval()
 
 
+def _install_raw_logprobs(processor, top_n: int) -> None:
+    """Make a ContinuousBatchProcessor produce raw logprobs (see the module docstring).
+
+    Done before its first step (warm-up and CUDA graph capture included), in the generation
+    thread; ``output_ids`` row 0 stays the tokens, row 1 the chosen token's logprob (float32
+    bits), then ``top_n`` rows of top IDs and ``top_n`` of their logprobs.
+    """
+    import torch
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    if getattr(processor, "_tokenmill_logprobs", False):  # the manager reuses a processor after reset()
+        return
+
+    class RawLogprobsRunner(ModelRunner):
+        def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids):
+            raw = []
+
+            def forward(**kwargs):  # the model, keeping its logits before any processor
+                out = model(**kwargs)
+                raw.append(out.logits)
+                return out
+
+            super()._forward_process_and_sample(forward, batch_data, carry_over_ids, prev_output_ids, output_ids)
+            logits = raw[0]
+            if "logits_to_keep" not in batch_data:
+                logits = logits[:, batch_data["logits_indices"], :]
+            logits = logits[0].float()  # [rows, vocab], one row per request with a new token
+            rows = logits.size(0)
+            norm = logits.logsumexp(-1, keepdim=True)
+            chosen = logits.gather(1, output_ids[0, :rows].long().unsqueeze(1)) - norm
+            top_values, top_ids = logits.topk(top_n, dim=-1)
+            output_ids[1, :rows].copy_(chosen.squeeze(1).view(torch.int32))
+            output_ids[2 : 2 + top_n, :rows].copy_(top_ids.T)
+            output_ids[2 + top_n :, :rows].copy_((top_values - norm).T.view(torch.int32))
+
+    old = processor.model_runner
+    processor.model_runner = RawLogprobsRunner(
+        logit_processor=old.logit_processor, cb_config=old.cb_config, inputs_and_outputs=old.inputs_and_outputs,
+        cache=old.cache, do_sample=old.do_sample, return_logprobs=False,
+    )  # fmt: skip
+
+    def reader(io):
+        def prepare_batch_update():
+            """Per logits row: (token) and (chosen logprob, top IDs, top logprobs)."""
+            out = io.output_ids[:, : io.num_request_in_batch].cpu()
+            chosen = out[1].view(torch.float32).tolist()
+            top_ids = out[2 : 2 + top_n].T.tolist()
+            top_values = out[2 + top_n :].view(torch.float32).T.tolist()
+            return io.requests_in_batch, out[0].tolist(), list(zip(chosen, top_ids, top_values, strict=True))
+
+        return prepare_batch_update
+
+    ios = processor.inputs_and_outputs
+    pairs = getattr(ios, "io_pairs", None)  # async batching: a (host, device) pair per buffer
+    for io in [ios] if pairs is None else [x for pair in pairs for x in (pair.host_io, pair.device_io)]:
+        old_ids = io.output_ids
+        io.output_ids = torch.zeros(
+            (2 + 2 * top_n, old_ids.size(1)), dtype=old_ids.dtype, device=old_ids.device,
+            pin_memory=old_ids.is_pinned(),
+        )  # fmt: skip
+        io.prepare_batch_update = reader(io)  # the async wrapper reads its host side's
+    processor._tokenmill_logprobs = True
+
+
 def _pick_device(device: str) -> str:
     import torch
 
@@ -183,6 +261,7 @@ class TransformersBackend(Backend):
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.seed = seed
+        self.max_logprobs = MAX_LOGPROBS
         self.manager = None
         self._info: EngineInfo | None = None
         self._vocab_size = 0
@@ -254,6 +333,7 @@ class TransformersBackend(Backend):
         self._model = model
         config = model.config.get_text_config()
         self._vocab_size = int(config.vocab_size)
+        self.max_logprobs = min(MAX_LOGPROBS, self._vocab_size)
         n_params = sum(p.numel() for p in model.parameters())
         log.info(
             "model %s: %.1fM parameters, %s on %s, attention %s, loaded in %.1f s",
@@ -291,6 +371,14 @@ class TransformersBackend(Backend):
             manager = model.init_continuous_batching(
                 generation_config=generation_config, continuous_batching_config=cb_config
             )
+            create = manager._create_batch_processor  # called by the generation thread before its first step
+
+            def create_with_logprobs():
+                processor = create()
+                _install_raw_logprobs(processor, self.max_logprobs)
+                return processor
+
+            manager._create_batch_processor = create_with_logprobs
             manager.start()
         self.manager = manager
         try:
@@ -323,6 +411,8 @@ class TransformersBackend(Backend):
             vocab_size=self._vocab_size,
             max_running_requests=int(resolved.max_requests_per_batch),
             max_model_len=max_model_len,
+            features=frozenset({FEATURE_LOGPROBS}),
+            max_logprobs=self.max_logprobs,
         )
         log.info(
             "continuous batching: %d requests per batch, %d tokens per batch, %d cache blocks of %d tokens, max_model_len %s",
@@ -411,22 +501,34 @@ class TransformersBackend(Backend):
                 out = await outputs.get()
                 self._note_running()
                 tokens = out.generated_tokens
-                delta, sent = tokens[sent:], len(tokens)
+                delta, sent, new_logprobs = tokens[sent:], len(tokens), out.logprobs[sent:]
+                logprobs = self._logprobs(request.logprobs, new_logprobs)
                 if out.status == self._failed:
                     finished = True
-                    yield Chunk(delta, FINISH_ERROR, out.error or "generation failed")
+                    yield Chunk(delta, FINISH_ERROR, out.error or "generation failed", **logprobs)
                     return
                 if out.is_finished():
                     finished = True
                     reason = FINISH_STOP if tokens and tokens[-1] in stop_ids else FINISH_LENGTH
-                    yield Chunk(delta, reason)
+                    yield Chunk(delta, reason, **logprobs)
                     return
                 if delta:
-                    yield Chunk(delta)
+                    yield Chunk(delta, **logprobs)
         finally:
             self._unregister(rid)
             if not finished:
                 self._cancel(rid)
+
+    @staticmethod
+    def _logprobs(n: int | None, rows: list) -> dict:
+        """Chunk fields for a request's new ``(chosen, top_ids, top_logprobs)`` rows: the top ``n``, best first."""
+        if n is None:
+            return {}
+        fields: dict[str, list] = {"logprobs": [row[0] for row in rows]}
+        if n:
+            fields["top_ids"] = [i for row in rows for i in row[1][:n]]
+            fields["top_logprobs"] = [v for row in rows for v in row[2][:n]]
+        return fields
 
     async def abort(self, rid: str) -> None:
         if self.manager is None:

@@ -8,7 +8,8 @@ process builds the same model with the same function to check that what comes ba
 real forward passes produce: greedy tokens equal plain `model.generate` greedy tokens.
 
 A second DEALER (a "probe", a front end of its own) talks to the engine directly: for token-level
-checks and to read the engine's Stats, whose optional fields report how many requests the
+checks (logprobs included: the model's raw log_softmax, checked against the same model's logits
+computed here) and to read the engine's Stats, whose optional fields report how many requests the
 engine ran at once (peak_running) and how many it cancelled (cancelled_total).
 """
 
@@ -45,6 +46,7 @@ from scheduler_client.protocol import (  # noqa: E402
     Stats,
     Structured,
     Welcome,
+    bytes_to_floats,
     decode_from_scheduler,
     encode,
     frame_to_ids,
@@ -212,16 +214,15 @@ def test_welcome_reports_capacity(probe):
     assert w.max_model_len == 4096
 
 
-def test_welcome_offers_no_1_1_features(probe):
-    """Protocol 1.1: transformers' continuous batching honours none of the optional fields (see
-    engines/transformers_backend.py), so Welcome lists none and no max_logprobs."""
-    assert (probe.welcome.features, probe.welcome.max_logprobs) == ([], None)
+def test_welcome_offers_logprobs_only(probe):
+    """Protocol 1.1: transformers' continuous batching honours logprobs (computed by the engine,
+    see engines/transformers_backend.py) and none of the other optional fields."""
+    assert (probe.welcome.features, probe.welcome.max_logprobs) == (["logprobs"], 20)
 
 
 def test_1_1_fields_are_refused_as_unsupported(probe):
-    """Each optional field gets an ``unsupported`` error naming it, and the engine carries on."""
+    """Each optional field other than logprobs gets an ``unsupported`` error naming it, and the engine carries on."""
     cases = {
-        "logprobs": ({"logprobs": 0}, "logprobs"),
         "structured": ({"structured": Structured(kind="regex", spec="a+")}, "structured"),
         "min_p": ({"sampling": SamplingParams(min_p=0.1)}, "sampling.min_p"),
         "repetition": ({"sampling": SamplingParams(repetition_penalty=1.2)}, "sampling.repetition_penalty"),
@@ -252,6 +253,97 @@ def test_greedy_equals_model_generate(probe, reference_model):
     assert b == greedy_reference(reference_model, other, 12)
     assert a != b  # another prompt, other tokens
     assert probe.generate("greedy-a", prompt, 12, temperature=0.0)[0] == a  # same prompt, same tokens
+
+
+def generate_together(probe, requests: dict[str, tuple[list[int], dict]]) -> tuple[dict[str, dict], int]:
+    """Several requests sent at once (so the engine batches them): rid -> tokens, finish, logprobs,
+    top_ids, top_logprobs; and the most requests one engine step (one Outputs) carried tokens for.
+    Values: (prompt, Generate keywords with "sampling" a dict)."""
+    got, most = {}, 0
+    for rid, (prompt, fields) in requests.items():
+        fields = dict(fields)
+        sampling = SamplingParams(**fields.pop("sampling", {}))
+        message = Generate(request_id=rid, prompt_token_count=len(prompt), sampling=sampling, **fields)
+        probe.sock.send_multipart([encode(message), ids_to_frame(prompt)])
+        got[rid] = {"tokens": [], "finish": None, "logprobs": [], "top_ids": [], "top_logprobs": []}
+    deadline = time.monotonic() + 60
+    while any(g["finish"] is None for g in got.values()):
+        assert time.monotonic() < deadline, f"not finished: {got}\n{probe.engine.log()}"
+        message = probe.recv(0.5)
+        if isinstance(message, Error):
+            raise AssertionError(f"rejected: {message}")
+        if not isinstance(message, Outputs):
+            continue
+        most = max(most, len({out.request_id for out in message.outputs if out.token_ids}))
+        for out in message.outputs:
+            g = got[out.request_id]
+            g["tokens"] += frame_to_ids(out.token_ids)
+            g["logprobs"] += bytes_to_floats(out.logprobs)
+            g["top_ids"] += frame_to_ids(out.top_ids)
+            g["top_logprobs"] += bytes_to_floats(out.top_logprobs)
+            g["finish"] = out.finish_reason
+    return got, most
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]):
+    """log_softmax of the model's logits at each generated position, computed here with plain torch."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_logprobs(got: dict, reference, n: int) -> None:
+    """The chosen token's logprob and the top n (IDs and values, best first) are the model's, within 1e-4."""
+    tokens = got["tokens"]
+    assert len(got["logprobs"]) == len(tokens)
+    assert len(got["top_ids"]) == len(got["top_logprobs"]) == n * len(tokens)
+    for i, token in enumerate(tokens):
+        row = reference[i]
+        assert abs(got["logprobs"][i] - row[token].item()) < 1e-4, (i, got["logprobs"][i], row[token].item())
+        ids, values = got["top_ids"][n * i : n * i + n], got["top_logprobs"][n * i : n * i + n]
+        assert values == sorted(values, reverse=True)
+        best = row.topk(n).values.tolist()
+        assert max((abs(a - b) for a, b in zip(values, best, strict=True)), default=0) < 1e-4, (i, values, best)
+        assert max((abs(v - row[t].item()) for t, v in zip(ids, values, strict=True)), default=0) < 1e-4  # its ID's
+
+
+def test_logprobs_are_the_models_raw_logprobs(probe, reference_model):
+    """Three requests batched together: greedy with the top 5, sampled (temperature 0.9, top-p 0.95)
+    with the top 3, and one without logprobs. The logprobs are log_softmax of the model's logits before
+    temperature / top-k / top-p (vLLM's raw_logprobs), each request's own; greedy picks the top entry."""
+    greedy_prompt, sampled_prompt, plain_prompt = [11, 2024, 7, 99, 1500], [300, 301, 302], [5, 6, 7, 8, 9, 10, 11]
+    got, most = generate_together(probe, {
+        "lp-greedy": (greedy_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}, "logprobs": 5}),
+        "lp-sampled": (sampled_prompt, {"max_new_tokens": 10, "logprobs": 3,
+                                        "sampling": {"temperature": 0.9, "top_p": 0.95}}),
+        "lp-none": (plain_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}}),
+    })  # fmt: skip
+    assert {rid: g["finish"] for rid, g in got.items()} == dict.fromkeys(got, "length")
+    assert most >= 2, "the requests never shared an engine step"
+
+    greedy = got["lp-greedy"]
+    assert greedy["tokens"] == greedy_reference(reference_model, greedy_prompt, 10)
+    check_logprobs(greedy, reference_logprobs(reference_model, greedy_prompt, greedy["tokens"]), 5)
+    for i, token in enumerate(greedy["tokens"]):  # greedy: the chosen token is the top-1 entry
+        assert (token, greedy["logprobs"][i]) == (greedy["top_ids"][5 * i], greedy["top_logprobs"][5 * i])
+
+    sampled = got["lp-sampled"]
+    check_logprobs(sampled, reference_logprobs(reference_model, sampled_prompt, sampled["tokens"]), 3)
+    # sampled, not greedy: some chosen token is below the best one (its raw logprob, not the tempered one)
+    assert any(sampled["logprobs"][i] < sampled["top_logprobs"][3 * i] - 1e-6 for i in range(10))
+
+    plain = got["lp-none"]
+    assert plain["tokens"] == greedy_reference(reference_model, plain_prompt, 10)
+    assert plain["logprobs"] == plain["top_ids"] == plain["top_logprobs"] == []
+
+
+def test_logprobs_zero_is_the_chosen_token_only(probe, reference_model):
+    prompt = [11, 2024, 7, 99, 1501]
+    got = generate_together(probe, {"lp0": (prompt, {"max_new_tokens": 6, "logprobs": 0})})[0]["lp0"]
+    assert got["top_ids"] == got["top_logprobs"] == []
+    check_logprobs(got, reference_logprobs(reference_model, prompt, got["tokens"]), 0)
 
 
 def test_weights_follow_the_seed():
@@ -322,6 +414,31 @@ def test_completion_from_token_ids_matches_the_model(front, reference_model):
     )
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == i + 1
+
+
+def test_logprobs_through_the_openai_api(front, reference_model):
+    """completions ``logprobs`` and chat ``logprobs``/``top_logprobs`` through tokenmill: the model's values."""
+    client = front.client()
+    model = model_name(front)
+    prompt = [11, 2024, 7, 99, 1500]
+    tokens = greedy_reference(reference_model, prompt, 6)
+    reference = reference_logprobs(reference_model, prompt, tokens)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6
+    for i, token in enumerate(tokens):
+        assert abs(lp.token_logprobs[i] - reference[i, token].item()) < 1e-4
+        assert abs(max(lp.top_logprobs[i].values()) - reference[i].max().item()) < 1e-4
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:  # greedy: the chosen token is the best entry
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
 
 
 def test_concurrent_requests_are_batched(front, probe):
