@@ -140,6 +140,12 @@ class Metrics:
         self.gateway_processes = g("tokenmill_gateway_processes",
                                    "Gateway processes whose metrics this scrape shows (each sets 1; summed when merged).")
         self.gateway_processes.set(1)
+        self.gateway_restarts = _Bound(c(
+            "tokenmill_gateway_restarts",
+            "Gateway processes (1..N-1 of --gateways N) replaced by gateway 0: exited, or killed for a stalled loop.",
+            ["reason"]), model_name)  # fmt: skip
+        for reason in ("exited", "stalled"):  # exported at 0 from the start
+            self.gateway_restarts.labels(reason=reason)
         self.tool_parse_failures = _Bound(Counter(
             "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
             label + ["parser"], registry=r), model_name)  # fmt: skip

@@ -29,6 +29,7 @@ from gateway.metrics import Metrics
 from tokenmill.transport_security import RemoteWorkerSecurity, WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway import siblings
 from gateway.metrics_merge import merge_expositions
+from gateway.listener import Acceptor, listen_sockets
 from gateway.siblings import MetricsExchange, SiblingGateways
 from gateway.worker_pool import WorkerPool
 from gateway.scheduler_ranks import SchedulerRanks
@@ -43,11 +44,29 @@ log = logging.getLogger("tokenmill.gateway")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers: the gateway drains on SIGTERM itself."""
+    """uvicorn's server without its signal handlers (the gateway drains on SIGTERM itself), taking its
+    connections from the gateway's own accept loop (gateway/listener.py) instead of listening itself."""
+
+    def __init__(self, config: uvicorn.Config, listeners: list):
+        super().__init__(config)
+        self.listeners = listeners
+        self.acceptor: Acceptor | None = None
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[])  # no listening of uvicorn's own
+        config = self.config
+        self.acceptor = Acceptor(self.listeners, lambda: config.http_protocol_class(
+            config=config, server_state=self.server_state, app_state=self.lifespan.state))  # fmt: skip
+        self.acceptor.start()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.acceptor is not None:
+            self.acceptor.close()
+        await super().shutdown(sockets=sockets)
 
 
 def _parser_setting(value: str, model: str | None) -> str:
@@ -170,8 +189,9 @@ class Gateway:
             self.exchange = MetricsExchange(self.runtime_dir, self.index, s.gateways, self.collect_metrics)
             self.exchange.start()
             if not self.sibling:
-                self.siblings = SiblingGateways(s, self.runtime_dir, endpoints)
+                self.siblings = SiblingGateways(s, self.runtime_dir, endpoints, self.metrics)
                 await self.siblings.start()
+                self.siblings.watch_stalls(self.exchange, s.gateway_stall_timeout)
         self._lag_task = asyncio.create_task(self._measure_loop_lag())
         interval = systemd_notify.watchdog_interval()
         self._watchdog_task = asyncio.create_task(systemd_notify.pet_watchdog(interval)) if interval else None
@@ -322,10 +342,13 @@ class Gateway:
                 log_level=s.log_level, access_log=False, timeout_keep_alive=s.timeout_keep_alive,
                 timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
             )  # fmt: skip
-            server = _Server(config)
-            # with --gateways N every gateway binds the port (SO_REUSEPORT); the kernel spreads connections
-            sockets = [siblings.reuseport_socket(s.host, s.port)] if s.gateways > 1 else None
-            server_task = asyncio.create_task(server.serve(sockets=sockets))
+            try:  # with --gateways N every gateway binds the port (SO_REUSEPORT); the kernel spreads connections
+                listeners = listen_sockets(s.host, s.port, reuseport=s.gateways > 1)
+            except OSError as exc:
+                log.error("cannot listen on %s:%d: %s", s.host, s.port, exc.strerror or exc)
+                return 1
+            server = _Server(config, listeners)
+            server_task = asyncio.create_task(server.serve())
             ready_task = asyncio.create_task(self.wait_ready())
             stop_task = asyncio.create_task(stop.wait())
             await asyncio.wait({ready_task, stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -11,6 +11,11 @@ conversation hashes to the same worker whichever gateway takes its connection.
 Each gateway answers /health and /ready for itself. /metrics on any of them shows the node's
 totals: it asks the others for their own exposition over ipc:// and merges them
 (gateway/metrics_merge.py), so nothing is counted twice.
+
+systemd's watchdog hears gateway 0 only, so gateway 0 watches the others the same way: it pings
+each over the same ipc:// link every second, and one whose loop has not answered for
+``--gateway-stall-timeout`` seconds is killed and replaced (its connections drop; the kernel
+sends new ones to the gateways still listening).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict
@@ -44,27 +48,18 @@ def metrics_endpoint(runtime_dir: str, index: int) -> str:
     return f"ipc://{runtime_dir}/gateway-{index}-metrics.sock"
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A listening socket that the other gateway processes bind too; the kernel spreads connections."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 class SiblingGateways:
     """In gateway 0: starts gateways 1..N-1 and restarts one that exits."""
 
-    def __init__(self, settings, runtime_dir: str, schedulers: list[str]):
+    def __init__(self, settings, runtime_dir: str, schedulers: list[str], metrics=None):
         self.settings = settings
+        self.metrics = metrics
         self.runtime_dir = runtime_dir
         self.schedulers = schedulers
         self.processes: dict[int, asyncio.subprocess.Process] = {}
+        self.heard: dict[int, float] = {}  # index -> when its loop last answered a ping (or it started)
         self.restarts = 0
+        self._killed: dict[int, bool] = {}  # index -> killed by the stall watch (its exit is not a crash)
         self._closing = False
         self._tasks: list[asyncio.Task] = []
 
@@ -80,6 +75,7 @@ class SiblingGateways:
                                        "settings": asdict(self.settings)})
         process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.server", env=env)
         self.processes[index] = process
+        self.heard[index] = time.monotonic() + 30.0  # until it first answers: start-up is not a stall
         self._tasks.append(asyncio.create_task(self._watch(index, process, time.monotonic())))
 
     async def _watch(self, index: int, process, started: float) -> None:
@@ -88,10 +84,33 @@ class SiblingGateways:
             return
         log.warning("gateway %d (pid %d) exited with %s; starting a replacement", index, process.pid, code)
         self.restarts += 1
+        if self.metrics is not None:
+            self.metrics.gateway_restarts.labels(reason="stalled" if self._killed.pop(index, False) else "exited").inc()
         if time.monotonic() - started < 2.0:  # crash-looping: back off a little
             await asyncio.sleep(2.0)
         if not self._closing:
             await self._spawn(index)
+
+    def watch_stalls(self, exchange: "MetricsExchange", timeout: float) -> None:
+        """Kill (and so replace) a gateway whose event loop stops answering pings for ``timeout`` seconds."""
+        if timeout > 0:
+            self._tasks.append(asyncio.create_task(self._watch_stalls(exchange, timeout)))
+
+    async def _watch_stalls(self, exchange: "MetricsExchange", timeout: float) -> None:
+        interval = min(1.0, timeout / 4)
+        while not self._closing:
+            await asyncio.sleep(interval)
+            answered = await exchange.ping(list(self.processes), interval)
+            now = time.monotonic()
+            for index, process in list(self.processes.items()):
+                if index in answered:
+                    self.heard[index] = now
+                elif now - self.heard[index] > timeout and process.returncode is None and not self._closing:
+                    log.error("gateway %d (pid %d) has not answered for %.0f s: its event loop is stalled; "
+                              "killing it", index, process.pid, now - self.heard[index])  # fmt: skip
+                    self._killed[index] = True
+                    self.heard[index] = now + 30.0
+                    process.kill()  # _watch starts the replacement
 
     def terminate(self) -> None:
         """SIGTERM: each gateway drains its own requests, as this one does."""
@@ -145,8 +164,10 @@ class MetricsExchange:
             self.peers[other].start()
 
     def _answer(self, frames) -> None:
+        """[nonce] asks for this gateway's exposition; [nonce, b"ping"] only whether its loop runs."""
         try:
-            self.server.send([frames[0].bytes, frames[1].bytes, self.render()])
+            body = b"" if len(frames) > 2 else self.render()
+            self.server.send([frames[0].bytes, frames[1].bytes, body])
         except zmq.ZMQError:
             pass  # the asker is gone
 
@@ -158,24 +179,35 @@ class MetricsExchange:
     async def gather(self) -> list[bytes]:
         """The other gateways' expositions; one that does not answer within the timeout is left out
         (tokenmill_gateway_processes then shows fewer than --gateways)."""
+        answers = await self._ask(list(self.peers), [], self.timeout)
+        return list(answers.values())
+
+    async def ping(self, indices: list[int], timeout: float) -> set[int]:
+        """Which of these gateways' loops answered within the timeout."""
+        return set(await self._ask(indices, [b"ping"], timeout))
+
+    async def _ask(self, indices: list[int], request: list[bytes], timeout: float) -> dict[int, bytes]:
         loop = asyncio.get_running_loop()
         asked = []
-        for peer in self.peers.values():
+        for index in indices:
+            peer = self.peers.get(index)
+            if peer is None:
+                continue
             self._nonce += 1
             nonce = self._nonce.to_bytes(8, "little")
             future = loop.create_future()
             self.waiting[nonce] = future
             try:
-                peer.send([nonce])
-                asked.append((nonce, future))
-            except zmq.ZMQError:
+                peer.send([nonce, *request])
+                asked.append((index, nonce, future))
+            except zmq.ZMQError:  # its queue is full: it has not been reading
                 self.waiting.pop(nonce, None)
         if not asked:
-            return []
-        await asyncio.wait([f for _, f in asked], timeout=self.timeout)
-        for nonce, _ in asked:
+            return {}
+        await asyncio.wait([f for _, _, f in asked], timeout=timeout)
+        for _, nonce, _ in asked:
             self.waiting.pop(nonce, None)
-        return [f.result() for _, f in asked if f.done() and not f.cancelled()]
+        return {index: f.result() for index, _, f in asked if f.done() and not f.cancelled()}
 
     def close(self) -> None:
         for sock in (self.server, *self.peers.values()):

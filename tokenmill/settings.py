@@ -42,6 +42,7 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     gateways: int = 1
+    gateway_stall_timeout: float = 30.0
     workers: int = 0  # 0: CPU count minus one, at least one
     scheduler: str | None = None
     chat_template: str | None = None
@@ -116,6 +117,9 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "port": (int, "Port to listen on."),
     "gateways": (int, "Gateway processes sharing the port (SO_REUSEPORT), each with its own event loop and "
                  "scheduler sessions, all sharing the tokenizer workers; /metrics on any shows the node's totals."),
+    "gateway_stall_timeout": (float, "With --gateways above 1: seconds a gateway's event loop may go without answering "
+                              "gateway 0's pings before it is killed and replaced (0 = never; systemd's watchdog "
+                              "covers gateway 0)."),
     "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
                 "0 = none: only remote workers convert)."),
     "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
