@@ -32,11 +32,12 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp"),
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp", "gateways"),
                         help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
                              "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
                              "vLLM's own server on the same engine; streams: hundreds of concurrent streams; "
-                             "dp: data-parallel routing policies and the engines' prefix caches.")
+                             "dp: data-parallel routing policies and the engines' prefix caches; gateways: "
+                             "what a second gateway process buys and costs.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -60,6 +61,9 @@ def add_arguments(parser) -> None:
     from tokenmill import bench_dp
 
     bench_dp.add_arguments(parser)
+    from tokenmill import bench_gateways
+
+    bench_gateways.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -326,28 +330,33 @@ def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None
 
 
 def run_short(mode: str, count: int, concurrencies: tuple, workers: int | None) -> dict:
-    """Small chats through one server at each concurrency: {clients: {requests_per_s, latency_p50_ms, errors}}."""
+    """Small chats through a fresh server (zero-latency scheduler) at each concurrency."""
     server = _Server(mode, workers, itl_ms=0)
+    try:
+        return short_rows(server, count, concurrencies)
+    finally:
+        server.close()
+
+
+def short_rows(server: "_Server", count: int, concurrencies: tuple) -> dict:
+    """Small chats through a running server at each concurrency: {clients: {requests_per_s, latency_p50_ms, errors}}."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     rows = {}
-    try:
-        warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 50, 2, out))
-        warm.start()
-        out.get(timeout=120)
-        warm.join()
-        for clients in concurrencies:
-            p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
-            p.start()
-            _, res = out.get(timeout=600)
-            p.join(30)
-            rows[str(clients)] = {
-                "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
-                "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
-                "errors": res["errors"],
-            }
-    finally:
-        server.close()
+    warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 50, 2, out))
+    warm.start()
+    out.get(timeout=120)
+    warm.join()
+    for clients in concurrencies:
+        p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
+        p.start()
+        _, res = out.get(timeout=600)
+        p.join(30)
+        rows[str(clients)] = {
+            "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
+            "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
+            "errors": res["errors"],
+        }
     return rows
 
 
@@ -459,6 +468,10 @@ def run(args) -> int:
         from tokenmill import bench_dp
 
         return bench_dp.run(args)
+    if args.scenario == "gateways":
+        from tokenmill import bench_gateways
+
+        return bench_gateways.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)

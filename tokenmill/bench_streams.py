@@ -283,6 +283,14 @@ def _r(x, digits: int = 1):
 # ---- the run -------------------------------------------------------------------------------
 
 
+def serve_args(streams: int) -> tuple:
+    """``tokenmill serve`` flags for this benchmark: the echo scheduler with room for every stream, and a
+    fixed send buffer (docs/security.md) so that slow readers back up soon."""
+    return ("--sim-mode", "echo", "--sim-max-running", str(streams * 2), "--log-level", "warning",
+            "--send-buffer-bytes", "16384")  # fmt: skip
+
+
+
 def run(args) -> int:
     quick = args.quick
     levels = [int(x) for x in (args.levels or "64,256,1024").split(",") if x]
@@ -290,8 +298,7 @@ def run(args) -> int:
     modes = [m for m in args.modes.split(",") if m in ("pool", "inline")] or ["pool", "inline"]
     word_id = _word_id()
     report = {"emission_ms": EMISSION_MS, "window_s": window, "cores": os.cpu_count(), "levels": []}
-    sim = ("--sim-mode", "echo", "--sim-max-running", str(max(levels) * 2), "--log-level", "warning",
-           "--send-buffer-bytes", "16384")  # a fixed send buffer (docs/security.md): slow readers back up soon
+    sim = serve_args(max(levels))
     for tokens_per_step in (1, 4):
         for mode in modes:
             server = _Server(mode, args.workers, itl_ms=EMISSION_MS, extra=(*sim, "--sim-tokens-per-step", str(tokens_per_step)))

@@ -15,7 +15,7 @@ COMMANDS = {
     "render": ("tokenmill.render_command", "Render conversations with a model's chat template and tokenize them."),
     "worker": ("tokenmill.worker_command", "Run a tokenizer worker that joins a gateway's pool from another host."),
     "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
-    "bench": ("tokenmill.bench", "Benchmark the front loop under long-context load (or the multiturn cache, or the output parsers)."),
+    "bench": ("tokenmill.bench", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways."),
 }
 
 
