@@ -230,8 +230,10 @@ class App:
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
         try:
-            rank = gw.scheduler.pick(done.conversation)
+            rank = gw.scheduler.pick(done.conversation, done.home_rank)
             gen.rank = rank.index
+            if gw.shares_placements and done.conversation is not None:
+                gw.conversion.placed(result.owner, done.conversation, rank.index)
             gw.generations.add(gen)
             for i in range(len(done.choices)):
                 gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])

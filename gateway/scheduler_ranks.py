@@ -11,6 +11,11 @@ with bounded load, as the worker pool does for its tokenization cache:
   flight, or the rank's own running + waiting count where higher) or is not connected: then the least
   loaded rank takes it, and the conversation's home moves there.
 
+With ``--gateways N`` a conversation's turns may come through different gateways, each with its own
+memory of homes. The worker that converts a conversation is the same whichever gateway asks, so it
+keeps the rank each turn went to (``Placed``) and tells the next turn's gateway (``ConvertDone
+.home_rank``), which takes it over its own memory.
+
 ``least_loaded`` and ``round_robin`` are the baselines ``tokenmill bench dp`` compares with.
 A rank that disconnects fails only its own requests and gets none until it says welcome again;
 a rank whose vocabulary is smaller than the served tokenizer's, or whose vocabulary size or
@@ -90,8 +95,10 @@ class SchedulerRanks:
             return None
         return protocol.Stats(sum(s.num_running for s in got), sum(s.num_waiting for s in got))
 
-    def pick(self, key: int | None) -> Rank:
-        """The rank for a request whose conversation hashes to ``key`` (None: no conversation)."""
+    def pick(self, key: int | None, hint: int = -1) -> Rank:
+        """The rank for a request whose conversation hashes to ``key`` (None: no conversation). ``hint``:
+        where the node's gateways last put the conversation, as its worker remembers (--gateways N),
+        which beats this gateway's own memory: the previous turn may have come through another gateway."""
         ready = [r for r in self.ranks if r.ready]
         if not ready:
             raise SchedulerUnavailable("no scheduler rank is connected")
@@ -103,7 +110,7 @@ class SchedulerRanks:
         elif self.policy == "least_loaded" or key is None:
             chosen = self._least_loaded(ready)
         else:
-            chosen = self._home(key, ready)
+            chosen = self._home(key, ready, hint)
         if key is not None and self.policy == "affinity":
             self.homes.pop(key, None)
             self.homes[key] = chosen.index
@@ -111,8 +118,8 @@ class SchedulerRanks:
                 del self.homes[next(iter(self.homes))]
         return chosen
 
-    def _home(self, key: int, ready: list[Rank]) -> Rank:
-        index = self.homes.get(key)
+    def _home(self, key: int, ready: list[Rank], hint: int = -1) -> Rank:
+        index = hint if 0 <= hint < len(self.ranks) else self.homes.get(key)
         if index is None:  # a new conversation: where there is most room (a hash ring split a few unevenly)
             return self._least_loaded(ready)
         home = self.ranks[index]

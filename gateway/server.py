@@ -183,6 +183,9 @@ class Gateway:
                                         lambda limits: self.conversion.limit_context(limits), curve=scheduler_keys,
                                         policy=s.dp_policy)  # fmt: skip
         g.conversion, g.scheduler = self.conversion, self.scheduler
+        # several gateways in front of several ranks: each turn's rank goes to the conversation's worker,
+        # which the other gateways also ask, so a turn finds its history whichever gateway takes it
+        self.shares_placements = s.gateways > 1 and len(endpoints) > 1 and s.dp_policy == "affinity"
         await self.conversion.start()
         await self.scheduler.start()
         if s.gateways > 1:

@@ -590,6 +590,10 @@ class WorkerPool:
         except zmq.ZMQError:
             return False
 
+    def placed(self, owner: int, conversation: int, rank: int) -> None:
+        """Tell the worker that converted this turn where it went (shared with the node's other gateways)."""
+        self._send(self.workers[owner], [m.encoder.encode(m.Placed(conversation, rank))])
+
     def release(self, owner: int, request_ids: list[str]) -> None:
         worker = self.workers[owner]
         worker.owned.difference_update(request_ids)

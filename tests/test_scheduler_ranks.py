@@ -8,6 +8,8 @@ So whether a conversation's turns reach the rank that holds its history is visib
 
 from __future__ import annotations
 
+import http.client as httpclient
+import json
 import os
 import re
 import signal
@@ -56,12 +58,13 @@ def serve(sims, *args) -> Server:
 
 
 def conversation(client, name: str, turns: int) -> list[tuple[int, int]]:
-    """(prompt_tokens, cached_tokens) of each turn of one growing conversation."""
+    """(prompt_tokens, cached_tokens) of each turn of one growing conversation. ``client`` may be a
+    function making one client per turn (a new connection each)."""
     messages = [{"role": "system", "content": f"{SYSTEM} Conversation {name}."}]
     out = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn} of {name}: how fast does the river run?"})
-        reply = client.chat.completions.create(model="deepseek-v4", messages=messages, max_tokens=8, temperature=0)
+        reply = (client() if callable(client) else client).chat.completions.create(model="deepseek-v4", messages=messages, max_tokens=8, temperature=0)
         details = reply.usage.prompt_tokens_details
         out.append((reply.usage.prompt_tokens, details.cached_tokens if details else 0))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
@@ -89,6 +92,62 @@ def test_conversations_stay_on_the_rank_that_holds_their_history(ranks):
         assert sum(cached.values()) == sum(c for turns in per_turn for _, c in turns)
         _, _, ready = http("GET", srv.url + "/ready")
         assert ready["ready"] and ready["missing_ranks"] == [], ready
+    finally:
+        srv.stop()
+
+
+def on_gateway(srv, pid: int) -> httpclient.HTTPConnection:
+    """A keep-alive connection that the kernel gave to the gateway process ``pid``."""
+    for _ in range(400):
+        conn = httpclient.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("GET", "/debug/state")
+        if json.loads(conn.getresponse().read())["pid"] == pid:
+            return conn
+        conn.close()
+    raise AssertionError(f"400 connections and none reached gateway pid {pid}")
+
+
+def test_several_gateways_keep_a_conversation_on_the_rank_with_its_history(ranks):
+    """--gateways 2 in front of two ranks, the turns of each conversation alternating between the
+    gateways: a gateway that did not see the previous turn learns its rank from the conversation's worker."""
+    srv = serve(ranks, "--gateways", "2")
+    try:
+        pids, deadline = set(), time.monotonic() + 60
+        while len(pids) < 2:  # both gateways up, each with the worker and both ranks
+            assert time.monotonic() < deadline, "the second gateway did not come up"
+            status, _, state = http("GET", srv.url + "/debug/state")
+            if status == 200 and state["scheduler_connected"] and all(w["alive"] for w in state["workers"]):
+                pids.add(state["pid"])
+            time.sleep(0.05)
+        gateways = sorted(pids)
+        # a request with no conversation moves gateway 0's tie-breaking turn on by one: left to
+        # themselves, the two gateways would now place a new conversation on different ranks
+        conn = on_gateway(srv, gateways[0])
+        conn.request("POST", "/v1/completions", json.dumps({"model": "deepseek-v4", "prompt": "Hi", "max_tokens": 1}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        assert conn.getresponse().status == 200
+        conn.close()
+        per_turn = []
+        for c in range(6):
+            messages = [{"role": "system", "content": f"{SYSTEM} Conversation g{c}."}]
+            turns = []
+            for turn in range(4):
+                messages.append({"role": "user", "content": f"Question {turn} of g{c}: how fast does the river run?"})
+                conn = on_gateway(srv, gateways[(c + turn) % 2])
+                conn.request("POST", "/v1/chat/completions", json.dumps(
+                    {"model": "deepseek-v4", "messages": messages, "max_tokens": 8, "temperature": 0}),
+                    {"Content-Type": "application/json"})  # fmt: skip
+                reply = json.loads(conn.getresponse().read())
+                conn.close()
+                usage = reply["usage"]
+                turns.append((usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+                messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+            per_turn.append(turns)
+        for turns in per_turn:
+            for prompt, cached in turns[1:]:
+                assert cached >= prompt - 64, per_turn
+        sent = metric(srv, "tokenmill_rank_requests_total")  # the node's totals, both gateways'
+        assert set(sent) == {"0", "1"} and sum(sent.values()) == 25, sent
     finally:
         srv.stop()
 

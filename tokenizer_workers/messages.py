@@ -68,7 +68,17 @@ class Rejoin(msgspec.Struct, tag="rejoin"):
     forget every request and say hello again."""
 
 
-ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin
+class Placed(msgspec.Struct, tag="placed"):
+    """With --gateways N and several scheduler ranks: a gateway put a turn of this conversation on this
+    rank. The worker that converts the conversation's turns (the same one, whichever gateway takes
+    them) remembers it and says it in the next turn's ConvertDone, so every gateway sends the
+    conversation where its history is cached."""
+
+    conversation: int
+    rank: int
+
+
+ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin | Placed
 
 # ---- worker -> gateway ------------------------------------------------------------
 
@@ -145,6 +155,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     include_usage: bool = False
     logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
+    home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
     forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
     render_s: float = 0.0
     tokenize_s: float = 0.0

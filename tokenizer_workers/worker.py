@@ -67,6 +67,7 @@ class Worker:
     CONVERSION_NICE = 10
     HEARTBEAT_S = RemoteWorkerLink.HEARTBEAT_S
     HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
+    MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
 
     def __init__(self, index: int, endpoint: str, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
                  remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = ()):
@@ -84,6 +85,7 @@ class Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://worker-wake-{id(self)}"
+        self.placements: dict[int, int] = {}  # conversation -> scheduler rank a gateway put it on (m.Placed)
 
     def _socket(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -206,6 +208,12 @@ class Worker:
                 self._send(link, self._convert(self.quick_converter, msg, body, time.perf_counter()))
             else:
                 self.jobs.put((msg, body, time.perf_counter(), link))
+        elif isinstance(msg, m.Placed):
+            placements = self.placements
+            placements.pop(msg.conversation, None)
+            placements[msg.conversation] = msg.rank
+            if len(placements) > self.MAX_PLACEMENTS:
+                del placements[next(iter(placements))]
         elif isinstance(msg, m.Release):
             self.detokenizer.release(msg.request_ids)
             link.streams.difference_update(msg.request_ids)
@@ -281,6 +289,8 @@ class Worker:
             self._send(link, conversion)
 
     def _send(self, link: _Link, conversion) -> None:
+        if self.placements and conversion.done.conversation is not None:
+            conversion.done.home_rank = self.placements.get(conversion.done.conversation, -1)
         for spec in conversion.detok:
             self.detokenizer.open(spec)
             if link.beats:
