@@ -131,21 +131,24 @@ class Metrics:
         self.closed_connections = _Bound(self.closed_connections, model_name)
         for reason in ("header_timeout", "slow_client"):  # exported at 0 from the start, for dashboards and alerts
             self.closed_connections.labels(reason=reason)
-        self.remote_worker_refusals = _Bound(c(
+        def by_reason(name, doc, reasons):
+            """A counter by reason, each reason exported at 0 from the start (for dashboards and alerts)."""
+            counter = _Bound(c(name, doc, ["reason"]), model_name)
+            for reason in reasons:
+                counter.labels(reason=reason)
+            return counter
+
+        self.remote_worker_refusals = by_reason(
             "tokenmill_remote_worker_refusals",
             "Remote tokenizer workers refused: unknown CURVE key, or a tokenizer/template different from the gateway's.",
-            ["reason"]), model_name)  # fmt: skip
-        for reason in ("curve_key", "fingerprint"):  # exported at 0 from the start
-            self.remote_worker_refusals.labels(reason=reason)
+            ("curve_key", "fingerprint"))  # fmt: skip
         self.gateway_processes = g("tokenmill_gateway_processes",
                                    "Gateway processes whose metrics this scrape shows (each sets 1; summed when merged).")
         self.gateway_processes.set(1)
-        self.gateway_restarts = _Bound(c(
+        self.gateway_restarts = by_reason(
             "tokenmill_gateway_restarts",
             "Gateway processes (1..N-1 of --gateways N) replaced by gateway 0: exited, or killed for a stalled loop.",
-            ["reason"]), model_name)  # fmt: skip
-        for reason in ("exited", "stalled"):  # exported at 0 from the start
-            self.gateway_restarts.labels(reason=reason)
+            ("exited", "stalled"))  # fmt: skip
         self.tool_parse_failures = _Bound(Counter(
             "tokenmill_tool_call_parse_failures", "Tool calls the parser could not read (returned as content), by format.",
             label + ["parser"], registry=r), model_name)  # fmt: skip

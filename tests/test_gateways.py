@@ -114,13 +114,19 @@ def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
     assert fresh < 0.5 * prompt_tokens, f"{fresh} tokens tokenized afresh over 8 turns of a {prompt_tokens}-token prompt"
 
 
+def both_gateway_pids(srv: Server) -> list[int]:
+    """Gateway 0's list of the node's gateway pids, once the second one is up."""
+    deadline = time.monotonic() + 60
+    while not (pids := next((s["gateway_pids"] for s in states(srv, 10) if s["gateway"] == 0), None)) or len(pids) < 2:
+        assert time.monotonic() < deadline, "the second gateway did not come up"
+        time.sleep(0.2)
+    return pids
+
+
 def test_a_gateway_that_dies_is_replaced_and_sigterm_stops_them_all():
     srv = Server("--gateways", "2", "--workers", "1", "--sim-inter-token-latency-ms", "1")
     try:
-        deadline = time.monotonic() + 60
-        while not (pids := next((s["gateway_pids"] for s in states(srv, 10) if s["gateway"] == 0), None)) or len(pids) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        pids = both_gateway_pids(srv)
         second = [p for p in pids if p != srv.proc.pid][0]
         os.kill(second, signal.SIGKILL)
         deadline = time.monotonic() + 60
@@ -157,10 +163,7 @@ def test_a_gateway_whose_loop_stalls_is_killed_and_replaced():
     answering (here: SIGSTOP, as a loop stuck in a C call looks from outside)."""
     srv = Server("--gateways", "2", "--workers", "1", "--sim-inter-token-latency-ms", "1", "--gateway-stall-timeout", "2")
     try:
-        deadline = time.monotonic() + 60
-        while not (pids := next((s["gateway_pids"] for s in states(srv, 10) if s["gateway"] == 0), None)) or len(pids) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        pids = both_gateway_pids(srv)
         stalled = [p for p in pids if p != srv.proc.pid][0]
         time.sleep(1.5)  # it has answered gateway 0's pings: from now on silence counts
         os.kill(stalled, signal.SIGSTOP)
