@@ -59,7 +59,6 @@ class Acceptor:
         self.sockets = sockets
         self.factory = protocol_factory
         self.batch = batch
-        self.accepted = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused: set[int] = set()
 
@@ -90,7 +89,6 @@ class Acceptor:
             except OSError:
                 pass  # the peer is gone already; the transport will see it
             loop.create_task(self._connect(conn))
-        self.accepted += done
         return done
 
     async def _connect(self, conn: socket.socket) -> None:
