@@ -137,7 +137,7 @@ def run(args) -> int:
         return 2
     levels = [int(x) for x in (args.levels or ("2048" if args.quick else "1024,2048")).split(",") if x]
     window = args.window or (3.0 if args.quick else 8.0)
-    small_count = 500 if args.quick else 3000
+    small_count = 300 if args.quick else 3000
     word_id = bench_streams._word_id()
     report = {"cores": os.cpu_count(), "emission_ms": bench_streams.EMISSION_MS, "window_s": window,
               "small_requests_per_level": small_count, "nodes": []}  # fmt: skip
