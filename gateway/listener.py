@@ -61,6 +61,7 @@ class Acceptor:
         self.batch = batch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused: set[int] = set()
+        self._connecting: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -88,7 +89,9 @@ class Acceptor:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass  # the peer is gone already; the transport will see it
-            loop.create_task(self._connect(conn))
+            task = loop.create_task(self._connect(conn))
+            self._connecting.add(task)  # held until done: the loop keeps only weak references to tasks
+            task.add_done_callback(self._connecting.discard)
         return done
 
     async def _connect(self, conn: socket.socket) -> None:
