@@ -16,7 +16,7 @@ def test_bench_streams_json_has_every_row_and_key(tmp_path):
     out = tmp_path / "streams.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli", "bench", "streams", "--quick", "--levels", "64", "--window", "1",
-         "--json", str(out)],
+         "--slow-stall", "2", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

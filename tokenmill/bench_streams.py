@@ -44,7 +44,9 @@ EMISSION_MS = 20.0
 
 def add_arguments(parser) -> None:
     parser.add_argument("--levels", default=None, help="streams: comma-separated concurrent stream counts (default 64,256,1024).")
-    parser.add_argument("--window", type=float, default=None, help="streams: seconds measured per level (default 10; quick 4).")
+    parser.add_argument("--window", type=float, default=None, help="streams: seconds measured per level (default 10; quick 3).")
+    parser.add_argument("--slow-stall", type=float, default=SLOW_STALL_S,
+                        help=f"streams: seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).")
 
 
 def _word_id() -> int:
@@ -59,7 +61,7 @@ def _word_id() -> int:
 # ---- the load client (its own process; asyncio, no JSON parsing) --------------------------
 
 
-def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_read_s: float, out) -> None:
+def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_read_s: float, stall_s: float, out) -> None:
     import asyncio
 
     try:
@@ -91,7 +93,7 @@ def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_r
                 errors = head.split(b"\r\n", 1)[0].decode()
             tail = b""
             if slow_read_s:
-                await asyncio.sleep(SLOW_STALL_S)
+                await asyncio.sleep(stall_s)
             while not errors:
                 chunk = await reader.read(512 if slow_read_s else 1 << 16)
                 now = time.time()
@@ -186,10 +188,10 @@ def _probe_health(port: int, stop: threading.Event, latencies: list) -> None:
 
 
 def run_level(server: _Server, streams: int, window: float, tokens_per_step: int, word_id: int,
-              slow_read_s: float = 0.0) -> dict:  # fmt: skip
+              slow_read_s: float = 0.0, stall_s: float = SLOW_STALL_S) -> dict:  # fmt: skip
     ramp = min(2.0, 0.002 * streams)
     # past the ramp and the first tokens of every stream; slow readers: until their sockets have backed up
-    settle = ramp + (SLOW_STALL_S + 2.0 if slow_read_s else 1.5 + streams / 512)
+    settle = ramp + (stall_s + 2.0 if slow_read_s else 1.5 + streams / 512)
     body = json.dumps({"model": server.model, "prompt": [word_id] * 16, "max_tokens": 1_000_000,
                        "ignore_eos": True, "stream": True}).encode()  # fmt: skip
     clients = 1 if streams <= 128 else 2
@@ -204,7 +206,7 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
         share = streams // clients + (1 if c < streams % clients else 0)
         # the clients read on past t1: at saturation /metrics itself answers late, and the window
         # is the time between the two readings of the gateway's token counter
-        p = ctx.Process(target=_client, args=(server.port, share, body, ramp, stop_at, slow_read_s, out))
+        p = ctx.Process(target=_client, args=(server.port, share, body, ramp, stop_at, slow_read_s, stall_s, out))
         p.start()
         procs.append(p)
     tree = _children(server.proc.pid)
@@ -310,7 +312,7 @@ def run(args) -> int:
                     report["levels"].append({"mode": mode, **row})
                 if tokens_per_step == 1:
                     print(f"streams: {mode}, 64 slow readers ...", file=sys.stderr, flush=True)
-                    row = run_level(server, 64, window, 1, word_id, slow_read_s=0.1)
+                    row = run_level(server, 64, window, 1, word_id, slow_read_s=0.1, stall_s=args.slow_stall)
                     report["levels"].append({"mode": mode, **row})
             finally:
                 server.close()
