@@ -20,6 +20,16 @@ SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures"
 
 
+def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
+    """`tokenmill bench ARGS --json FILE` in its own process: (the JSON report, what it printed)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", *args, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    return json.loads(out.read_text()), proc.stdout
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

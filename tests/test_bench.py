@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import ROOT
+from conftest import run_bench
 
 MODE_KEYS = {"health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
              "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s"}  # fmt: skip
 
 
 def test_bench_quick_json_has_every_key(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "bench", "--quick", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path, "--quick")
     assert set(report["modes"]) == {"inline", "thread", "pool"}
     for mode, row in report["modes"].items():
         assert MODE_KEYS <= set(row), (mode, sorted(MODE_KEYS - set(row)))
@@ -33,4 +22,4 @@ def test_bench_quick_json_has_every_key(tmp_path):
     for row in report["small"].values():
         assert set(row) == {"pool_req_s", "inline_req_s", "pool_p50_ms", "inline_p50_ms"}
         assert row["pool_req_s"] > 0 and row["inline_req_s"] > 0
-    assert "pool/inline" in proc.stdout and "pool/thread" in proc.stdout
+    assert "pool/inline" in stdout and "pool/thread" in stdout

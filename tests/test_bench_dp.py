@@ -3,25 +3,14 @@ cache, one run per --dp-policy; affinity keeps conversations where their history
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import ROOT
+from conftest import run_bench
 
 POLICY_KEYS = {"cached_share", "late_ttft_p50_ms", "late_ttft_p99_ms", "ideal_cached_share", "missed_turns",
                "requests_per_rank", "errors"}  # fmt: skip
 
 
 def test_bench_dp_sim_affinity_keeps_the_prefix_cache(tmp_path):
-    out = tmp_path / "dp.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "bench", "dp", "--engine", "sim", "--quick", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path, "dp", "--engine", "sim", "--quick", timeout=180)
     assert report["engine"] == "sim"
     ideal = report["ideal_cached_share"]
     assert 0.5 < ideal < 1
@@ -37,4 +26,4 @@ def test_bench_dp_sim_affinity_keeps_the_prefix_cache(tmp_path):
     affinity, round_robin = report["affinity"], report["round_robin"]
     assert affinity["cached_share"] > round_robin["cached_share"]
     assert affinity["cached_share"] >= 0.9 * ideal, (affinity, ideal)
-    assert "of ideal" in proc.stdout
+    assert "of ideal" in stdout

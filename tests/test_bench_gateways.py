@@ -3,26 +3,15 @@ figure reported (values are not asserted, but both gateways must have been up an
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import ROOT
+from conftest import run_bench
 
 NODE_KEYS = {"gateways", "gateway_pids_seen", "ready_s", "processes", "pss_mib", "gateways_pss_mib", "idle_cpu_share",
              "metrics_scrape_p50_ms", "small", "streams"}  # fmt: skip
 
 
 def test_bench_gateways_compares_one_and_two_gateways(tmp_path):
-    out = tmp_path / "gateways.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "bench", "gateways", "--quick", "--levels", "64", "--window", "1",
-         "--workers", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path, "gateways", "--quick", "--levels", "64", "--window", "1", "--workers", "1",
+                               timeout=240)  # fmt: skip
     one, two = report["nodes"]
     for node, gateways in ((one, 1), (two, 2)):
         assert NODE_KEYS <= set(node), sorted(NODE_KEYS - set(node))
@@ -36,4 +25,4 @@ def test_bench_gateways_compares_one_and_two_gateways(tmp_path):
         assert level["streams"] == 64 and level["errors"] == [], level
         assert level["delivered_tokens_per_s"] > 0
     assert two["processes"] == one["processes"] + 1  # the second gateway, and nothing else
-    assert "2/1" in proc.stdout and "64 streams: delivered tokens/s" in proc.stdout
+    assert "2/1" in stdout and "64 streams: delivered tokens/s" in stdout

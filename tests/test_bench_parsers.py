@@ -4,25 +4,13 @@ parse into the call (or the reasoning) it was built with."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import ROOT
+from conftest import run_bench
 
 from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def test_bench_parsers_quick_json_lists_every_format(tmp_path):
-    out = tmp_path / "parsers.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "bench", "parsers", "--quick", "--no-vllm", "--sizes", "200,800",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path, "parsers", "--quick", "--no-vllm", "--sizes", "200,800")
     assert report["tokens"] == [200, 800]
     assert report["versions"]["tokenmill"] and report["versions"]["vllm"] is None
     for kind, registry in (("tool", TOOL_PARSERS), ("reasoning", REASONING_PARSERS)):
@@ -32,4 +20,4 @@ def test_bench_parsers_quick_json_lists_every_format(tmp_path):
             assert set(figures) == {"200", "800"}, (kind, name)
             assert all(isinstance(v, float) and v > 0 for v in figures.values()), (kind, name, figures)
     for name in TOOL_PARSERS:
-        assert f"tool {name} " in proc.stdout
+        assert f"tool {name} " in stdout

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from conftest import ROOT
+from conftest import run_bench
 
 ROW_KEYS = {"mode", "streams", "tokens_per_step", "delivered_ratio", "emitted_ratio", "gap_p50_ms", "gap_p99_ms",
             "cpu_ms_per_1k_tokens", "health_p99_ms", "client_cpu_share", "events_per_token"}  # fmt: skip
 
 
 def test_bench_streams_json_has_every_row_and_key(tmp_path):
-    out = tmp_path / "streams.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "bench", "streams", "--quick", "--levels", "64", "--window", "1",
-         "--slow-stall", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path, "streams", "--quick", "--levels", "64", "--window", "1", "--slow-stall", "2")
     assert report["emission_ms"] == 20
     rows = report["levels"]
     # per mode: 64 streams, 64 slow readers, and 64 streams at 4 tokens per step
@@ -31,4 +19,4 @@ def test_bench_streams_json_has_every_row_and_key(tmp_path):
         assert ROW_KEYS <= set(row), sorted(ROW_KEYS - set(row))
         assert row["errors"] == [], row
         assert row["delivered_tokens_per_s"] > 0
-    assert "pool / inline" in proc.stdout
+    assert "pool / inline" in stdout
