@@ -51,15 +51,14 @@ def metrics_endpoint(runtime_dir: str, index: int) -> str:
 class SiblingGateways:
     """In gateway 0: starts gateways 1..N-1 and restarts one that exits."""
 
-    def __init__(self, settings, runtime_dir: str, schedulers: list[str], metrics=None):
+    def __init__(self, settings, runtime_dir: str, schedulers: list[str], metrics):
         self.settings = settings
         self.metrics = metrics
         self.runtime_dir = runtime_dir
         self.schedulers = schedulers
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.heard: dict[int, float] = {}  # index -> when its loop last answered a ping (or it started)
-        self.restarts = 0
-        self._killed: dict[int, bool] = {}  # index -> killed by the stall watch (its exit is not a crash)
+        self._killed: set[int] = set()  # killed by the stall watch: their exit is not a crash
         self._closing = False
         self._tasks: list[asyncio.Task] = []
 
@@ -83,9 +82,9 @@ class SiblingGateways:
         if self._closing:
             return
         log.warning("gateway %d (pid %d) exited with %s; starting a replacement", index, process.pid, code)
-        self.restarts += 1
-        if self.metrics is not None:
-            self.metrics.gateway_restarts.labels(reason="stalled" if self._killed.pop(index, False) else "exited").inc()
+        stalled = index in self._killed
+        self._killed.discard(index)
+        self.metrics.gateway_restarts.labels(reason="stalled" if stalled else "exited").inc()
         if time.monotonic() - started < 2.0:  # crash-looping: back off a little
             await asyncio.sleep(2.0)
         if not self._closing:
@@ -108,7 +107,7 @@ class SiblingGateways:
                 elif now - self.heard[index] > timeout and process.returncode is None and not self._closing:
                     log.error("gateway %d (pid %d) has not answered for %.0f s: its event loop is stalled; "
                               "killing it", index, process.pid, now - self.heard[index])  # fmt: skip
-                    self._killed[index] = True
+                    self._killed.add(index)
                     self.heard[index] = now + 30.0
                     process.kill()  # _watch starts the replacement
 

@@ -52,14 +52,6 @@ def _pss_kib(pid: int) -> int:
     return 0
 
 
-def _role(name: str) -> str:
-    if name.startswith("tm-worker"):
-        return "workers"
-    if name == "tm-scheduler":
-        return "scheduler"
-    return "gateways" if name.startswith("tm-gateway") else "other"
-
-
 def idle_cost(server: _Server, seconds: float) -> dict:
     tree = bench_streams._children(server.proc.pid)
     time.sleep(1.0)  # start-up work (imports, first scrapes) out of the way
@@ -68,7 +60,8 @@ def idle_cost(server: _Server, seconds: float) -> dict:
     cpu = sum(bench_streams._cpu_s(p) - cpu0[p] for p in tree)
     pss = {}
     for pid, name in tree.items():
-        pss[_role(name)] = pss.get(_role(name), 0) + _pss_kib(pid)
+        role = bench_streams.process_role(name)
+        pss[role] = pss.get(role, 0) + _pss_kib(pid)
     scrapes = []
     for _ in range(20):  # a new connection each: reaches any gateway, as Prometheus' would
         t0 = time.perf_counter()
@@ -78,7 +71,7 @@ def idle_cost(server: _Server, seconds: float) -> dict:
     return {
         "processes": len(tree),
         "pss_mib": round(sum(pss.values()) / 1024, 1),
-        "gateways_pss_mib": round(pss.get("gateways", 0) / 1024, 1),
+        "gateways_pss_mib": round(pss.get("gateway", 0) / 1024, 1),
         "idle_cpu_share": round(cpu / seconds, 3),
         "metrics_scrape_p50_ms": _r(statistics.median(scrapes), 2) if scrapes else None,
     }

@@ -147,6 +147,13 @@ def _children(pid: int) -> dict[int, str]:
     return names
 
 
+def process_role(name: str) -> str:
+    """gateway, workers or scheduler, from a process name of the server's tree (``_children``)."""
+    if name.startswith("tm-worker"):
+        return "workers"
+    return "scheduler" if name == "tm-scheduler" else "gateway"
+
+
 def _counters(port: int) -> tuple[float, float]:
     """(generated tokens, coalesced deltas) from /metrics, read with a patient client: at saturation
     /metrics answers late too."""
@@ -252,8 +259,7 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
                 last = t
     cpu = {name: 0.0 for name in ("gateway", "workers", "scheduler")}
     for pid, name in tree.items():
-        role = "workers" if name.startswith("tm-worker") else "scheduler" if name == "tm-scheduler" else "gateway"
-        cpu[role] += cpu1.get(pid, 0.0) - cpu0.get(pid, 0.0)
+        cpu[process_role(name)] += cpu1.get(pid, 0.0) - cpu0.get(pid, 0.0)
     ideal = streams * tokens_per_step * window * 1000 / EMISSION_MS
     front_cpu = cpu["gateway"] + cpu["workers"]
     return {
