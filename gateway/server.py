@@ -26,7 +26,7 @@ from gateway.generations import Generations
 from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
-from tokenmill.transport_security import RemoteWorkerSecurity, WorkerLinkSecurity, private_dir, require_secure, scheduler_client_keys
+from tokenmill.transport_security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway import siblings
 from gateway.metrics_merge import merge_expositions
 from gateway.listener import Acceptor, listen_sockets
@@ -149,17 +149,14 @@ class Gateway:
         g = self.generations
         if self.sibling:  # no workers of its own: the node's workers join it
             self.conversion = WorkerPool(
-                0, f"ipc://{self.runtime_dir}/gateway-{self.index}-own.sock", self.converter_settings(), g.on_detok,
+                0, self.converter_settings(), g.on_detok,
                 g.on_owner_lost, max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes,
                 metrics=self.metrics, remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
                 remote_timeout=s.remote_worker_timeout,
             )  # fmt: skip
         elif s.conversion_mode == "pool":
-            endpoint = s.worker_endpoint or f"ipc://{self.runtime_dir}/workers.sock"
-            tcp = endpoint.startswith("tcp://")
             ctx = zmq.asyncio.Context.instance()
-            security = WorkerLinkSecurity(ctx) if tcp and not s.insecure_tcp else None
             remote_security = None
             if s.remote_workers:
                 require_secure(s.remote_workers, "The remote workers'", s.insecure_tcp, bool(s.curve_keys_dir))
@@ -167,10 +164,10 @@ class Gateway:
                     remote_security = RemoteWorkerSecurity(
                         ctx, s.curve_keys_dir, lambda reason: self.metrics.remote_worker_refusals.labels(reason=reason).inc())
             self.conversion = WorkerPool(
-                s.workers, endpoint, self.converter_settings(), g.on_detok, g.on_owner_lost,
+                s.workers, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
-                security=security, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
+                affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
                 remote_endpoint=s.remote_workers, remote_security=remote_security,
                 remote_timeout=s.remote_worker_timeout,
                 attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),

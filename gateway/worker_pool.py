@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import sys
 import time
 import zlib
@@ -41,9 +42,9 @@ import zmq.asyncio
 
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import ConverterSettings
-from tokenmill.transport_security import WORKER_CURVE_ENV
 from tokenizer_workers.worker import SETTINGS_ENV
 from tokenmill.loop_socket import LoopSocket
+from tokenmill.pipe_link import LinkDown, PipeLink
 from tokenmill.procutil import child_env
 
 log = logging.getLogger("tokenmill.pool")
@@ -61,7 +62,7 @@ class ConversionRejected(Exception):
 @dataclass
 class ConvertResult:
     done: m.ConvertDone
-    frames: list  # zmq Frames or bytes: per choice, Generate header then prompt tokens
+    frames: list  # buffers: per choice, Generate header then prompt tokens
     owner: int  # the worker holding the detokenizer state
 
 
@@ -86,7 +87,7 @@ class _Job:
 class _Worker:
     index: int
     identity: bytes
-    link: LoopSocket | None = None  # the socket it is reached on
+    link: PipeLink | LoopSocket | None = None  # a spawned worker's socket pair, or the remote workers' socket
     host: str = ""  # a remote worker's host ("" for the gateway's own)
     pid: int = 0
     last_seen: float = 0.0
@@ -100,6 +101,13 @@ class _Worker:
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
     lane: deque = field(default_factory=deque)  # jobs waiting for this worker's segment cache
     quick: dict = field(default_factory=dict)  # job id -> quick job sent to it and not answered yet
+
+    def send(self, frames: list) -> None:
+        """One message to this worker; raises zmq.ZMQError or LinkDown when it cannot take it."""
+        if isinstance(self.link, LoopSocket):  # a joined worker, on the shared ROUTER socket
+            self.link.send([self.identity, *frames])
+        else:
+            self.link.send(frames)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -116,7 +124,6 @@ class WorkerPool:
     def __init__(
         self,
         size: int,
-        endpoint: str,
         settings: ConverterSettings,
         on_detok: Callable[[m.DetokOut], None],
         on_owner_lost: Callable[[int, set], None],
@@ -125,7 +132,6 @@ class WorkerPool:
         max_queued_bytes: int = 1 << 30,
         conversion_timeout: float = 60.0,
         memory_limit_mb: int = 0,
-        security=None,
         affinity: bool = True,
         quick_bytes: int = 8192,
         quick_depth: int = 16,
@@ -137,7 +143,6 @@ class WorkerPool:
         attach: tuple[str, ...] = (),
     ):
         self.size = size
-        self.endpoint = endpoint
         self.settings = settings
         self.on_detok = on_detok
         self.on_owner_lost = on_owner_lost
@@ -145,7 +150,6 @@ class WorkerPool:
         self.max_queued_bytes = max_queued_bytes
         self.conversion_timeout = conversion_timeout
         self.memory_limit_mb = memory_limit_mb
-        self.security = security  # transport_security.WorkerLinkSecurity for a tcp:// link
         self.affinity = affinity
         self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
         self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
@@ -175,24 +179,12 @@ class WorkerPool:
         self.vocab_size = 0  # the tokenizer's (WorkerReady)
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
-        self.sock: LoopSocket | None = None
         self.remote_sock: LoopSocket | None = None
         self._reaper: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        sock = zmq.Socket(self.ctx, zmq.ROUTER)  # plain, served by LoopSocket; ZAP applies per context
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a dead worker fails loudly
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement worker takes over its identity
-        if self.security:
-            self.security.secure_server(sock)
-        sock.bind(self.endpoint)
-        self.sock = LoopSocket(sock, lambda frames: self._on_message(self.sock, frames))
-        self.sock.start()
-        for worker in self.workers:
-            worker.link = self.sock
         if self.remote_endpoint:  # remote workers outlive a gateway restart: they join the next one
             remote = zmq.Socket(self.ctx, zmq.ROUTER)
             remote.setsockopt(zmq.LINGER, 0)
@@ -203,7 +195,8 @@ class WorkerPool:
             if self.remote_security:
                 self.remote_security.secure_server(remote)
             remote.bind(self.remote_endpoint)
-            self.remote_sock = LoopSocket(remote, lambda frames: self._on_message(self.remote_sock, frames))
+            self.remote_sock = LoopSocket(remote, lambda frames: self._on_message(
+                self.remote_sock, frames[0].bytes, [frame.buffer for frame in frames[1:]]))
             self.remote_sock.start()
             self._reaper = asyncio.create_task(self._reap_silent())
             log.info("remote tokenizer workers may join at %s", self.remote_endpoint)
@@ -263,19 +256,13 @@ class WorkerPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.sock is not None:
-            self.sock.close()
+        for worker in self.workers:
+            if isinstance(worker.link, PipeLink):
+                worker.link.close()
         if self.remote_sock is not None:
             self.remote_sock.close()
-        if self.security:
-            self.security.stop()
         if self.remote_security:
             self.remote_security.stop()
-        if self.endpoint.startswith("ipc://"):
-            try:
-                os.unlink(self.endpoint[len("ipc://") :])
-            except OSError:
-                pass
 
     def _spawn_task(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -285,15 +272,19 @@ class WorkerPool:
     async def _start_process(self, worker: _Worker) -> None:
         env = child_env()
         env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
-        if self.security:
-            env[WORKER_CURVE_ENV] = self.security.worker_env()
         worker.ready = False
         worker.started = time.monotonic()
-        worker.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
-            "--connect", self.endpoint, "--index", str(worker.index), "--memory-limit-mb", str(self.memory_limit_mb),
-            *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env,
-        )  # fmt: skip
+        if isinstance(worker.link, PipeLink):
+            worker.link.close()  # its last process's link: what is still in it is for a process that is gone
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with theirs:
+            worker.link = await PipeLink.open(ours, lambda link, frames: self._on_message(link, worker.identity, frames))
+            worker.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
+                "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
+                "--memory-limit-mb", str(self.memory_limit_mb),
+                *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env, pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
         self._spawn_task(self._watch_process(worker, worker.process))
 
     async def _watch_process(self, worker: _Worker, process) -> None:
@@ -511,8 +502,8 @@ class WorkerPool:
     def _send_job(self, worker: _Worker, job: _Job) -> None:
         header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id, job.quick))
         try:
-            worker.link.send([worker.identity, header, job.body])
-        except zmq.ZMQError:
+            worker.send([header, job.body])
+        except (zmq.ZMQError, LinkDown):
             worker.ready = False  # its death is being reported; try another worker
             self._enqueue(job, front=True)
             return
@@ -585,9 +576,9 @@ class WorkerPool:
     @staticmethod
     def _send(worker: _Worker, frames: list) -> bool:
         try:
-            worker.link.send([worker.identity, *frames])
+            worker.send(frames)
             return True
-        except zmq.ZMQError:
+        except (zmq.ZMQError, LinkDown):
             return False
 
     def placed(self, owner: int, conversation: int, rank: int) -> None:
@@ -601,10 +592,10 @@ class WorkerPool:
 
     # ---- receive loop -----------------------------------------------------------------
 
-    def _on_message(self, link: LoopSocket, frames) -> None:
-        identity = frames[0].bytes
+    def _on_message(self, link: PipeLink | LoopSocket, identity: bytes, frames: list) -> None:
+        """One message from a worker: a header (msgpack) and, with a conversion, the frames to forward."""
         try:
-            msg = m.from_worker.decode(frames[1].buffer)
+            msg = m.from_worker.decode(frames[0])
         except (IndexError, msgspec.DecodeError):
             log.error("undecodable message from worker %r", identity)
             return
@@ -635,7 +626,7 @@ class WorkerPool:
                 self.metrics.detokenize_seconds.observe(msg.detok_s)
             self.on_detok(msg)
         elif isinstance(msg, m.ConvertDone):
-            self._on_done(worker, msg, frames[2:])
+            self._on_done(worker, msg, frames[1:])
         elif isinstance(msg, m.WorkerReady):
             if not self._admit_ready(worker, msg):
                 return

@@ -1,6 +1,6 @@
 """When an idle worker takes a job that waits for another worker's cache (rent or buy).
 
-The dispatcher's policy on its own, its socket replaced by a list of what it sent: which jobs an
+The dispatcher's policy on its own, its workers' links replaced by a list of what they were sent: which jobs an
 idle worker takes from a busy worker's lane, and which it leaves for their owner. The same
 dispatcher runs with real workers in test_loop_isolation.py and test_segment_cache.py.
 """
@@ -15,30 +15,27 @@ from tokenizer_workers import messages
 from tokenizer_workers.converter import ConverterSettings
 
 
-class _Socket:
-    """Stands in for the pool's ROUTER socket: records which worker got which request."""
+class _Link:
+    """Stands in for a worker's socket pair: records which worker got which request."""
 
-    def __init__(self, sent: list):
-        self.sent = sent
-        self.headers = []
+    def __init__(self, index: int, sent: list, headers: list):
+        self.index, self.sent, self.headers = index, sent, headers
 
-    def send(self, frames, copy=False):
-        identity, header = frames[0], frames[1]
+    def send(self, frames):
+        header = frames[0]
         self.headers.append(header)
-        self.sent.append((int(identity[1:]), messages.to_worker.decode(header).request_id))
+        self.sent.append((self.index, messages.to_worker.decode(header).request_id))
 
     def close(self):
         pass
 
 
 def _pool() -> tuple[WorkerPool, list]:
-    pool = WorkerPool(2, "ipc:///nonexistent", ConverterSettings(), lambda out: None, lambda i, ids: None,
-                      conversion_timeout=0)  # fmt: skip
-    sent = []
-    pool.sock = _Socket(sent)
+    pool = WorkerPool(2, ConverterSettings(), lambda out: None, lambda i, ids: None, conversion_timeout=0)
+    sent, pool.headers = [], []
     for worker in pool.workers:
         worker.ready = True
-        worker.link = pool.sock
+        worker.link = _Link(worker.index, sent, pool.headers)
     pool.cold_s_per_byte = 1e-6  # 1 MB converts cold in 1 s
     return pool, sent
 
@@ -147,7 +144,7 @@ def test_quick_jobs_go_out_at_once_spread_over_workers_and_bounded_per_worker():
         pool._dispatch()
         assert sorted(sent) == [(0, "q0"), (0, "q2"), (1, "q1"), (1, "q3")]
         assert [j.request_id for j in pool.quick_queue] == ["q4"] and pool.queued == 1
-        headers = [messages.to_worker.decode(h) for h in pool.sock.headers]
+        headers = [messages.to_worker.decode(h) for h in pool.headers]
         assert all(h.quick for h in headers if h.request_id.startswith("q"))
         sent.clear()
         q1 = pool.workers[1].quick[next(iter(pool.workers[1].quick))]

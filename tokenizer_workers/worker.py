@@ -13,10 +13,11 @@ The conversion thread runs at a lower CPU priority (nice, per thread), and so do
 tokenizers thread-pool threads it creates: on a busy node the gateway, the scheduler and
 this worker's IO thread win the CPU, and conversion uses what is left.
 
-Started by the gateway as ``python -m tokenizer_workers.worker --connect EP --index N``
-with its settings in the TOKENMILL_WORKER_SETTINGS environment variable, or on another host
-as ``tokenmill worker --connect tcp://...``, which takes its settings from the gateway and
-sends heartbeats (remote_link.py).
+Started by the gateway as ``python -m tokenizer_workers.worker --link-fd FD --index N``,
+holding one end of a socket pair (tokenmill/pipe_link.py), with its settings in the
+TOKENMILL_WORKER_SETTINGS environment variable; or on another host as ``tokenmill worker
+--connect tcp://...``, which takes its settings from the gateway over ZeroMQ and sends
+heartbeats (remote_link.py).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from tokenmill.transport_security import secure_worker_socket
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.remote_link import RemoteWorkerLink
+from tokenmill.pipe_link import PipePeer
 from tokenmill.procutil import die_with_supervisor, limit_memory, set_process_name
 
 log = logging.getLogger("tokenmill.worker")
@@ -53,7 +54,7 @@ class _Link:
     """One gateway this worker serves: the one that spawned it, or one it joined (another gateway
     process of the node, or a gateway on another host)."""
 
-    sock: zmq.Socket
+    sock: zmq.Socket | PipePeer
     endpoint: str
     index: int  # this worker's place in that gateway's pool
     joined: bool  # the gateway answered hello (always true for the spawning gateway)
@@ -69,10 +70,10 @@ class Worker:
     HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
     MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
 
-    def __init__(self, index: int, endpoint: str, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
+    def __init__(self, index: int, endpoint: str | int, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
                  remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = ()):
         self.index = index
-        self.endpoint = endpoint
+        self.endpoint = endpoint  # a remote worker's gateway address, or the spawning gateway's socket pair (an fd)
         self.settings = settings  # None for a remote worker until the gateway sends its own
         self.remote = remote  # keys, identity and model override of a worker on another host
         self.attach = attach  # the node's other gateway processes, which this worker joins too
@@ -101,11 +102,7 @@ class Worker:
             self._take_settings(settings)
             self.links.append(_Link(sock, self.endpoint, index, joined=True, beats=True))
         else:
-            sock = self._socket()
-            sock.setsockopt(zmq.IDENTITY, f"w{self.index}".encode())
-            secure_worker_socket(sock)
-            sock.connect(self.endpoint)
-            self.links.append(_Link(sock, self.endpoint, self.index, joined=True, beats=False))
+            self.links.append(_Link(PipePeer(self.endpoint), "the spawning gateway", self.index, joined=True, beats=False))
             for endpoint in self.attach:
                 sock = self._socket()
                 sock.setsockopt(zmq.IDENTITY, f"a{self.index}-{os.getpid()}".encode())
@@ -129,7 +126,8 @@ class Worker:
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
-        by_sock = {link.sock: link for link in self.links}
+        # the poller names a ZeroMQ socket by itself and a plain one (the socket pair) by its fd
+        by_sock = {link.sock.fileno() if isinstance(link.sock, PipePeer) else link.sock: link for link in self.links}
         timeout = 500 * self.HEARTBEAT_S if beating else None
         while True:
             for ready, _ in poller.poll(timeout):
@@ -139,6 +137,15 @@ class Worker:
                     self._send_results()
                     continue
                 link = by_sock[ready]
+                if isinstance(link.sock, PipePeer):
+                    try:
+                        messages = link.sock.receive()
+                    except EOFError:
+                        return  # the gateway is gone
+                    for frames in messages:
+                        if not self._handle(link, frames):
+                            return
+                    continue
                 recv, get = ready.recv, ready.get
                 while get(_EVENTS) & _POLLIN:  # everything waiting, before polling again
                     frame = recv(_NOBLOCK, copy=False)
@@ -146,7 +153,7 @@ class Worker:
                     while frame.more:
                         frame = recv(_NOBLOCK, copy=False)
                         frames.append(frame)
-                    if not self._handle(link, frames):
+                    if not self._handle(link, [frame.buffer for frame in frames]):
                         return
             if beating:
                 self._tick()
@@ -189,9 +196,9 @@ class Worker:
             raise SystemExit("a gateway's converter settings differ from those this worker loaded its model with; "
                              "exiting so that a restart loads them")
 
-    def _handle(self, link: _Link, frames) -> bool:
+    def _handle(self, link: _Link, frames: list[memoryview]) -> bool:
         try:
-            msg = m.to_worker.decode(frames[0].buffer)
+            msg = m.to_worker.decode(frames[0])
         except msgspec.DecodeError:
             log.error("worker %d: undecodable message from the gateway", self.index)
             return True
@@ -203,7 +210,7 @@ class Worker:
             if link.beats:
                 link.streams.difference_update(item.request_id for item in msg.items if item.finished)
         elif isinstance(msg, m.ConvertJob):
-            body = frames[1].bytes if len(frames) > 1 else b""
+            body = bytes(frames[1]) if len(frames) > 1 else b""
             if msg.quick:
                 self._send(link, self._convert(self.quick_converter, msg, body, time.perf_counter()))
             else:
@@ -300,7 +307,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenizer worker")
-    parser.add_argument("--connect", required=True)
+    parser.add_argument("--link-fd", type=int, required=True, help="This worker's end of the gateway's socket pair.")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--title", default=None, help="What ps shows for this process.")
     parser.add_argument("--memory-limit-mb", type=int, default=0)
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     # detokenization of running streams waits at most that long behind a conversion.
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
-    Worker(args.index, args.connect, settings, attach=tuple(args.attach)).run()
+    Worker(args.index, args.link_fd, settings, attach=tuple(args.attach)).run()
     return 0
 
 

@@ -52,7 +52,6 @@ class ServeSettings:
     chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False
     runtime_dir: str | None = None
-    worker_endpoint: str | None = None
     remote_workers: str | None = None
     remote_worker_timeout: float = 5.0
     api_key: str | None = None
@@ -131,7 +130,6 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "chat_template_content_format": (str, "How list-of-parts message content reaches the template: auto, string, or openai."),
     "trust_request_chat_template": (_bool, "Accept a chat_template given in a request."),
     "runtime_dir": (str, "Directory for ipc:// sockets (mode 0700). Default: $RUNTIME_DIRECTORY or a new temporary directory."),
-    "worker_endpoint": (str, "Endpoint the gateway binds for its workers. Default: ipc:// in the runtime directory."),
     "remote_workers": (str, "Endpoint (tcp://ADDR:PORT) where tokenizer workers on other hosts join the pool "
                        "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/security.md)."),
     "remote_worker_timeout": (float, "Seconds of silence after which a remote worker counts as lost (its conversion "
@@ -152,7 +150,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                           "which may hold up to net.ipv4.tcp_wmem's maximum (4 MiB) for a client that stops reading."),
     "stream_buffer_limit": (int, "Characters of generated text one client may leave unread; past it the request is "
                             "aborted (code slow_client) and its connection closed (0 = no limit)."),
-    "insecure_tcp": (_bool, "Allow tcp:// worker or scheduler endpoints without CURVE encryption."),
+    "insecure_tcp": (_bool, "Allow tcp:// scheduler or remote-worker endpoints without CURVE encryption."),
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler, and for remote workers "
                        "(see docs/security.md)."),
     "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
@@ -208,11 +206,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=help_text)
 
 
+REMOVED = {  # settings earlier versions took: why they are gone, for an operator upgrading a config file
+    "worker_endpoint": "is no longer a setting: the gateway reaches the workers it spawns over a socket pair, "
+                       "which needs no endpoint; workers on other hosts join with remote_workers (docs/security.md)",
+}
+
+
 def resolve(args: argparse.Namespace, environ=os.environ) -> ServeSettings:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         with open(args.config, "rb") as f:
             data = tomllib.load(f)
+        for name in sorted(set(data) & set(REMOVED)):
+            raise SystemExit(f"{args.config}: {name} {REMOVED[name]}")
         unknown = sorted(set(data) - set(OPTIONS))
         if unknown:
             raise SystemExit(f"{args.config}: unknown settings {unknown}")

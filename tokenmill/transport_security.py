@@ -2,9 +2,8 @@
 
 - ipc:// sockets live in a runtime directory of mode 0700, so only the service user
   can connect to them.
-- A tcp:// worker endpoint gets fresh CURVE keys at every start: the gateway is the
-  CURVE server, its workers (which it spawns itself, handing them the keys through
-  their environment) the only clients a ZAP authenticator lets in.
+- The workers a gateway spawns need none of this: each holds one end of a socket pair
+  (tokenmill/pipe_link.py), which nobody else can open.
 - A tcp:// scheduler needs keys made with ``tokenmill curve-keys DIR``: the gateway
   authenticates the scheduler by its public key and presents its own client key.
 - Remote workers (``--remote-workers``) need keys made with ``tokenmill curve-keys DIR
@@ -27,7 +26,6 @@ import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-WORKER_CURVE_ENV = "TOKENMILL_WORKER_CURVE"
 REMOTE_WORKERS_DOMAIN = "tokenmill-remote-workers"
 log = logging.getLogger("tokenmill.security")
 _authenticators: dict[int, list] = {}  # id(context) -> [authenticator, users]: ZAP allows one per context
@@ -71,30 +69,6 @@ def require_secure(endpoint: str, what: str, insecure_ok: bool, have_keys: bool)
             f"{what} endpoint {endpoint} is tcp:// without CURVE keys. Give --curve-keys-dir (see "
             f"docs/security.md; `tokenmill curve-keys DIR` makes them), or --insecure-tcp on a trusted network."
         )
-
-
-class WorkerLinkSecurity:
-    """Ephemeral CURVE keys for a tcp:// gateway<->worker link."""
-
-    def __init__(self, ctx: zmq.asyncio.Context):
-        self.server_public, self.server_secret = zmq.curve_keypair()
-        self.client_public, self.client_secret = zmq.curve_keypair()
-        self.ctx = ctx
-        _authenticator(ctx).configure_curve_callback("*", self)
-
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        return client_key == self.client_public
-
-    def secure_server(self, sock) -> None:
-        sock.curve_server = True
-        sock.curve_secretkey = self.server_secret
-        sock.curve_publickey = self.server_public
-
-    def worker_env(self) -> str:
-        return b" ".join((self.server_public, self.client_public, self.client_secret)).decode()  # Z85 has no space
-
-    def stop(self) -> None:
-        _release_authenticator(self.ctx)
 
 
 class RemoteWorkerSecurity:
@@ -146,16 +120,6 @@ class RemoteWorkerSecurity:
 
     def stop(self) -> None:
         _release_authenticator(self.ctx)
-
-
-def secure_worker_socket(sock, environ=os.environ) -> None:
-    """In a worker: apply the keys the gateway handed down, if any."""
-    value = environ.get(WORKER_CURVE_ENV)
-    if value:
-        server_public, public, secret = (part.encode() for part in value.split(" "))
-        sock.curve_serverkey = server_public
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
 
 
 def scheduler_client_keys(keys_dir: str | None) -> dict | None:
