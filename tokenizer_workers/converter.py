@@ -73,7 +73,6 @@ class Conversion:
 
 
 class Converter:
-    use_cache = True  # False in the copy without_cache() makes
 
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
         self.settings = settings
@@ -109,19 +108,16 @@ class Converter:
         self.max_model_len = min(own, limits.max_model_len) if limits.max_model_len else own
         self.engine = gp.Engine(limits.features, limits.max_logprobs)
 
-    def without_cache(self) -> Converter:
-        """A converter for another thread: the same model, templates and parsers, but it encodes
-        prompts whole and leaves the tokenization cache (not thread-safe) to this one."""
+    def with_own_cache(self, budget_bytes: int) -> Converter:
+        """A converter for another thread: the same model, templates and parsers, with a tokenization
+        cache of its own (a cache is not thread-safe), of this size."""
         other = copy.copy(self)
-        other.use_cache = False
+        other.segments = self.segments.sibling(budget_bytes)
         return other
 
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
         segments = self.segments
-        if not self.use_cache:
-            ids = array("I", self.tokenizer.encode(prompt, add_special_tokens=False).ids)
-            return ids, CacheReport(0, 0, 0, len(ids), 0, 0, segments.bytes_used)
         evicted = segments.cache.evictions
         ids, stats = segments.encode(prompt)
         report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,

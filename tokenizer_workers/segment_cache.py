@@ -18,6 +18,7 @@ pieces first, so the recurring history of conversations outlives one-off text.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -295,6 +296,14 @@ class SegmentEncoder:
     @property
     def bytes_used(self) -> int:
         return self.cache.bytes_used + self.prefixes.bytes_used
+
+    def sibling(self, budget_bytes: int) -> SegmentEncoder:
+        """An encoder for another thread: the same tokenizer and self-test verdicts, its own cache."""
+        other = copy.copy(self)
+        other.cache = SegmentCache(budget_bytes - budget_bytes // 4)
+        other.prefixes = PromptPrefixes(budget_bytes // 4, self.prefixes.longest_token, self.splitter)
+        other.enabled = budget_bytes > 0 and self.separable
+        return other
 
     # ---- the self-tests ----------------------------------------------------------------------
 

@@ -117,7 +117,9 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
-        self.quick_converter = self.converter.without_cache()  # the cache belongs to the conversion thread
+        # the IO thread's conversions (small requests) get a tokenization cache of their own: a cache is
+        # not thread-safe, and short chats of one agent share their long system prompt
+        self.quick_converter = self.converter.with_own_cache(self.settings.tokenize_cache_bytes // 8)
         self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or beating else ""
         for link in self.links:
             if link.joined:
@@ -279,6 +281,8 @@ class Worker:
             conversion = converter._error(job, 500, f"Internal error while converting the request: {exc}")
             conversion.done.error.type = "InternalServerError"
         conversion.done.queue_s = started - received
+        if conversion.done.cache is not None:  # the worker's caches together, as its gauge shows them
+            conversion.done.cache.bytes_used = self.converter.segments.bytes_used + self.quick_converter.segments.bytes_used
         return conversion
 
     def _send_results(self) -> None:

@@ -154,7 +154,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler, and for remote workers "
                        "(see docs/security.md)."),
     "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
-                             "pieces, one quarter for recent whole prompts (0 = off)."),
+                             "pieces, one quarter for recent whole prompts (0 = off). The IO thread, which "
+                             "converts small requests, keeps a cache of its own of an eighth of this."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
