@@ -285,7 +285,7 @@ class VLLMBackend(Backend):
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
         stream = self.engine.generate({"prompt_token_ids": request.prompt}, params, rid)
-        produced = finished = False
+        produced = completed = stopped = False
         try:
             async for out in stream:
                 completion = out.outputs[0] if out.outputs else None
@@ -300,7 +300,7 @@ class VLLMBackend(Backend):
                     # counts (and logs) as an abort, so let it end first
                     async for _ in stream:
                         pass
-                    finished = True
+                    completed = finish != FINISH_ABORT
                 produced = True
                 chunk = Chunk(tokens, finish, error, getattr(out, "num_cached_tokens", None))
                 if top_n is not None:
@@ -310,8 +310,7 @@ class VLLMBackend(Backend):
                 if finish is not None:
                     return
         except (asyncio.CancelledError, GeneratorExit):
-            if not finished and rid not in self._aborted:  # stopped from outside: closing the stream aborts it
-                self._cancelled += 1
+            stopped = True  # closing the stream aborts the request inside vLLM
             raise
         except Exception as exc:
             if not produced and _is_client_error(exc):
@@ -319,6 +318,11 @@ class VLLMBackend(Backend):
             cause = exc.__cause__ or exc
             raise RuntimeError(f"{type(cause).__name__}: {cause}") from exc
         finally:
+            # One place counts a request stopped from outside, however vLLM surfaced it: a cancelled
+            # task, a closed generator, or an abort that vLLM answered with a finished output or an error.
+            task = asyncio.current_task()
+            if not completed and (stopped or rid in self._aborted or (task is not None and task.cancelling())):
+                self._cancelled += 1
             await _aclose(stream)  # AsyncLLM aborts a request whose generator is closed early
             self._running.discard(rid)
             self._aborted.discard(rid)
@@ -326,9 +330,8 @@ class VLLMBackend(Backend):
     async def abort(self, rid: str) -> None:
         if rid not in self._running or rid in self._aborted:
             return
-        self._aborted.add(rid)
+        self._aborted.add(rid)  # its generator counts it when it ends
         await self.engine.abort(rid)
-        self._cancelled += 1
 
     def load(self) -> EngineLoad:
         running = len(self._running)
