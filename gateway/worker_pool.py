@@ -277,6 +277,8 @@ class WorkerPool:
         if isinstance(worker.link, PipeLink):
             worker.link.close()  # its last process's link: what is still in it is for a process that is gone
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):  # a long prompt's body (MBs) in one write, not one per 208 KiB of default buffer
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         with theirs:
             worker.link = await PipeLink.open(ours, lambda link, frames: self._on_message(link, worker.identity, frames))
             worker.process = await asyncio.create_subprocess_exec(
