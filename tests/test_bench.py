@@ -9,12 +9,13 @@ MODE_KEYS = {"health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_
 
 
 def test_bench_quick_json_has_every_key(tmp_path):
-    report, stdout = run_bench(tmp_path, "--quick")
+    # the smallest load that still runs every part: the figures are not asserted, the report's shape is
+    report, stdout = run_bench(tmp_path, "--quick", "--requests", "2", "--tokens", "20000", "--rounds", "1")
     assert set(report["modes"]) == {"inline", "thread", "pool"}
     for mode, row in report["modes"].items():
         assert MODE_KEYS <= set(row), (mode, sorted(MODE_KEYS - set(row)))
         assert row["errors"] == [], (mode, row["errors"])
-        assert row["long_requests"] > 0
+        assert row["long_requests"] == 2 * 2 and row["passes"] == 2  # each mode twice, in mirrored order
     assert 0 < report["worker_efficiency"]
     assert {"cores", "python", "tokenizers"} <= set(report["machine"])
     assert set(report["small_requests"]) == {"inline", "pool"}

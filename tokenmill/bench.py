@@ -282,6 +282,7 @@ class _Server:
 
 
 def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None) -> dict:
+    """One pass of the long-prompt load through a fresh server: the raw samples (summarize() them)."""
     server = _Server(mode, workers, itl_ms=20)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -308,9 +309,17 @@ def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None
     finally:
         stop.set()
         server.close()
-    long = got["long"]
-    health, gaps = got["health"], got["stream"]
-    elapsed = long["elapsed"]
+    return {"long": got["long"], "health": got["health"], "gaps": got["stream"], "lag": lag}
+
+
+def summarize(passes: list[dict]) -> dict:
+    """The figures of one mode over its passes: samples pooled, throughput over the summed time."""
+    health = [x for p in passes for x in p["health"]]
+    gaps = [x for p in passes for x in p["gaps"]]
+    lag = {key: max((p["lag"].get(key) or 0 for p in passes), default=None) for key in ("p99_ms", "max_ms")}
+    long = {"prompt_tokens": [x for p in passes for x in p["long"]["prompt_tokens"]],
+            "errors": [x for p in passes for x in p["long"]["errors"]]}  # fmt: skip
+    elapsed = sum(p["long"]["elapsed"] for p in passes)
     return {
         "health_p50_ms": _r(pct(health, 0.5), 2),
         "health_p99_ms": _r(pct(health, 0.99), 2),
@@ -325,39 +334,59 @@ def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None
         "mean_prompt_tokens": round(statistics.mean(long["prompt_tokens"])) if long["prompt_tokens"] else 0,
         "errors": long["errors"][:5],
         "health_probes": len(health),
-        "stream_events": len(gaps) + 1,
+        "stream_events": len(gaps) + len(passes),
+        "passes": len(passes),
     }
 
 
-def run_short(mode: str, count: int, concurrencies: tuple, workers: int | None) -> dict:
-    """Small chats through a fresh server (zero-latency scheduler) at each concurrency."""
-    server = _Server(mode, workers, itl_ms=0)
+def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int | None, rounds: int = 4) -> dict:
+    """Small chats through one fresh server per mode (zero-latency scheduler), the modes taking turns.
+
+    This machine's speed drifts by tens of percent over a minute (other tenants, frequency), so
+    running one mode after the other would compare two moments as much as two designs. Both
+    servers stay up (an idle one costs nothing measurable) and each concurrency level is split
+    into rounds, inline then pool, round after round: {mode: {clients: row}}."""
+    servers = {}
     try:
-        return short_rows(server, count, concurrencies)
+        for mode in modes:
+            servers[mode] = _Server(mode, workers, itl_ms=0)
+        for server in servers.values():
+            short_rows(server, 50, (2,))  # warm: first requests load caches and code paths
+        per_round = max(1, count // rounds)
+        parts: dict = {mode: {str(c): [] for c in concurrencies} for mode in modes}
+        for clients in concurrencies:
+            for _ in range(rounds):
+                for mode, server in servers.items():
+                    parts[mode][str(clients)].append(_short_run(server, per_round, clients))
+        return {mode: {c: _short_row(runs) for c, runs in by_clients.items()} for mode, by_clients in parts.items()}
     finally:
-        server.close()
+        for server in servers.values():
+            server.close()
+
+
+def _short_run(server: "_Server", count: int, clients: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
+    p.start()
+    _, res = out.get(timeout=600)
+    p.join(30)
+    return res
+
+
+def _short_row(runs: list[dict]) -> dict:
+    latencies = [x for run in runs for x in run["latencies"]]
+    return {
+        "requests_per_s": round(len(latencies) / sum(run["elapsed"] for run in runs), 1),
+        "latency_p50_ms": _r(pct(latencies, 0.5), 2),
+        "errors": sum(run["errors"] for run in runs),
+    }
 
 
 def short_rows(server: "_Server", count: int, concurrencies: tuple) -> dict:
     """Small chats through a running server at each concurrency: {clients: {requests_per_s, latency_p50_ms, errors}}."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    rows = {}
-    warm = ctx.Process(target=_short_requests, args=(server.port, server.model, 50, 2, out))
-    warm.start()
-    out.get(timeout=120)
-    warm.join()
-    for clients in concurrencies:
-        p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
-        p.start()
-        _, res = out.get(timeout=600)
-        p.join(30)
-        rows[str(clients)] = {
-            "requests_per_s": round(len(res["latencies"]) / res["elapsed"], 1),
-            "latency_p50_ms": _r(pct(res["latencies"], 0.5), 2),
-            "errors": res["errors"],
-        }
-    return rows
+    _short_run(server, 50, 2)  # warm
+    return {str(clients): _short_row([_short_run(server, count, clients)]) for clients in concurrencies}
 
 
 SMALL_CLIENTS = (8, 64)
@@ -431,7 +460,7 @@ def print_report(report: dict) -> None:
               f"one plain process: {_fmt(report['plain_encode_tokens_per_s'])} tokens/s)")  # fmt: skip
     if report.get("small_requests"):
         s = report["small_requests"]
-        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler):")
+        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler; inline and pool take turns, 4 rounds):")
         for mode, rows in s.items():
             for clients, row in rows.items():
                 print(f"  {mode:>6}, {clients:>2} clients: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
@@ -486,22 +515,25 @@ def run(args) -> int:
     everything = long_bodies(count * rounds, tokens, "deepseek-v4")
     rounds_of_bodies = [everything[r * count : (r + 1) * count] for r in range(rounds)]
     report = {
-        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s); pool mode with {workers} worker(s)",
+        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode twice in mirrored order; pool mode with {workers} worker(s)",
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
                     "platform": platform.platform()},
         "modes": {},
     }  # fmt: skip
-    for mode in modes:
-        print(f"running {mode} ...", file=sys.stderr, flush=True)
-        report["modes"][mode] = run_mode(mode, rounds_of_bodies, workers)
+    # Each mode twice, the second time in reverse order (inline, thread, pool, pool, thread, inline):
+    # this machine's speed drifts by tens of percent within a minute, and a mirrored order weighs
+    # that drift on every mode alike instead of on whichever ran last.
+    passes: dict[str, list] = {mode: [] for mode in modes}
+    for mode in [*modes, *reversed(modes)]:
+        print(f"running {mode} (pass {len(passes[mode]) + 1} of 2) ...", file=sys.stderr, flush=True)
+        passes[mode].append(run_mode(mode, rounds_of_bodies, workers))
+    report["modes"] = {mode: summarize(passes[mode]) for mode in modes}
     if "pool" in report["modes"]:
         eff, plain = worker_efficiency(everything, report["modes"]["pool"], workers)
         report["worker_efficiency"], report["plain_encode_tokens_per_s"] = eff, plain
     short_modes = [m for m in ("inline", "pool") if m in modes]
-    report["small_requests"] = {}
-    for mode in short_modes:
-        print(f"running small requests, {mode} ...", file=sys.stderr, flush=True)
-        report["small_requests"][mode] = run_short(mode, 500 if quick else 3000, SMALL_CLIENTS, workers)
+    print(f"running small requests, {' and '.join(short_modes)} taking turns ...", file=sys.stderr, flush=True)
+    report["small_requests"] = run_small(short_modes, 800 if quick else 4000, SMALL_CLIENTS, workers) if short_modes else {}
     report["small"] = small_summary(report["small_requests"])
     print_report(report)
     if args.json:
