@@ -1,0 +1,72 @@
+"""The gateway-worker socket pair (tokenmill/pipe_link.py): framing, large messages, a closed end."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from tokenmill.pipe_link import FrameReader, LinkDown, PipeLink, pack_header
+
+messages = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages, st.lists(st.integers(1, 700), min_size=1, max_size=20))
+def test_any_cut_of_the_stream_gives_back_the_messages(msgs, cuts):
+    stream = b"".join(pack_header(m) + b"".join(m) for m in msgs)
+    reader, got, pos, i = FrameReader(), [], 0, 0
+    while pos < len(stream):
+        step = cuts[i % len(cuts)]
+        got += [[bytes(f) for f in m] for m in reader.feed(stream[pos : pos + step])]
+        pos, i = pos + step, i + 1
+    assert got == msgs
+
+
+# A worker-like process: echoes every message back with its frames reversed, through its PipePeer.
+ECHO = """
+import select, sys
+from tokenmill.pipe_link import PipePeer
+peer = PipePeer(int(sys.argv[1]))
+while True:
+    select.select([peer.fileno()], [], [])
+    try:
+        msgs = peer.receive()
+    except EOFError:
+        print("eof", flush=True)
+        sys.exit(0)
+    for frames in msgs:
+        peer.send_multipart([bytes(f) for f in reversed(frames)])
+"""
+
+
+def test_a_worker_process_gets_and_answers_small_and_large_messages():
+    big = bytes(range(256)) * 16384  # 4 MiB: more than a socket buffer holds, so it crosses in pieces
+
+    async def body():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        proc = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        theirs.close()
+        answers: asyncio.Queue = asyncio.Queue()
+        link = await PipeLink.open(ours, lambda _link, frames: answers.put_nowait([bytes(f) for f in frames]))
+        sent = [[b"header", b"body"], [b"x"], [b"", b"empty frame first"], [b"job", big], [b"after the big one"]]
+        for frames in sent:
+            link.send(frames)
+        got = [await asyncio.wait_for(answers.get(), 30) for _ in sent]
+        assert got == [list(reversed(frames)) for frames in sent]
+        link.close()
+        with pytest.raises(LinkDown):  # a send on a closed link fails at once, as a ZeroMQ one would
+            link.send([b"late"])
+        return proc
+
+    proc = uvloop.run(body())
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out.strip() == "eof"  # the worker sees the gateway's end close
