@@ -43,6 +43,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
     parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 80000).")
     parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="Runs of the long-request load per mode, the order reversed each time (default 2).")
+    parser.add_argument("--small-requests", type=int,
+                        help="Small requests per mode at each concurrency (default 4000; quick 800).")
     parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers in pool mode (default: as serve).")
     parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of inline,thread,pool.")
     parser.add_argument("--conversations", type=int, help="multiturn: conversations replayed at once (default 16; quick 4).")
@@ -515,17 +519,18 @@ def run(args) -> int:
     everything = long_bodies(count * rounds, tokens, "deepseek-v4")
     rounds_of_bodies = [everything[r * count : (r + 1) * count] for r in range(rounds)]
     report = {
-        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode twice in mirrored order; pool mode with {workers} worker(s)",
+        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode {max(1, args.passes)} time(s) in mirrored order; pool mode with {workers} worker(s)",
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
                     "platform": platform.platform()},
         "modes": {},
     }  # fmt: skip
-    # Each mode twice, the second time in reverse order (inline, thread, pool, pool, thread, inline):
-    # this machine's speed drifts by tens of percent within a minute, and a mirrored order weighs
-    # that drift on every mode alike instead of on whichever ran last.
+    # Each mode once per pass, every other pass in reverse order (inline, thread, pool, pool, thread,
+    # inline): this machine's speed drifts by tens of percent within a minute, and a mirrored order
+    # weighs that drift on every mode alike instead of on whichever ran last.
     passes: dict[str, list] = {mode: [] for mode in modes}
-    for mode in [*modes, *reversed(modes)]:
-        print(f"running {mode} (pass {len(passes[mode]) + 1} of 2) ...", file=sys.stderr, flush=True)
+    order = [mode for p in range(max(1, args.passes)) for mode in (modes if p % 2 == 0 else modes[::-1])]
+    for mode in order:
+        print(f"running {mode} (pass {len(passes[mode]) + 1} of {max(1, args.passes)}) ...", file=sys.stderr, flush=True)
         passes[mode].append(run_mode(mode, rounds_of_bodies, workers))
     report["modes"] = {mode: summarize(passes[mode]) for mode in modes}
     if "pool" in report["modes"]:
@@ -533,7 +538,8 @@ def run(args) -> int:
         report["worker_efficiency"], report["plain_encode_tokens_per_s"] = eff, plain
     short_modes = [m for m in ("inline", "pool") if m in modes]
     print(f"running small requests, {' and '.join(short_modes)} taking turns ...", file=sys.stderr, flush=True)
-    report["small_requests"] = run_small(short_modes, 800 if quick else 4000, SMALL_CLIENTS, workers) if short_modes else {}
+    small_count = args.small_requests or (800 if quick else 4000)
+    report["small_requests"] = run_small(short_modes, small_count, SMALL_CLIENTS, workers) if short_modes else {}
     report["small"] = small_summary(report["small_requests"])
     print_report(report)
     if args.json:
