@@ -20,6 +20,18 @@ SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures"
 
 
+def pytest_collection_finish(session) -> None:
+    """Test modules with a slow oracle to load (test_output_parsers: vLLM's parsers) start it now,
+    so it loads while the tests before them run."""
+    modules = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_early"):
+            modules.setdefault(module, []).append(item)
+    for module, items in modules.items():
+        module.start_early(items)
+
+
 def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
     """`tokenmill bench ARGS --json FILE` in its own process: (the JSON report, what it printed)."""
     out = tmp_path / "bench.json"

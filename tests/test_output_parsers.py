@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -63,20 +65,57 @@ def markers(case: Case) -> list[str]:
     return out
 
 
+class _Oracle:
+    """vLLM's parsers over every case, in the vLLM venv, in one process. Importing vLLM there takes
+    half a minute, so conftest starts it as soon as collection shows test_matches_vllm will run: it
+    loads beside the tests that run first instead of holding up this module."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.thread: threading.Thread | None = None
+        self.out = ("", "")
+
+    def start(self) -> None:
+        if self.proc is not None or vllm_env.missing_reason():
+            return
+        lines = [json.dumps({"tool_parser": c.tool_parser, "reasoning_parser": c.reasoning_parser, "tools": c.tools,
+                             "text": c.text, "markers": markers(c), "chat_template_kwargs": c.chat_template_kwargs},
+                            ensure_ascii=False) for c in CASES]  # fmt: skip
+        self.proc = subprocess.Popen([str(vllm_env.VLLM_PYTHON), str(vllm_env.ROOT / "tests" / "oracles" / "vllm_parsers.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        atexit.register(self.proc.kill)  # a session that ends early leaves no oracle behind
+
+        def talk() -> None:
+            self.out = self.proc.communicate("\n".join(lines) + "\n", timeout=600)
+
+        self.thread = threading.Thread(target=talk, name="vllm-parser-oracle", daemon=True)
+        self.thread.start()
+
+    def results(self) -> list[dict]:
+        self.start()
+        self.thread.join(660)
+        stdout, stderr = self.out
+        assert self.proc.returncode == 0, stderr[-3000:]
+        results = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+        assert len(results) == len(CASES), stderr[-3000:]
+        return results
+
+
+ORACLE = _Oracle()
+
+
+def start_early(items) -> None:
+    """Called by conftest once collection is done (see _Oracle)."""
+    if any(item.name.startswith("test_matches_vllm") for item in items):
+        ORACLE.start()
+
+
 @pytest.fixture(scope="module")
 def vllm_results() -> dict:
     reason = vllm_env.missing_reason()
     if reason:
         pytest.skip(reason)
-    lines = [json.dumps({"tool_parser": c.tool_parser, "reasoning_parser": c.reasoning_parser, "tools": c.tools,
-                         "text": c.text, "markers": markers(c), "chat_template_kwargs": c.chat_template_kwargs},
-                        ensure_ascii=False) for c in CASES]  # fmt: skip
-    proc = subprocess.run([str(vllm_env.VLLM_PYTHON), str(vllm_env.ROOT / "tests" / "oracles" / "vllm_parsers.py")],
-                          input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert len(results) == len(CASES), proc.stderr[-3000:]
-    return {c.id: r for c, r in zip(CASES, results)}
+    return {c.id: r for c, r in zip(CASES, ORACLE.results())}
 
 
 def _normalized(result: dict) -> dict:
