@@ -70,3 +70,41 @@ def test_a_worker_process_gets_and_answers_small_and_large_messages():
     proc = uvloop.run(body())
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and out.strip() == "eof"  # the worker sees the gateway's end close
+
+
+def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it():
+    """A worker's IO thread converts small requests itself (a few hundred microseconds each): a
+    detokenization batch that arrives in the same read as a conversion job is answered first, so a
+    running stream's text does not wait behind a conversion."""
+    import msgspec
+
+    from tokenizer_workers import messages as m
+    from tokenizer_workers.converter import ConverterSettings
+    from tokenizer_workers.worker import SETTINGS_ENV
+    from tokenmill.procutil import child_env
+
+    body = b'{"model": "deepseek-v4", "max_tokens": 1, "messages": [{"role": "user", "content": "Hello there"}]}'
+
+    async def scenario():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**child_env(), SETTINGS_ENV: msgspec.json.encode(ConverterSettings(served_model_name="deepseek-v4")).decode()}
+        proc = subprocess.Popen([sys.executable, "-m", "tokenizer_workers.worker", "--link-fd", str(theirs.fileno()),
+                                 "--index", "0"], pass_fds=(theirs.fileno(),), cwd=ROOT, env=env)  # fmt: skip
+        theirs.close()
+        replies: asyncio.Queue = asyncio.Queue()
+        link = await PipeLink.open(ours, lambda _link, frames: replies.put_nowait(m.from_worker.decode(frames[0])))
+        try:
+            assert isinstance(await asyncio.wait_for(replies.get(), 120), m.WorkerReady)
+            job = m.encoder.encode(m.ConvertJob(1, "chat", "chatcmpl-a", quick=True))
+            detok = m.encoder.encode(m.DetokBatch([m.DetokItem("chatcmpl-b-0", b"\0\0\0\0", True)]))
+            link.transport.writelines([pack_header([job, body]), job, body, pack_header([detok]), detok])  # one write
+            first = await asyncio.wait_for(replies.get(), 60)
+            second = await asyncio.wait_for(replies.get(), 60)
+            assert isinstance(first, m.DetokOut) and first.items[0].request_id == "chatcmpl-b-0"
+            assert isinstance(second, m.ConvertDone) and second.job_id == 1 and second.error is None
+        finally:
+            link.close()
+        return proc
+
+    proc = uvloop.run(scenario())
+    assert proc.wait(30) == 0  # the worker exits when the gateway's end closes (the loop has closed it now)

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import msgspec
@@ -144,19 +145,18 @@ class Worker:
                         messages = link.sock.receive()
                     except EOFError:
                         return  # the gateway is gone
-                    for frames in messages:
-                        if not self._handle(link, frames):
-                            return
-                    continue
-                recv, get = ready.recv, ready.get
-                while get(_EVENTS) & _POLLIN:  # everything waiting, before polling again
-                    frame = recv(_NOBLOCK, copy=False)
-                    frames = [frame]
-                    while frame.more:
+                else:
+                    messages = []
+                    recv, get = ready.recv, ready.get
+                    while get(_EVENTS) & _POLLIN:  # everything waiting, before polling again
                         frame = recv(_NOBLOCK, copy=False)
-                        frames.append(frame)
-                    if not self._handle(link, [frame.buffer for frame in frames]):
-                        return
+                        frames = [frame.buffer]
+                        while frame.more:
+                            frame = recv(_NOBLOCK, copy=False)
+                            frames.append(frame.buffer)
+                        messages.append(frames)
+                if not self._handle_all(link, messages):
+                    return
             if beating:
                 self._tick()
 
@@ -198,12 +198,25 @@ class Worker:
             raise SystemExit("a gateway's converter settings differ from those this worker loaded its model with; "
                              "exiting so that a restart loads them")
 
-    def _handle(self, link: _Link, frames: list[memoryview]) -> bool:
-        try:
-            msg = m.to_worker.decode(frames[0])
-        except msgspec.DecodeError:
-            log.error("worker %d: undecodable message from the gateway", self.index)
-            return True
+    def _handle_all(self, link: _Link, messages: list[list[memoryview]]) -> bool:
+        """Messages that arrived together: detokenization batches first, then the rest in order. A
+        small conversion holds this thread for a few hundred microseconds, and a running stream's
+        next text (or a finished request's last) should not wait behind it. (A batch never concerns
+        a request converted in the same read: its conversion went back to the gateway first.)"""
+        decoded = []
+        for frames in messages:
+            try:
+                decoded.append((m.to_worker.decode(frames[0]), frames))
+            except msgspec.DecodeError:
+                log.error("worker %d: undecodable message from the gateway", self.index)
+        if len(decoded) > 1:
+            decoded.sort(key=lambda pair: not isinstance(pair[0], m.DetokBatch))  # stable: the rest keep their order
+        for msg, frames in decoded:
+            if not self._handle(link, msg, frames):
+                return False
+        return True
+
+    def _handle(self, link: _Link, msg, frames: list[memoryview]) -> bool:
         if isinstance(msg, m.DetokBatch):
             t0 = time.perf_counter()
             deltas = self.detokenizer.step(msg.items)
@@ -327,8 +340,19 @@ def main(argv: list[str] | None = None) -> int:
     # detokenization of running streams waits at most that long behind a conversion.
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
-    Worker(args.index, args.link_fd, settings, attach=tuple(args.attach)).run()
-    return 0
+    try:
+        Worker(args.index, args.link_fd, settings, attach=tuple(args.attach)).run()  # returns when the gateway is gone
+        code = 0
+    except SystemExit as exc:  # refused, or settings that differ: the message says why
+        code = exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)  # at once: a normal exit would wait for ZeroMQ sockets the conversion thread holds
 
 
 if __name__ == "__main__":
