@@ -360,25 +360,29 @@ class WorkerPool:
                 retry_after=1,
             )
 
-    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
-        self.check_capacity(len(body))
-        job = _Job(next(self._ids), kind, request_id, body, asyncio.get_running_loop().create_future(), time.monotonic())
+    def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> asyncio.Future:
+        """A future of the conversion (ConvertResult, or ConversionRejected). A plain future, not a
+        coroutine: the worker's answer resolves it directly, one loop iteration sooner than a task
+        would wake its caller. Cancelling it gives the job up (dropped if still queued)."""
+        future = asyncio.get_running_loop().create_future()
+        try:
+            self.check_capacity(len(body))
+        except ConversionRejected as exc:
+            future.set_exception(exc)
+            return future
+        job = _Job(next(self._ids), kind, request_id, body, future, time.monotonic())
         job.affinity = affinity
         # a template sent with the request could loop until the conversion timeout: never on the IO thread
         job.quick = 0 < len(body) <= self.quick_bytes and not (self.settings.trust_request_chat_template
                                                                 and b'"chat_template"' in body)
         self.jobs[job.job_id] = job
+        future.add_done_callback(lambda f: self._forget(job) if f.cancelled() else None)
         self._enqueue(job)
         self._dispatch()
-        try:
-            return await job.future
-        finally:
-            if not job.future.done() or job.future.cancelled():
-                self._forget(job)
+        return future
 
     def _forget(self, job: _Job) -> None:
         """The caller went away: drop a queued job; a running one's result will be released."""
-        job.future.cancel()
         if job.worker is None and job.lane is not None and job in job.lane:
             job.lane.remove(job)
             self.queued_bytes -= len(job.body)
