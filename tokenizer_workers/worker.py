@@ -1,10 +1,12 @@
 """A tokenizer worker process.
 
 Two threads, so that streams keep flowing while a long prompt converts:
-- the IO thread owns the ZeroMQ DEALER to the gateway, answers detokenization
-  batches at once (they are small), converts the jobs the gateway marks quick (small
-  bodies: handing them to the other thread would cost more than converting them), and
-  forwards finished conversions;
+- the IO thread owns the links to the gateways (the spawning gateway's socket pair;
+  ZeroMQ DEALERs to a remote gateway or the node's other gateways), answers
+  detokenization batches at once (they are small, and go first), converts the jobs the
+  gateway marks quick (small bodies: handing them to the other thread would cost more
+  than converting them; they have a tokenization cache of their own), and forwards
+  finished conversions;
 - the conversion thread renders and tokenizes the other requests, one at a time.
   ``encode_batch`` releases the GIL, so the IO thread runs while a 250k-token prompt is
   being encoded.
