@@ -22,15 +22,18 @@ import struct
 from typing import Callable
 
 _U32 = struct.Struct("<I")
-_HEADS = {n: struct.Struct(f"<{n + 1}I") for n in range(1, 9)}  # count + lengths, for the usual sizes
+_HEADS = {n: struct.Struct(f"<{n + 1}I") for n in range(9)}  # count + lengths, for the usual sizes
 _READ = 256 * 1024
+
+
+def _head(count: int) -> struct.Struct:
+    """The layout of a prefix: the frame count, then each frame's length."""
+    return _HEADS.get(count) or struct.Struct(f"<{count + 1}I")
 
 
 def pack_header(frames) -> bytes:
     """The prefix of one message: its frame count and each frame's length."""
-    n = len(frames)
-    head = _HEADS.get(n) or struct.Struct(f"<{n + 1}I")
-    return head.pack(n, *map(len, frames))
+    return _head(len(frames)).pack(len(frames), *map(len, frames))
 
 
 class FrameReader:
@@ -56,7 +59,7 @@ class FrameReader:
             start = pos + 4 + 4 * count
             if start > size:
                 break
-            lengths = struct.unpack_from(f"<{count}I", data, pos + 4) if count else ()
+            lengths = _head(count).unpack_from(data, pos)[1:]
             end = start + sum(lengths)
             if end > size:
                 self._need = end - pos
@@ -131,6 +134,7 @@ class PipePeer:
         return self.sock.fileno()
 
     def send(self, data, flags: int = 0) -> None:
+        """As a ZeroMQ socket's send (flags such as NOBLOCK are accepted: the gateway's loop always reads)."""
         self.send_multipart([data])
 
     def send_multipart(self, frames: list, copy: bool = False) -> None:
