@@ -6,8 +6,9 @@ served twice, on the CPU build of vLLM (the `.venv-vllm` that ./scripts/test.sh 
 * by vLLM's own server: `python -m vllm.entrypoints.openai.api_server --model DIR ...`;
 * by `tokenmill engine --backend vllm` (vLLM's AsyncLLM fed token IDs) behind `tokenmill serve`.
 
-Both vLLM processes start together (~40 s on 2 cores with `enforce_eager`) and run with the same
-engine settings, so the same prompt IDs and sampling parameters give the same tokens. The tests
+Both vLLM processes start together (~40 s on 2 cores with `enforce_eager`), as soon as pytest has
+collected the tests, so that they load while the other modules run; they run with the same engine
+settings, so the same prompt IDs and sampling parameters give the same tokens. The tests
 check that what a client sees is the same on both: /tokenize IDs, greedy and seeded sampled
 completions (streamed and not), usage and finish reasons; that every difference is one of the
 documented ones (docs/engines.md, "A real vLLM in the tests"), asserted as that difference; and
@@ -24,6 +25,7 @@ Skipped where vLLM's CPU build cannot run (tests/vllm_env.py says why).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -31,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from http.client import HTTPConnection
@@ -93,24 +96,28 @@ VLLM_ENV = {
 # ---- processes ------------------------------------------------------------------------------------
 
 
-def _die_with_the_tests() -> None:
-    """In the child, before exec: SIGTERM when the test process dies (even by SIGKILL), so that a killed
-    pytest leaves no vLLM behind (SIGTERM lets vLLM stop its own engine-core and worker processes)."""
-    import ctypes
+_PRCTL = ctypes.CDLL(None).prctl  # looked up here: the child, between fork and exec, only calls it
 
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+def _die_with_the_tests(nice: int) -> None:
+    """In the child, before exec: SIGTERM when the test process dies (even by SIGKILL), so that a killed
+    pytest leaves no vLLM behind (SIGTERM lets vLLM stop its own engine-core and worker processes); and
+    the CPU priority asked for."""
+    _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if nice:
+        os.nice(nice)
 
 
 class Proc:
     """A vLLM-venv subprocess in its own process group (vLLM's engine-core and worker processes
     included), logging to a file; stop() ends the whole group."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, nice: int = 0) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             args, cwd=ROOT, env={**os.environ, **VLLM_ENV}, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_the_tests,
+            start_new_session=True, preexec_fn=lambda: _die_with_the_tests(nice),
         )  # fmt: skip
 
     def log(self) -> str:
@@ -138,7 +145,7 @@ class Proc:
 
 
 class VLLMServer(Proc):
-    def __init__(self, model: Path, log_path: Path) -> None:
+    def __init__(self, model: Path, log_path: Path, nice: int = 0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(
@@ -146,6 +153,7 @@ class VLLMServer(Proc):
              "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1",
              "--port", str(self.port), *VLLM_SERVER_FLAGS],
             log_path,
+            nice,
         )  # fmt: skip
 
     def ready(self) -> bool:
@@ -160,13 +168,14 @@ class VLLMServer(Proc):
 
 
 class Engine(Proc):
-    def __init__(self, model: Path, endpoint: str, log_path: Path) -> None:
+    def __init__(self, model: Path, endpoint: str, log_path: Path, nice: int = 0) -> None:
         self.endpoint = endpoint
         self._seen = len(log_path.read_text(errors="replace")) if log_path.exists() else 0  # a restart appends
         super().__init__(
             [str(VLLM_PYTHON), "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", str(model),
              "--max-model-len", str(MAX_MODEL_LEN), "--bind", endpoint, "--stats-interval-s", "0.2", *ENGINE_FLAGS],
             log_path,
+            nice,
         )  # fmt: skip
 
     def ready(self) -> bool:
@@ -199,32 +208,84 @@ class Stack:
         self.t = self.front.client()
 
 
+class _EarlyStart:
+    """Makes the model and starts both vLLMs while the test modules before this one run (conftest
+    calls start_early once collection is done): a vLLM start is ~40 s, mostly imports, and the
+    earlier tests leave much of the machine idle while they wait for servers and sockets.
+
+    They start at a lower CPU priority, so that they take the CPU the other tests leave idle rather
+    than slow them down (a test process may raise its children's nice value, not lower it again).
+    The starting happens in a thread that lives as long as the processes do: PR_SET_PDEATHSIG (see
+    _die_with_the_tests) fires when the thread that started a child ends, not the process."""
+
+    NICE = 10
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.root: Path | None = None
+        self.procs: list = []
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="vllm-stack", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix="tmvllm-"))  # short: ipc paths are limited to ~100 bytes
+            model = self.root / NAME
+            made = subprocess.run(["nice", "-n", str(self.NICE), str(VLLM_PYTHON), *MAKE_MODEL, str(model)], cwd=ROOT,
+                                  env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
+            self.procs.append(VLLMServer(model, self.root / "vllm.log", nice=self.NICE))
+            self.procs.append(Engine(model, f"ipc://{self.root}/engine.sock", self.root / "engine.log", nice=self.NICE))
+        except BaseException as exc:  # the fixture raises it
+            self.error = exc
+        finally:
+            self.started.set()
+        self.finished.wait()  # keep the processes' parent-death signal armed until they are stopped
+
+    def take(self) -> tuple[Path, list]:
+        self.start()  # not yet started when this module's tests were picked some other way
+        self.started.wait()
+        return self.root, self.procs
+
+
+EARLY = _EarlyStart()
+
+
+def start_early(items) -> None:
+    """Called by conftest once collection is done (see _EarlyStart)."""
+    EARLY.start()
+
+
 @pytest.fixture(scope="module")
 def stack():
     t0 = time.monotonic()
-    root = Path(tempfile.mkdtemp(prefix="tmvllm-"))  # short: ipc paths are limited to ~100 bytes
-    model = root / NAME
-    procs: list = []
+    root, procs = EARLY.take()
     s: Stack | None = None
     try:
-        made = subprocess.run([str(VLLM_PYTHON), *MAKE_MODEL, str(model)], cwd=ROOT,
-                              env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
-        procs.append(VLLMServer(model, root / "vllm.log"))
-        procs.append(Engine(model, f"ipc://{root}/engine.sock", root / "engine.log"))
+        if EARLY.error is not None:
+            raise EARLY.error
         wait_all(*procs)
+        model = root / NAME
         front = Server("--model", str(model), "--scheduler", procs[1].endpoint, "--served-model-name", NAME,
                        "--max-model-len", str(MAX_MODEL_LEN), "--workers", "1", timeout=120)  # fmt: skip
         procs.append(front)
         s = Stack(root, model, procs[0], procs[1], front, Tokenizer.from_file(str(model / "tokenizer.json")),
                   time.monotonic() - t0)  # fmt: skip
-        print(f"\nvLLM stack ready in {s.started_s:.1f} s")
+        print(f"\nvLLM stack ready {s.started_s:.1f} s after this module's first test began")
         yield s
     finally:
         if s is not None:
             procs[1] = s.engine  # the kill test starts a new one
         statuses = [(p, p.stop()) for p in reversed(procs)]
-        shutil.rmtree(root, ignore_errors=True)
+        EARLY.finished.set()
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
     for p, status in statuses:  # after a normal run: every process shut down cleanly on SIGTERM
         assert status == 0 or getattr(p, "killed", False), f"{type(p).__name__} exited with {status}"
     print(f"\nvLLM module wall time {time.monotonic() - t0:.1f} s")
