@@ -21,8 +21,8 @@ FIXTURES = SHARED / "fixtures"
 
 
 def pytest_collection_finish(session) -> None:
-    """Test modules with a slow oracle to load (test_output_parsers: vLLM's parsers) start it now,
-    so it loads while the tests before them run."""
+    """Test modules with something slow to start (test_output_parsers: vLLM's parsers;
+    test_vllm_engine: two vLLMs) start it now, so it loads while the tests before them run."""
     modules = {}
     for item in session.items:
         module = getattr(item, "module", None)
