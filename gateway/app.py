@@ -31,13 +31,6 @@ class BodyTooLarge(Exception):
     pass
 
 
-def _checked(result):
-    """The conversion's result, or its refusal (a bad request) raised for the handler to answer."""
-    if result.done.error is not None:
-        raise ConversionRejected(result.done.error)
-    return result
-
-
 def conversation_key(body: bytes) -> int | None:
     """A hash of the conversation's beginning, from the raw body: the start of "messages"
     repeats across the turns of one conversation. Cheap (no JSON parsing) and only a hint."""
@@ -167,38 +160,30 @@ class App:
             metrics.aborts.labels(reason="client_disconnect").inc()
         return None
 
-    async def _convert(self, kind, request_id, body, receive, send, endpoint, then):
-        """Convert in a worker, giving up (and freeing the queue slot) if the client leaves.
-
-        ``then`` runs on the conversion's result as it arrives (WorkerPool.convert); what it returns
-        comes back here, with the task that watches for the client's disconnect. A refusal
-        (ConversionRejected, raised by the pool or by ``then``) is answered here: (None, None)."""
+    async def _convert(self, kind, request_id, body, receive, send, endpoint):
+        """Convert in a worker, giving up (and freeing the queue slot) if the client leaves."""
         if self.gw.draining:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
-        affinity = conversation_key(body) if kind in ("chat", "tokenize") else None
-        future = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity, then))
         watcher = asyncio.ensure_future(receive())
-        left = False
-
-        def on_leave(_) -> None:
-            nonlocal left
-            if not future.done():  # the client went away first: give the conversion up
-                left = True
-                future.cancel()
-
-        watcher.add_done_callback(on_leave)
-        try:
-            return await future, watcher
-        except asyncio.CancelledError:
-            watcher.cancel()
-            if not left:
-                raise
+        affinity = conversation_key(body) if kind in ("chat", "tokenize") else None
+        task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
             self.gw.metrics.aborts.labels(reason="client_disconnect").inc()
+            return None, None
+        try:
+            result = task.result()
         except ConversionRejected as exc:
             watcher.cancel()
             await self.error(send, exc.error, endpoint, exc.retry_after)
-        return None, None
+            return None, None
+        if result.done.error is not None:
+            watcher.cancel()
+            await self.error(send, result.done.error, endpoint)
+            return None, None
+        return result, watcher
 
     # ---- endpoints ----------------------------------------------------------------------
 
@@ -207,7 +192,7 @@ class App:
         body = await self._body_or_error(scope, receive, send, endpoint)
         if body is None:
             return
-        result, watcher = await self._convert(kind, "tok", body, receive, send, endpoint, _checked)
+        result, watcher = await self._convert(kind, "tok", body, receive, send, endpoint)
         if result is not None:
             watcher.cancel()
             await self.respond(send, 200, result.done.body, endpoint)
@@ -225,61 +210,52 @@ class App:
                                              code="scheduler_unavailable"), endpoint, retry_after=2)
             return
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        if result is None:
+            return
+        done = result.done
+        if gw.closing:  # converted just as the drain ended: free its decoder state, start nothing
+            watcher.cancel()
+            gw.conversion.release(result.owner, [c.request_id for c in done.choices])
+            await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
+            return
+        gen = Generation(
+            request_id,
+            result.owner,
+            [Choice(i, c.request_id, c.prompt_tokens, c.counts_prompt,
+                    calls_finish="stop" if done.forced_calls == "named" else "tool_calls")
+             for i, c in enumerate(done.choices)],
+            arrival,
+        )
         extensions = scope.get("extensions") or {}
-        launched: list[Generation] = []
-
-        def launch(result):
-            """Start the converted request at the scheduler. With the worker pool this runs in the
-            callback that read the worker's answer, so the scheduler starts before this handler's
-            task is woken (a loop iteration or more on a busy loop, on every request's path)."""
-            done = _checked(result).done
-            if gw.closing:  # converted just as the drain ended: free its decoder state, start nothing
-                gw.conversion.release(result.owner, [c.request_id for c in done.choices])
-                raise ConversionRejected(fmt.error(503, "The server is shutting down.", code="shutdown"), 5)
-            gen = Generation(
-                request_id,
-                result.owner,
-                [Choice(i, c.request_id, c.prompt_tokens, c.counts_prompt,
-                        calls_finish="stop" if done.forced_calls == "named" else "tool_calls")
-                 for i, c in enumerate(done.choices)],
-                arrival,
-            )
-            gen.drop_connection = extensions.get("tokenmill.drop_connection")
-            try:
-                rank = gw.scheduler.pick(done.conversation, done.home_rank)
-                gen.rank = rank.index
-                if gw.shares_placements and done.conversation is not None:
-                    gw.conversion.placed(result.owner, done.conversation, rank.index)
-                gw.generations.add(gen)
-                for i in range(len(done.choices)):
-                    gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])
-            except SchedulerUnavailable:
-                gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state
-                gw.generations.cancel(gen, abort=True, reason="scheduler_lost")
-                raise ConversionRejected(fmt.error(503, "The GPU scheduler became unavailable; retry shortly.",
-                                                   code="scheduler_unavailable"), 2) from None
-            gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
-            launched.append(gen)
-            return done, gen
-
-        watcher = None
+        gen.drop_connection = extensions.get("tokenmill.drop_connection")
         try:
-            started, watcher = await self._convert(kind, request_id, body, receive, send, endpoint, launch)
-            if started is None:
-                return
-            done, gen = started
-            watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
-            framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
+            rank = gw.scheduler.pick(done.conversation, done.home_rank)
+            gen.rank = rank.index
+            if gw.shares_placements and done.conversation is not None:
+                gw.conversion.placed(result.owner, done.conversation, rank.index)
+            gw.generations.add(gen)
+            for i in range(len(done.choices)):
+                gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])
+        except SchedulerUnavailable:
+            gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state
+            watcher.cancel()
+            gw.generations.cancel(gen, abort=True, reason="scheduler_lost")
+            await self.error(send, fmt.error(503, "The GPU scheduler became unavailable; retry shortly.",
+                                             code="scheduler_unavailable"), endpoint, retry_after=2)
+            return
+        gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
+        watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
+        framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
+        try:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
             else:
                 await self._collect(gen, framer, send, endpoint, timing_headers(done), done)
         finally:
-            if watcher is not None:
-                watcher.cancel()
-            for gen in launched:  # also one started as this task was cancelled, before it woke
-                gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
-                gw.metrics.e2e_latency.observe(time.monotonic() - arrival)
+            watcher.cancel()
+            gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
+            gw.metrics.e2e_latency.observe(time.monotonic() - arrival)
 
     def _usage(self, gen: Generation) -> dict:
         return fmt.usage(

@@ -53,7 +53,7 @@ class InProcessConversion:
     async def close(self) -> None:
         pass
 
-    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None, then=None):
+    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
         job = ConvertJob(next(self._ids), kind, request_id)
         if self.threaded:
             conversion = await asyncio.get_running_loop().run_in_executor(None, self.converter.convert, job, body)
@@ -63,8 +63,7 @@ class InProcessConversion:
             self.detokenizer.open(spec)
         if self.metrics:
             self.metrics.observe_conversion(conversion.done)
-        result = ConvertResult(conversion.done, conversion.frames, 0)
-        return result if then is None else then(result)
+        return ConvertResult(conversion.done, conversion.frames, 0)
 
     def detokenize(self, owner: int, items) -> None:
         t0 = time.perf_counter()

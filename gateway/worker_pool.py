@@ -81,7 +81,6 @@ class _Job:
     affinity: int | None = None  # hash of the conversation's beginning
     lane: deque | None = None  # the queue it waits in
     quick: bool = False  # small enough for the worker's IO thread: sent without waiting for a free worker
-    then: Callable[[ConvertResult], object] | None = None  # runs on the result as it arrives (see convert)
 
 
 @dataclass(eq=False)
@@ -361,16 +360,10 @@ class WorkerPool:
                 retry_after=1,
             )
 
-    def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None,
-                then: Callable[[ConvertResult], object] | None = None) -> asyncio.Future:
+    def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> asyncio.Future:
         """A future of the conversion (ConvertResult, or ConversionRejected). A plain future, not a
         coroutine: the worker's answer resolves it directly, one loop iteration sooner than a task
-        would wake its caller. Cancelling it gives the job up (dropped if still queued).
-
-        ``then``, if given, is called with the ConvertResult in the callback that read the worker's
-        answer, and the future resolves to what it returns: the caller can start the request at the
-        scheduler there, before its own task is woken (a loop iteration or more under load). What it
-        raises, the future holds. It is not called for a job given up or refused."""
+        would wake its caller. Cancelling it gives the job up (dropped if still queued)."""
         future = asyncio.get_running_loop().create_future()
         try:
             self.check_capacity(len(body))
@@ -379,7 +372,6 @@ class WorkerPool:
             return future
         job = _Job(next(self._ids), kind, request_id, body, future, time.monotonic())
         job.affinity = affinity
-        job.then = then
         # a template sent with the request could loop until the conversion timeout: never on the IO thread
         job.quick = 0 < len(body) <= self.quick_bytes and not (self.settings.trust_request_chat_template
                                                                 and b'"chat_template"' in body)
@@ -770,14 +762,7 @@ class WorkerPool:
                 self.release(worker.index, ids)
             return
         worker.owned.update(ids)
-        result = ConvertResult(done, frames, worker.index)
-        if job.then is None:
-            job.future.set_result(result)
-            return
-        try:
-            job.future.set_result(job.then(result))
-        except Exception as exc:  # a refusal (or a bug) in the caller's step: the caller sees it
-            job.future.set_exception(exc)
+        job.future.set_result(ConvertResult(done, frames, worker.index))
 
     def state(self) -> list[dict]:
         return [
