@@ -355,7 +355,7 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
         for mode in modes:
             servers[mode] = _Server(mode, workers, itl_ms=0)
         for server in servers.values():
-            short_rows(server, 50, (2,))  # warm: first requests load caches and code paths
+            _short_run(server, 50, 2)  # warm: first requests load caches and code paths
         per_round = max(1, count // rounds)
         parts: dict = {mode: {str(c): [] for c in concurrencies} for mode in modes}
         for clients in concurrencies:
@@ -518,8 +518,9 @@ def run(args) -> int:
     # can reuse only the shared system prompt, so the figures measure real tokenization
     everything = long_bodies(count * rounds, tokens, "deepseek-v4")
     rounds_of_bodies = [everything[r * count : (r + 1) * count] for r in range(rounds)]
+    n_passes = max(1, args.passes)
     report = {
-        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode {max(1, args.passes)} time(s) in mirrored order; pool mode with {workers} worker(s)",
+        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode {n_passes} time(s) in mirrored order; pool mode with {workers} worker(s)",
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
                     "platform": platform.platform()},
         "modes": {},
@@ -528,9 +529,9 @@ def run(args) -> int:
     # inline): this machine's speed drifts by tens of percent within a minute, and a mirrored order
     # weighs that drift on every mode alike instead of on whichever ran last.
     passes: dict[str, list] = {mode: [] for mode in modes}
-    order = [mode for p in range(max(1, args.passes)) for mode in (modes if p % 2 == 0 else modes[::-1])]
+    order = [mode for p in range(n_passes) for mode in (modes if p % 2 == 0 else modes[::-1])]
     for mode in order:
-        print(f"running {mode} (pass {len(passes[mode]) + 1} of {max(1, args.passes)}) ...", file=sys.stderr, flush=True)
+        print(f"running {mode} (pass {len(passes[mode]) + 1} of {n_passes}) ...", file=sys.stderr, flush=True)
         passes[mode].append(run_mode(mode, rounds_of_bodies, workers))
     report["modes"] = {mode: summarize(passes[mode]) for mode in modes}
     if "pool" in report["modes"]:
