@@ -40,3 +40,47 @@ def test_passes_pool_their_samples_and_their_time():
     assert row["health_probes"] == 200 and row["health_max_ms"] == 50.0
     assert row["loop_lag_p99_ms"] == 5.0 and row["loop_lag_max_ms"] == 9.0  # the worse pass
     assert row["stream_gap_max_ms"] == 22.0
+
+
+def test_the_load_client_counts_answers_and_keeps_what_went_wrong(server):
+    """The small-request benchmark's client: every request answered once over its keep-alive
+    connections; a refusal is an error with its status and body, never a latency."""
+    import json
+
+    from tokenmill.load_client import post_many
+
+    model = server.client().models.list().data[0].id
+    chat = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello there."}]}
+    good = post_many(server.port, "/v1/chat/completions", json.dumps(chat).encode(), 40, 4, timeout=60)
+    assert len(good["latencies"]) == 40 and good["errors"] == []
+    assert all(x > 0 for x in good["latencies"]) and good["cpu_s"] > 0
+
+    wrong = post_many(server.port, "/v1/chat/completions", json.dumps({**chat, "model": "nope"}).encode(), 6, 2, timeout=60)
+    assert wrong["latencies"] == [] and len(wrong["errors"]) == 6
+    assert all(e.startswith("404: ") and "model_not_found" in e for e in wrong["errors"])
+
+
+def test_the_load_client_reports_a_server_that_hangs_up_instead_of_waiting():
+    import socket
+    import threading
+
+    from tokenmill.load_client import post_many
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+
+    def hang_up() -> None:  # read each request, answer nothing, close
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.close()
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    try:
+        res = post_many(listener.getsockname()[1], "/v1/chat/completions", b"{}", 10, 2, timeout=30)
+    finally:
+        t.join(30)
+        listener.close()
+    assert res["latencies"] == [] and len(res["errors"]) == 2
+    assert all("closed before the answer was complete" in e for e in res["errors"])

@@ -193,33 +193,12 @@ def _send_long(port: int, rounds_of_bodies: list[list[bytes]], out) -> None:
 
 
 def _short_requests(port: int, model: str, count: int, concurrency: int, out) -> None:
+    from tokenmill.load_client import post_many
+
     body = json.dumps({"model": model, "max_tokens": 1, "messages": [
         {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper and a storm, "
                                     "in one sentence, please, for a child."}]}).encode()  # fmt: skip
-    latencies, errors = [], []
-    lock = threading.Lock()
-    counter = iter(range(count))
-
-    def loop() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        while True:
-            with lock:
-                if next(counter, None) is None:
-                    break
-            t0 = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            resp.read()
-            (latencies if resp.status == 200 else errors).append((time.perf_counter() - t0) * 1000)
-        conn.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out.put(("short", {"elapsed": time.perf_counter() - t0, "latencies": latencies, "errors": len(errors)}))
+    out.put(("short", post_many(port, "/v1/chat/completions", body, count, concurrency)))
 
 
 # ---- servers ---------------------------------------------------------------------------------
@@ -380,10 +359,14 @@ def _short_run(server: "_Server", count: int, clients: int) -> dict:
 
 def _short_row(runs: list[dict]) -> dict:
     latencies = [x for run in runs for x in run["latencies"]]
+    errors = [e for run in runs for e in run["errors"]]
     return {
         "requests_per_s": round(len(latencies) / sum(run["elapsed"] for run in runs), 1),
         "latency_p50_ms": _r(pct(latencies, 0.5), 2),
-        "errors": sum(run["errors"] for run in runs),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        # the load client's own CPU per answer: it shares the machine with the server it measures
+        "client_cpu_us": _r(sum(run["cpu_s"] for run in runs) / max(1, len(latencies) + len(errors)) * 1e6, 0),
     }
 
 
@@ -468,7 +451,8 @@ def print_report(report: dict) -> None:
         for mode, rows in s.items():
             for clients, row in rows.items():
                 print(f"  {mode:>6}, {clients:>2} clients: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
-                      f"errors {row['errors']}")  # fmt: skip
+                      f"errors {row['errors']}{' ' + str(row['error_samples']) if row['errors'] else ''}, "
+                      f"load client CPU {row['client_cpu_us']:g} µs/request")  # fmt: skip
         for clients, row in report.get("small", {}).items():
             print(f"  pool/inline at {clients} clients: {_ratio(row['pool_req_s'], row['inline_req_s'])} req/s, "
                   f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms")  # fmt: skip
