@@ -262,3 +262,30 @@ def test_openai_client_raises_typed_errors(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="deepseek-v4", messages=CHAT, max_tokens=0)
     assert "max_tokens" in str(info.value)
+
+
+def test_the_loop_lag_timer_slows_down_while_nothing_is_in_flight(server):
+    """5 ms samples while a request is in flight, 50 ms while none is (an idle loop has no lag to
+    find, and each wake-up of an idle process costs CPU). Counts of samples, not durations: a
+    timer can fire late on a busy machine, never early."""
+    import time
+
+    def samples() -> int:
+        status, _, body = http("GET", server.url + "/debug/loop-lag")
+        assert status == 200
+        return body["count"]
+
+    before = samples()
+    time.sleep(1.0)
+    idle = samples() - before
+    assert idle <= 1.0 / 0.05 + 2, idle  # at most one per 50 ms
+
+    client = server.client()
+    model = client.models.list().data[0].id
+    before, t0 = samples(), time.monotonic()
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
+    tokens = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
+    busy, elapsed = samples() - before, time.monotonic() - t0
+    assert tokens > 0
+    assert busy > elapsed / 0.05 + 2, (busy, elapsed)  # more than the idle rate could give
