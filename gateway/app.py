@@ -73,8 +73,9 @@ class App:
         if handler is None:
             if path in self.paths:
                 await self.error(send, fmt.error(405, f"Method {scope['method']} is not allowed on {path}."), path)
-            else:
-                await self.error(send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"), path)
+            else:  # one label for every unknown path: a scanner must not mint a metric series per path it tries
+                await self.error(send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"),
+                                 "unmatched")
             return
         if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
             if not self._authorized(scope):

@@ -289,3 +289,17 @@ def test_the_loop_lag_timer_slows_down_while_nothing_is_in_flight(server):
     busy, elapsed = samples() - before, time.monotonic() - t0
     assert tokens > 0
     assert busy > elapsed / 0.05 + 2, (busy, elapsed)  # more than the idle rate could give
+
+
+def test_unknown_paths_share_one_metric_series(server):
+    """A scanner trying a thousand paths must not add a thousand series to /metrics."""
+    import re
+
+    for path in ("/wp-login.php", "/v1/nope-1", "/v1/nope-2", "/.env"):
+        status, _, body = http("GET", server.url + path)
+        assert_error(status, body, 404)
+    _, _, text = http("GET", server.url + "/metrics")
+    text = text.decode()
+    assert not re.search(r'endpoint="(/wp-login\.php|/v1/nope-1|/v1/nope-2|/\.env)"', text)
+    unmatched = re.search(r'tokenmill_requests_total\{[^}]*endpoint="unmatched"[^}]*status="404"\} (\S+)', text)
+    assert unmatched and float(unmatched.group(1)) >= 4
