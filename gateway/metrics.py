@@ -77,10 +77,7 @@ class Metrics:
                                  label + ["endpoint", "status"], registry=r)
         self._success = Counter("tokenmill_request_success", "Generations that finished, by finish reason.",
                                 label + ["finished_reason"], registry=r)
-        # prometheus-client's labels() costs ~2 us a call: the children answered so far, by label values
-        self._request_children: dict = {}
-        self._success_children: dict = {}
-        self._cache_bytes_children: dict = {}
+        self._children: dict = {}  # (family, label values) -> child, for the families a request touches
         self.time_to_first_token = h("tokenmill_time_to_first_token_seconds",
                                      "Time from request arrival (including conversion) to the first generated token.", _LATENCY)
         self.e2e_latency = h("tokenmill_e2e_request_latency_seconds", "Time from request arrival to its last byte.", _LATENCY)
@@ -194,17 +191,21 @@ class Metrics:
                 else:
                     self._rank_counts[name].labels(*labels)  # exported at 0 from the start
 
+    def _child(self, family, *values):
+        """family.labels(model_name, *values), remembered: prometheus-client's labels() costs ~2 µs a
+        call. The values are bounded (routes, with app.py labelling unknown paths alike; statuses;
+        finish reasons; worker indexes)."""
+        key = (family, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(self.model_name, *values)
+        return child
+
     def request(self, endpoint: str, status: int) -> None:
-        child = self._request_children.get((endpoint, status))
-        if child is None:  # label values are bounded: routes (app.py labels unknown paths alike) and statuses
-            child = self._request_children[endpoint, status] = self._requests.labels(self.model_name, endpoint, str(status))
-        child.inc()
+        self._child(self._requests, endpoint, str(status)).inc()
 
     def finished(self, reason: str) -> None:
-        child = self._success_children.get(reason)
-        if child is None:
-            child = self._success_children[reason] = self._success.labels(self.model_name, reason)
-        child.inc()
+        self._child(self._success, reason).inc()
 
     def observe_conversion(self, done: ConvertDone, worker: int = 0) -> None:
         if done.error is not None:
@@ -223,10 +224,7 @@ class Metrics:
             self.fresh_tokens.inc(cache.fresh_tokens)
             self.cache_mismatches.inc(cache.mismatches)
             self.cache_evictions.inc(cache.evictions)
-            gauge = self._cache_bytes_children.get(worker)
-            if gauge is None:
-                gauge = self._cache_bytes_children[worker] = self.cache_bytes.labels(self.model_name, str(worker))
-            gauge.set(cache.bytes_used)
+            self._child(self.cache_bytes, str(worker)).set(cache.bytes_used)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
