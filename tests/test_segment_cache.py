@@ -275,3 +275,17 @@ def test_small_requests_on_the_io_thread_use_a_cache_of_their_own(default_tokeni
         assert gauge and float(gauge[0].rsplit(" ", 1)[1]) > 0, gauge
     finally:
         srv.stop()
+
+
+def test_prefix_accounting_survives_a_prompt_text_growing_its_utf8_form(default_tokenizer):
+    """A str keeps its UTF-8 form once asked for it (the tokenizer asks), and sys.getsizeof counts it:
+    dropping a remembered prompt gives back the size it added, not its size now."""
+    from tokenmill.bench import corpus
+
+    enc = SegmentEncoder(default_tokenizer, 64 << 20)
+    first = "<｜User｜>" + corpus(20_000) + "<｜Assistant｜>"  # not ASCII: its UTF-8 form is a buffer of its own
+    enc.encode(first)
+    default_tokenizer.encode(first)
+    second = first + "Done.<｜end▁of▁sentence｜><｜User｜>Next.<｜Assistant｜>"
+    enc.encode(second)  # the next turn: it replaces the first
+    assert len(enc.prefixes) == 1 and enc.prefixes.bytes_used == next(iter(enc.prefixes.lru.values())).nbytes()

@@ -36,8 +36,11 @@ class Prompt:
     starts: array  # per added token: start in text
     ends: array  # per added token: end in text
     tokens: array  # per added token: number of IDs up to and including it
+    size: int = 0  # nbytes() when remembered: what dropping it gives back
 
     def nbytes(self) -> int:
+        """Its memory now. It can grow after the fact: a str keeps its UTF-8 form once something asked
+        for it (the tokenizer does), so the accounting keeps the size it added."""
         arrays = (self.ids, self.starts, self.ends, self.tokens)
         return sys.getsizeof(self.text) + sum(len(a) * a.itemsize for a in arrays) + 200
 
@@ -127,7 +130,7 @@ class PromptPrefixes:
         """Keep prompt; drop the one it continues (its conversation has moved past it)."""
         if reuse is not None and reuse.supersedes:
             self._drop(reuse.prompt)
-        size = prompt.nbytes()
+        size = prompt.size = prompt.nbytes()
         if size > self.budget:
             return
         self.lru[id(prompt)] = prompt
@@ -142,7 +145,7 @@ class PromptPrefixes:
     def _drop(self, prompt: Prompt) -> None:
         if self.lru.pop(id(prompt), None) is None:
             return
-        self.bytes_used -= prompt.nbytes()
+        self.bytes_used -= prompt.size
         head = prompt.text[:HEAD_CHARS]
         group = self.by_head[head]
         group.remove(prompt)
