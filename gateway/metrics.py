@@ -36,7 +36,7 @@ GAUGE_MERGE: dict[str, str] = {
     "tokenmill_queued_request_bytes": "sum",
     "tokenmill_draining": "sum",  # how many gateways are draining
     "tokenmill_rank_requests_in_flight": "sum",  # "requests this gateway has on the rank"
-    "tokenmill_workers_busy": "sum",  # each counts the workers busy with its own jobs, and a worker takes one at a time
+    "tokenmill_workers_busy": "sum",  # each counts the workers busy with its own jobs; a worker converting one gateway's jobs is not given the others' (WorkerBusy)
     # the tokenizer workers, shared by the node's gateways: each gateway counts the workers linked to it and
     # keeps their reports, so these are per-gateway figures in truth, of the same workers. (Were each gateway
     # to run a pool of its own, workers_alive and tokenize_cache_bytes would have to be "sum".)

@@ -167,6 +167,7 @@ class Gateway:
                 s.workers, self.converter_settings(), g.on_detok, g.on_owner_lost,
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
+                conversion_threads=s.conversion_threads,
                 affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
                 remote_endpoint=s.remote_workers, remote_security=remote_security,
                 remote_timeout=s.remote_worker_timeout,

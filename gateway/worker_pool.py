@@ -1,14 +1,14 @@
 """The gateway's side of the tokenizer worker pool: processes, dispatch, and their ZeroMQ socket.
 
-Dispatch is pull-based: each worker converts one request at a time and the gateway hands
-the next queued request to whichever worker is free, so a 250k-token conversion never
-holds up short requests while another worker is idle. Small bodies (quick jobs) skip the
-queue: they go at once to the worker with the fewest in flight, whose IO thread converts
-them beside whatever its conversion thread is doing (a hand-off would cost more than they
-do). A turn of a conversation whose cache another worker holds waits for that worker at
+Dispatch is pull-based: each worker converts as many requests at once as it has conversion
+threads (two by default; WorkerReady says how many) and the gateway hands the next queued
+request to whichever worker has a thread free, so a 250k-token conversion never holds up
+short requests while another thread is idle. Small bodies (quick jobs) skip the queue: they
+go at once to the worker with the fewest in flight, whose IO thread converts them beside
+whatever its conversion threads are doing (a hand-off would cost more than they do). A turn of a conversation whose cache another worker holds waits for that worker at
 most as long as converting it afresh would take (a short request: no time at all). Detokenization goes to the worker
 that converted the request (it holds that request's decoder state) and is answered
-between conversions, since a worker's IO thread runs while its conversion thread encodes.
+between conversions, since a worker's IO thread runs while its conversion threads encode.
 
 The pool owns the worker processes: a worker that dies (crash, kill -9, OOM, or killed
 here for overrunning the conversion deadline) is replaced at once, and its in-flight
@@ -95,7 +95,8 @@ class _Worker:
     elsewhere: bool = False  # converting a job of another gateway of the node (--gateways N)
     process: asyncio.subprocess.Process | None = None
     ready: bool = False
-    job: _Job | None = None
+    slots: int = 1  # conversion threads (WorkerReady): non-quick jobs it takes at once
+    running: dict = field(default_factory=dict)  # job id -> non-quick job its conversion threads hold
     started: float = 0.0
     restarts: int = 0
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
@@ -132,6 +133,7 @@ class WorkerPool:
         max_queued_bytes: int = 1 << 30,
         conversion_timeout: float = 60.0,
         memory_limit_mb: int = 0,
+        conversion_threads: int = 2,
         affinity: bool = True,
         quick_bytes: int = 8192,
         quick_depth: int = 16,
@@ -150,6 +152,7 @@ class WorkerPool:
         self.max_queued_bytes = max_queued_bytes
         self.conversion_timeout = conversion_timeout
         self.memory_limit_mb = memory_limit_mb
+        self.conversion_threads = conversion_threads  # of each worker this gateway spawns
         self.affinity = affinity
         self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
         self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
@@ -233,7 +236,7 @@ class WorkerPool:
 
     @property
     def busy(self) -> int:
-        return sum(w.job is not None or bool(w.quick) for w in self.workers)
+        return sum(bool(w.running) or bool(w.quick) for w in self.workers)
 
     async def close(self) -> None:
         self._closing = True
@@ -284,7 +287,7 @@ class WorkerPool:
             worker.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
                 "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
-                "--memory-limit-mb", str(self.memory_limit_mb),
+                "--memory-limit-mb", str(self.memory_limit_mb), "--conversion-threads", str(self.conversion_threads),
                 *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env, pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         self._spawn_task(self._watch_process(worker, worker.process))
@@ -307,8 +310,8 @@ class WorkerPool:
     def _on_worker_death(self, worker: _Worker) -> None:
         worker.ready = worker.elsewhere = False
         self._ready_changed.set()
-        lost = [*worker.quick.values(), *([worker.job] if worker.job is not None else [])]
-        worker.job, worker.quick = None, {}
+        lost = [*worker.quick.values(), *worker.running.values()]
+        worker.running, worker.quick = {}, {}
         for job in lost:
             if job.timer:
                 job.timer.cancel()
@@ -412,9 +415,14 @@ class WorkerPool:
         alive = [w for w in self.workers if w.ready]
         if not worker.ready:
             return None
-        total = sum((w.job is not None or w.elsewhere) + len(w.lane) for w in alive) + len(self.queue) + 1
+        total = sum(self._load(w) for w in alive) + len(self.queue) + 1
         bound = max(1, math.ceil(1.25 * total / len(alive)))
-        return worker if (worker.job is not None or worker.elsewhere) + len(worker.lane) < bound else None
+        return worker if self._load(worker) < bound else None
+
+    @staticmethod
+    def _load(worker: _Worker) -> int:
+        """Non-quick jobs a worker holds or has waiting for it (a shared worker busy elsewhere counts one)."""
+        return max(len(worker.running), worker.elsewhere) + len(worker.lane)
 
     def _set_home(self, key: int, index: int) -> None:
         """A conversation converted by a worker stays with it: that worker now holds its segments,
@@ -483,17 +491,18 @@ class WorkerPool:
         if self.quick_queue:
             self._dispatch_quick()
         for worker in self.workers:
-            if worker.ready and worker.job is None and not worker.elsewhere:
+            while worker.ready and len(worker.running) < worker.slots and not worker.elsewhere:
                 job = self._take(worker)
-                if job is not None:
-                    self._send_job(worker, job)
+                if job is None:
+                    break
+                self._send_job(worker, job)
 
     def _dispatch_quick(self) -> None:
         """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts
         them even while its conversion thread is busy), up to quick_depth each."""
         ready = [w for w in self.workers if w.ready]
         while self.quick_queue and ready:
-            worker = min(ready, key=lambda w: (len(w.quick), w.job is not None))
+            worker = min(ready, key=lambda w: (len(w.quick), len(w.running)))
             if len(worker.quick) >= self.quick_depth:
                 return
             job = self.quick_queue.popleft()
@@ -518,7 +527,7 @@ class WorkerPool:
         if job.quick:
             worker.quick[job.job_id] = job
         else:
-            worker.job = job
+            worker.running[job.job_id] = job
             if job.affinity is not None:
                 self._set_home(job.affinity, worker.index)
         if self.metrics:
@@ -527,7 +536,7 @@ class WorkerPool:
             job.timer = asyncio.get_running_loop().call_later(self.conversion_timeout, self._overrun, worker, job)
 
     def _overrun(self, worker: _Worker, job: _Job) -> None:
-        running = worker.job is job or worker.quick.get(job.job_id) is job
+        running = worker.running.get(job.job_id) is job or worker.quick.get(job.job_id) is job
         if running and worker.host and not worker.retired:  # not ours to kill: stop it, and count it lost
             log.error("request %s overran the conversion timeout on remote worker %d (%s); dropping the worker",
                       job.request_id, worker.index, worker.host)
@@ -648,6 +657,7 @@ class WorkerPool:
                     self.metrics.tool_parse_failures.labels(parser=msg.tool_call_parser)
             if not msg.tokenize_cache:
                 log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
+            worker.slots = max(1, msg.conversion_threads)
             worker.ready = True
             self._ready_changed.set()
             if worker.host:
@@ -673,7 +683,7 @@ class WorkerPool:
         self.by_identity.pop(worker.identity, None)
         worker.identity, worker.link, worker.host, worker.pid = identity, self.remote_sock, msg.host, msg.pid
         worker.retired, worker.ready, worker.last_seen = False, False, time.monotonic()
-        worker.job, worker.quick, worker.owned = None, {}, set()
+        worker.running, worker.quick, worker.owned = {}, {}, set()
         self.by_identity[identity] = worker
         log.info("%s on %s (pid %d) joins as worker %d", self._kind, msg.host, msg.pid, worker.index)
         self._send_settings(worker)
@@ -747,10 +757,9 @@ class WorkerPool:
         if job is not None and cache is not None and cache.cached_tokens == 0 and len(job.body) >= 16384:
             rate = (done.render_s + done.tokenize_s) / len(job.body)  # a cold conversion: what a move costs
             self.cold_s_per_byte += 0.2 * (rate - self.cold_s_per_byte)
-        if worker.job is not None and worker.job.job_id == done.job_id:
-            if worker.job.timer:
-                worker.job.timer.cancel()
-            worker.job = None
+        if (running := worker.running.pop(done.job_id, None)) is not None:
+            if running.timer:
+                running.timer.cancel()
         elif (quick := worker.quick.pop(done.job_id, None)) is not None and quick.timer:
             quick.timer.cancel()
         self._dispatch()
@@ -767,7 +776,7 @@ class WorkerPool:
     def state(self) -> list[dict]:
         return [
             {"index": w.index, "pid": w.process.pid if w.process else w.pid or None, "alive": w.ready,
-             "host": w.host or None, "busy": w.job is not None or bool(w.quick), "quick_jobs": len(w.quick),
+             "host": w.host or None, "busy": bool(w.running) or bool(w.quick), "converting": len(w.running), "quick_jobs": len(w.quick),
              "streams": len(w.owned)}
             for w in self.workers if not w.retired
         ]  # fmt: skip

@@ -48,7 +48,8 @@ def _job(pool: WorkerPool, name: str, nbytes: int, key: int, age_s: float = 0.0)
 
 
 def _busy(pool: WorkerPool, index: int) -> None:
-    pool.workers[index].job = _job(pool, f"busy-{index}", 10, key=999 + index)
+    job = _job(pool, f"busy-{index}", 10, key=999 + index)
+    pool.workers[index].running = {job.job_id: job}
 
 
 def test_a_long_conversation_waits_for_its_worker_a_short_request_does_not():
@@ -60,16 +61,16 @@ def test_a_long_conversation_waits_for_its_worker_a_short_request_does_not():
         pool._enqueue(_job(pool, "long-turn", 1_000_000, key=1))
         pool._enqueue(_job(pool, "short-turn", 2_000, key=2, age_s=0.01))  # older than its 2 ms cold cost
         assert [j.request_id for j in pool.workers[1].lane] == ["long-turn", "short-turn"]
-        pool.workers[0].job = None  # worker 0 is free
+        pool.workers[0].running = {}  # worker 0 is free
         pool._dispatch()
         assert sent == [(0, "short-turn")]  # behind the long job, but cheap to convert anywhere
         sent.clear()
-        pool.workers[0].job = None
+        pool.workers[0].running = {}
         pool._dispatch()
         assert sent == []  # the long turn waits: its worker may be free before a cold conversion would end
         assert pool._steal_timer is not None  # ... but not longer than that
         assert 0.5 < pool._steal_timer.when() - asyncio.get_running_loop().time() <= 1.0
-        pool.workers[1].job = None  # its worker frees up first: it converts the turn with its cache
+        pool.workers[1].running = {}  # its worker frees up first: it converts the turn with its cache
         pool._dispatch()
         assert sent == [(1, "long-turn")]
         await pool.close()
@@ -114,7 +115,7 @@ def test_the_cold_rate_follows_observed_cold_conversions():
         worker = pool.workers[0]
         for i in range(30):
             job = _job(pool, f"cold-{i}", 100_000, key=100 + i)
-            worker.job = job
+            worker.running = {job.job_id: job}
             done = ConvertDone(job.job_id, render_s=0.05, tokenize_s=0.25,
                                cache=CacheReport(0, 1, 0, 25_000, 0, 0, 0))  # fmt: skip
             pool._on_done(worker, done, [])
@@ -150,6 +151,29 @@ def test_quick_jobs_go_out_at_once_spread_over_workers_and_bounded_per_worker():
         q1 = pool.workers[1].quick[next(iter(pool.workers[1].quick))]
         pool._on_done(pool.workers[1], messages.ConvertDone(q1.job_id), [])  # one answered: room again
         assert sent == [(1, "q4")] and not pool.quick_queue
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_a_worker_takes_as_many_jobs_as_it_has_conversion_threads():
+    """A second long prompt starts beside the first on a worker with two conversion threads
+    (WorkerReady says how many) instead of waiting for it; a third waits for one to finish."""
+
+    async def body():
+        pool, sent = _pool()
+        pool.workers[1].ready = False  # one worker, two conversion threads
+        pool._on_message(pool.workers[0].link, pool.workers[0].identity, [messages.encoder.encode(
+            messages.WorkerReady(0, 1, 4096, conversion_threads=2))])  # fmt: skip
+        jobs = [_job(pool, f"long-{i}", 1_000_000, key=None) for i in range(3)]
+        for job in jobs:
+            pool._enqueue(job)
+        pool._dispatch()
+        assert sent == [(0, "long-0"), (0, "long-1")]
+        assert pool.queued == 1 and pool.state()[0]["converting"] == 2 and pool.busy == 1
+        sent.clear()
+        pool._on_done(pool.workers[0], messages.ConvertDone(jobs[1].job_id), [])
+        assert sent == [(0, "long-2")] and pool.queued == 0
         await pool.close()
 
     asyncio.run(body())

@@ -315,8 +315,9 @@ BUSY = ("{% for i in range(spins) %}{% for j in range(100000) %}{% endfor %}{% e
 
 @pytest.fixture(scope="module")
 def one_worker():
-    srv = Server("--workers", "1", "--trust-request-chat-template", "--conversion-timeout", "60",
-                 "--sim-inter-token-latency-ms", "20")  # fmt: skip
+    """One worker converting one request at a time: whatever else is sent waits in the gateway's queue."""
+    srv = Server("--workers", "1", "--conversion-threads", "1", "--trust-request-chat-template",
+                 "--conversion-timeout", "60", "--sim-inter-token-latency-ms", "20")  # fmt: skip
     yield srv
     srv.stop()
 
@@ -326,8 +327,8 @@ def slow_chat(srv, spins: int, timeout: float = 60):
     return http("POST", srv.url + "/v1/chat/completions", body, timeout=timeout)
 
 
-def test_client_disconnect_while_queued(one_worker):
-    srv = one_worker
+def spins_for(srv, seconds: float) -> int:
+    """Spins of the BUSY template that keep a conversion thread busy for about this long."""
     timings = []
     for spins in (1, 1, 21):  # warm up, then time 1 and 21 spins: the difference is 20 spins of the loop
         t0 = time.monotonic()
@@ -335,8 +336,35 @@ def test_client_disconnect_while_queued(one_worker):
         assert status == 200, body
         timings.append(time.monotonic() - t0)
     per_spin = max(1e-4, (timings[2] - timings[1]) / 20)
-    spins = max(2, min(100_000, int(3.0 / per_spin)))  # keeps the only worker busy for about 3 s
+    spins = max(2, min(100_000, int(seconds / per_spin)))
     print(f"busy loop: {per_spin * 1000:.1f} ms per spin, using {spins} spins")
+    return spins
+
+
+def test_a_second_slow_conversion_starts_beside_the_first():
+    """One worker with two conversion threads (the default) converts two slow requests at once; a third
+    waits in the gateway's queue until a thread is free, and all three are answered."""
+    srv = Server("--workers", "1", "--trust-request-chat-template", "--conversion-timeout", "60")
+    try:
+        spins = spins_for(srv, 2.0)
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(slow_chat, srv, spins, 120) for _ in range(2)]
+            wait_until(lambda: state(srv)["workers"][0]["converting"] == 2, 30, interval=0.02,
+                       what="both slow conversions running")  # fmt: skip
+            third = pool.submit(slow_chat, srv, spins, 120)
+            wait_until(lambda: state(srv)["queued_conversions"] == 1, 30, interval=0.02, what="the third queued")
+            assert state(srv)["workers"][0]["converting"] == 2
+            for future in [*first, third]:
+                status, _, body = future.result(timeout=120)
+                assert status == 200, body
+        assert wait_until(lambda: idle(srv), 30, what="nothing in flight")["workers"][0]["converting"] == 0
+    finally:
+        srv.stop()
+
+
+def test_client_disconnect_while_queued(one_worker):
+    srv = one_worker
+    spins = spins_for(srv, 3.0)  # keeps the only conversion thread busy for about 3 s
 
     conversions_before = metric(srv, "tokenmill_tokenize_seconds_count")
     aborts_before = metric(srv, "tokenmill_aborts_total", reason="client_disconnect")

@@ -193,3 +193,37 @@ def test_a_gateway_whose_loop_stalls_is_killed_and_replaced():
     finally:
         assert srv.stop() == 0
     assert "its event loop is stalled; killing it" in srv.read_output()
+
+
+def test_a_shared_worker_tells_each_gateway_when_others_jobs_hold_its_threads():
+    """A worker shared by the node's gateways counts, per gateway, the conversion threads busy with jobs
+    of the others, and tells a gateway (WorkerBusy) only when that changes: busy while any thread
+    converts another gateway's job, free when none does, never busy for its own jobs."""
+    from tokenizer_workers import messages
+    from tokenizer_workers.worker import Worker, _Link
+
+    class Sock:
+        def __init__(self):
+            self.told = []
+
+        def send(self, data, flags=0):
+            self.told.append(messages.from_worker.decode(data).busy)
+
+    worker = Worker(0, -1, None, conversion_threads=2)
+    a, b, c = (_Link(Sock(), name, 0, joined=True, beats=name != "a") for name in "abc")
+    worker.links = [a, b, c]
+
+    def told():
+        out = {name: link.sock.told[:] for name, link in zip("abc", (a, b, c))}
+        for link in (a, b, c):
+            link.sock.told.clear()
+        return out
+
+    worker._tell_busy(a, 1)  # a thread takes a job of gateway a
+    assert told() == {"a": [], "b": [True], "c": [True]}
+    worker._tell_busy(b, 1)  # the other thread takes one of b
+    assert told() == {"a": [True], "b": [], "c": []}
+    worker._tell_busy(a, -1)  # a's job is done: b's own job is all that is left
+    assert told() == {"a": [], "b": [False], "c": []}
+    worker._tell_busy(b, -1)
+    assert told() == {"a": [False], "b": [], "c": [False]}

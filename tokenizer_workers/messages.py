@@ -95,6 +95,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     reasoning_parser: str = ""
     vocab_size: int = 0  # the tokenizer's, with added tokens: a scheduler rank must take every ID below it
     fingerprint: str = ""  # hash of tokenizer, templates and context length: a remote worker must match
+    conversion_threads: int = 1  # non-quick jobs it converts at once (a worker before 1.x: one)
 
 
 class WorkerHello(msgspec.Struct, tag="hello"):
@@ -194,8 +195,8 @@ class DetokOut(msgspec.Struct, tag="detok_out"):
 
 
 class WorkerBusy(msgspec.Struct, tag="busy"):
-    """To the other gateways of a worker shared by several (--gateways N): its conversion thread
-    started (busy) or finished a job of another gateway, so they do not queue long jobs behind it."""
+    """To a gateway sharing this worker with others (--gateways N): the worker started converting
+    another gateway's job (busy), or converts none any more, so that it queues no long jobs behind those."""
 
     busy: bool
 

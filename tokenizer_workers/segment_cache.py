@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from array import array
 from collections import OrderedDict
@@ -130,6 +131,7 @@ class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False,
                  split_chars: int = 32768):
         self.tokenizer = tokenizer
+        self.lock = threading.Lock()  # a worker's conversion threads share the cache; encoding runs outside it
         self.min_chars = min_chars
         self.verify = verify
         self.split_chars = 0  # soft splitting is off until the self-test has checked it
@@ -218,23 +220,24 @@ class SegmentEncoder:
         """IDs of the pieces appended to out; marks gets len(out) after each added token."""
         found: dict[int, array] = {}
         todo_idx, todo_text, todo_keys = [], [], []
-        for i, part in enumerate(parts):
-            if isinstance(part, int):
-                continue
-            if use_cache and len(part) >= self.min_chars:
-                key = hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-                ids = self.cache.get(key)
-                if ids is not None:
-                    found[i] = ids
-                    stats.hits += 1
-                    stats.cached_tokens += len(ids)
+        keys = [hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+                if use_cache and isinstance(part, str) and len(part) >= self.min_chars else None for part in parts]
+        with self.lock:
+            for i, part in enumerate(parts):
+                if isinstance(part, int):
                     continue
-                stats.misses += 1
+                key = keys[i]
+                if key is not None:
+                    ids = self.cache.get(key)
+                    if ids is not None:
+                        found[i] = ids
+                        stats.hits += 1
+                        stats.cached_tokens += len(ids)
+                        continue
+                    stats.misses += 1
                 todo_keys.append(key)
-            else:
-                todo_keys.append(None)
-            todo_idx.append(i)
-            todo_text.append(part)
+                todo_idx.append(i)
+                todo_text.append(part)
         if todo_text:  # one call: encode_batch releases the GIL and spreads pieces over cores
             encodings = self.tokenizer.encode_batch_fast(todo_text, add_special_tokens=False)  # no offsets: less to free
             for n, (i, key) in enumerate(zip(todo_idx, todo_keys)):
@@ -245,8 +248,10 @@ class SegmentEncoder:
                 del enc
                 found[i] = ids
                 stats.fresh_tokens += len(ids)
-                if key is not None:
-                    self.cache.put(key, ids)
+            with self.lock:
+                for i, key in zip(todo_idx, todo_keys):
+                    if key is not None:
+                        self.cache.put(key, found[i])
         out = array("I") if out is None else out
         for i, part in enumerate(parts):
             if isinstance(part, int):
@@ -260,7 +265,8 @@ class SegmentEncoder:
 
     def _encode_cached(self, text: str, stats: EncodeStats) -> tuple[array, Prompt, Reuse | None]:
         """Through the prompt prefixes, then the segment cache for whatever follows the reused prefix."""
-        reuse = self.prefixes.find(text)
+        with self.lock:
+            reuse = self.prefixes.find(text)
         if reuse is None:
             base, starts, ends, tokens, at = array("I"), array("Q"), array("Q"), array("I"), 0
         else:
@@ -290,7 +296,8 @@ class SegmentEncoder:
                 stats.mismatches += 1
                 log.error("tokenization cache mismatch on a %d-character prompt; using the whole encoding", len(text))
                 return whole, stats
-        self.prefixes.remember(prompt, reuse)
+        with self.lock:
+            self.prefixes.remember(prompt, reuse)
         return ids, stats
 
     @property
@@ -302,6 +309,7 @@ class SegmentEncoder:
         other = copy.copy(self)
         other.cache = SegmentCache(budget_bytes - budget_bytes // 4)
         other.prefixes = PromptPrefixes(budget_bytes // 4, self.prefixes.longest_token, self.splitter)
+        other.lock = threading.Lock()
         other.enabled = budget_bytes > 0 and self.separable
         return other
 

@@ -1,19 +1,22 @@
 """A tokenizer worker process.
 
-Two threads, so that streams keep flowing while a long prompt converts:
+Threads of two kinds, so that streams keep flowing while long prompts convert:
 - the IO thread owns the links to the gateways (the spawning gateway's socket pair;
   ZeroMQ DEALERs to a remote gateway or the node's other gateways), answers
   detokenization batches at once (they are small, and go first), converts the jobs the
   gateway marks quick (small bodies: handing them to the other thread would cost more
   than converting them; they have a tokenization cache of their own), and forwards
   finished conversions;
-- the conversion thread renders and tokenizes the other requests, one at a time.
-  ``encode_batch`` releases the GIL, so the IO thread runs while a 250k-token prompt is
-  being encoded.
+- the conversion threads (two by default, ``--conversion-threads``) render and tokenize the
+  other requests, one each, through one shared tokenization cache. ``encode_batch`` releases
+  the GIL, so the IO thread runs while a 250k-token prompt is being encoded, and one
+  thread's Python work (parsing a megabyte of JSON, rendering, splitting, building the ID
+  arrays: about a tenth of a long conversion) runs while the other's prompt is encoded on
+  every core: with one thread, the cores idled through those parts.
 
-The conversion thread runs at a lower CPU priority (nice, per thread), and so do the
-tokenizers thread-pool threads it creates: on a busy node the gateway, the scheduler and
-this worker's IO thread win the CPU, and conversion uses what is left.
+The conversion threads run at a lower CPU priority (nice, per thread), and so do the
+tokenizers thread-pool threads the first creates: on a busy node the gateway, the scheduler
+and this worker's IO thread win the CPU, and conversion uses what is left.
 
 Started by the gateway as ``python -m tokenizer_workers.worker --link-fd FD --index N``,
 holding one end of a socket pair (tokenmill/pipe_link.py), with its settings in the
@@ -74,8 +77,9 @@ class Worker:
     MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
 
     def __init__(self, index: int, endpoint: str | int, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
-                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = ()):
+                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = (), conversion_threads: int = 2):
         self.index = index
+        self.conversion_threads = max(1, conversion_threads)
         self.endpoint = endpoint  # a remote worker's gateway address, or the spawning gateway's socket pair (an fd)
         self.settings = settings  # None for a remote worker until the gateway sends its own
         self.remote = remote  # keys, identity and model override of a worker on another host
@@ -89,6 +93,7 @@ class Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://worker-wake-{id(self)}"
+        self._elsewhere: dict[int, int] = {}  # id(link) -> conversion threads busy with that gateway's jobs
         self.placements: dict[int, int] = {}  # conversation -> scheduler rank a gateway put it on (m.Placed)
 
     def _socket(self) -> zmq.Socket:
@@ -111,9 +116,10 @@ class Worker:
                 sock.setsockopt(zmq.IDENTITY, f"a{self.index}-{os.getpid()}".encode())
                 sock.connect(endpoint)
                 self.links.append(_Link(sock, endpoint, -1, joined=False, beats=True))
-        wake_rx = self.ctx.socket(zmq.PAIR)
+        wake_rx = self.ctx.socket(zmq.PULL)
         wake_rx.bind(self._wake_addr)
-        threading.Thread(target=self._convert_loop, name="conversion", daemon=True).start()
+        for n in range(self.conversion_threads):  # the first loads the model; the others wait for it
+            threading.Thread(target=self._convert_loop, args=(n == 0,), name=f"conversion-{n}", daemon=True).start()
         beating = any(link.beats for link in self.links)
         while not self._loaded.wait(self.HEARTBEAT_S if beating else None):
             self._tick()  # loading a model takes seconds: joined gateways must not think us gone
@@ -188,7 +194,7 @@ class Worker:
                                                    self.converter.segments.enabled,
                                                    self.converter.segments.self_test_reason, parsers.tool_name,
                                                    parsers.reasoning_name, self.converter.vocab_size,
-                                                   self._fingerprint)))  # fmt: skip
+                                                   self._fingerprint, self.conversion_threads)))  # fmt: skip
 
     def _take_settings(self, settings: ConverterSettings) -> None:
         """A joined gateway's settings: the first ones this worker loads; later ones must be the same."""
@@ -262,20 +268,25 @@ class Worker:
             self._tick()
         return True
 
-    def _convert_loop(self) -> None:
-        wake = self.ctx.socket(zmq.PAIR)
+    def _convert_loop(self, loads: bool) -> None:
+        wake = self.ctx.socket(zmq.PUSH)
         wake.connect(self._wake_addr)
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.CONVERSION_NICE)
         except (OSError, AttributeError):
             pass
-        try:  # the model loads here, so the tokenizers thread pool is born with this thread's priority
-            self.converter = Converter(self.settings)
-        except BaseException as exc:
-            self._load_error = exc
-            return
-        finally:
-            self._loaded.set()
+        if loads:
+            try:  # the model loads here, so the tokenizers thread pool is born with this thread's priority
+                self.converter = Converter(self.settings)
+            except BaseException as exc:
+                self._load_error = exc
+                return
+            finally:
+                self._loaded.set()
+        else:
+            self._loaded.wait()
+            if self._load_error is not None:
+                return
         shared = len(self.links) > 1
         while True:
             job, body, received, link = self.jobs.get()
@@ -306,13 +317,21 @@ class Worker:
                 conversion, link = self.results.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(conversion, bool):  # busy with, or done with, a job of this link's gateway
-                notice = m.encoder.encode(m.WorkerBusy(conversion))
-                for other in self.links:
-                    if other is not link and other.joined:
-                        self._send_nowait(other, notice)
+            if isinstance(conversion, bool):  # a conversion thread took, or finished, a job of this link's gateway
+                self._tell_busy(link, 1 if conversion else -1)
                 continue
             self._send(link, conversion)
+
+    def _tell_busy(self, link: _Link, change: int) -> None:
+        """The other gateways sharing this worker hear when it starts or stops converting jobs that
+        are not theirs (WorkerBusy), so that they do not queue long jobs behind those."""
+        elsewhere = self._elsewhere
+        before = {id(other): sum(n for key, n in elsewhere.items() if key != id(other)) > 0 for other in self.links}
+        elsewhere[id(link)] = elsewhere.get(id(link), 0) + change
+        for other in self.links:
+            busy = sum(n for key, n in elsewhere.items() if key != id(other)) > 0
+            if busy != before[id(other)] and other.joined:
+                self._send_nowait(other, m.encoder.encode(m.WorkerBusy(busy)))
 
     def _send(self, link: _Link, conversion) -> None:
         if self.placements and conversion.done.conversation is not None:
@@ -330,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--title", default=None, help="What ps shows for this process.")
     parser.add_argument("--memory-limit-mb", type=int, default=0)
+    parser.add_argument("--conversion-threads", type=int, default=2)
     parser.add_argument("--attach", action="append", default=[], help="Another gateway of the node to join.")
     args = parser.parse_args(argv)
     die_with_supervisor()
@@ -343,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
     try:
-        Worker(args.index, args.link_fd, settings, attach=tuple(args.attach)).run()  # returns when the gateway is gone
+        worker = Worker(args.index, args.link_fd, settings, attach=tuple(args.attach),
+                        conversion_threads=args.conversion_threads)
+        worker.run()  # returns when the gateway is gone
         code = 0
     except SystemExit as exc:  # refused, or settings that differ: the message says why
         code = exc.code if isinstance(exc.code, int) else 1

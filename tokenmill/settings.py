@@ -44,6 +44,7 @@ class ServeSettings:
     gateways: int = 1
     gateway_stall_timeout: float = 30.0
     workers: int = 0  # 0: CPU count minus one, at least one
+    conversion_threads: int = 2  # per worker
     scheduler: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
@@ -94,6 +95,8 @@ class ServeSettings:
             self.workers = _default_workers()
         if self.gateways < 1:
             raise SystemExit("gateways: at least 1")
+        if self.conversion_threads < 1:
+            raise SystemExit("conversion_threads: at least 1")
         if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):
             raise SystemExit("--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
                              "(remote workers join one gateway) nor with --conversion-mode inline/thread")
@@ -121,6 +124,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                               "covers gateway 0)."),
     "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
                 "0 = none: only remote workers convert)."),
+    "conversion_threads": (int, "Requests each tokenizer worker converts at once, one thread each, sharing its "
+                           "tokenization cache: a long prompt starts beside another instead of waiting for it."),
     "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
                   "data-parallel ranks (each request goes to one). Default: start the simulated scheduler."),
     "chat_template": (str, "Chat template file that overrides the model's."),

@@ -27,6 +27,8 @@ def add_arguments(parser) -> None:
                              "refuses a worker whose tokenizer or templates differ from its own).")
     parser.add_argument("--insecure-tcp", action="store_true", help="Connect without CURVE (trusted network only).")
     parser.add_argument("--memory-limit-mb", type=int, default=8192, help="Address-space cap (0 = none).")
+    parser.add_argument("--conversion-threads", type=int, default=2,
+                        help="Requests converted at once, one thread each, sharing the tokenization cache.")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -43,5 +45,5 @@ def run(args) -> int:
     sys.setswitchinterval(0.001)  # as the gateway's own workers: detokenization never waits long
     link = RemoteWorkerLink(args.keys, args.model)
     logging.getLogger("tokenmill.worker").info("joining the gateway at %s as %s", args.connect, link.identity.decode())
-    Worker(-1, args.connect, None, remote=link).run()
+    Worker(-1, args.connect, None, remote=link, conversion_threads=args.conversion_threads).run()
     return 0
