@@ -1,7 +1,8 @@
 """``tokenmill bench``: does the front loop stay responsive under long-context load?
 
 One run, three conversion modes through the same gateway code, each against a fresh
-``tokenmill serve`` with the simulated scheduler:
+``tokenmill serve`` with the simulated scheduler (all three up at once, taking turns round by
+round):
   inline  conversion on the gateway's event loop (SGLang before PR #39771)
   thread  conversion in loop.run_in_executor (that PR)
   pool    tokenmill's tokenizer worker processes
@@ -264,34 +265,68 @@ class _Server:
 # ---- one mode ------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, rounds_of_bodies: list[list[bytes]], workers: int | None) -> dict:
-    """One pass of the long-prompt load through a fresh server: the raw samples (summarize() them)."""
-    server = _Server(mode, workers, itl_ms=20)
+def run_pass(modes: list[str], rounds_of_bodies: list[list[bytes]], workers: int | None, reverse: bool) -> dict:
+    """One pass of the long-prompt load: a fresh server per mode, all up at once, the modes taking
+    turns round by round in an order that reverses every round (and starts reversed when reverse
+    is set). This machine's speed drifts by tens of percent within a minute; a mode's rounds are
+    then seconds apart from the other modes' same rounds, not a whole pass. Returns each mode's
+    raw samples over the pass (summarize() them); an idle server costs well under 1% of a core."""
+    servers: dict[str, _Server] = {}
+    try:
+        for mode in modes:
+            servers[mode] = _Server(mode, workers, itl_ms=20)
+        samples = {mode: {"long": {"elapsed": 0.0, "prompt_tokens": [], "errors": []}, "health": [], "gaps": [],
+                          "lag": {}} for mode in modes}  # fmt: skip
+        for r, bodies in enumerate(rounds_of_bodies):
+            for mode in modes[::-1] if (r % 2 == 1) != reverse else modes:
+                print(f"  {mode}, round {r + 1} of {len(rounds_of_bodies)} ...", file=sys.stderr, flush=True)
+                got, into = measure_round(servers[mode], bodies), samples[mode]
+                into["long"]["elapsed"] += got["long"]["elapsed"]
+                into["long"]["prompt_tokens"] += got["long"]["prompt_tokens"]
+                into["long"]["errors"] += got["long"]["errors"]
+                into["health"] += got["health"]
+                into["gaps"] += got["gaps"]
+                for key in ("p99_ms", "max_ms"):
+                    into["lag"][key] = max(into["lag"].get(key) or 0, got["lag"].get(key) or 0)
+        return samples
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def measure_round(server: "_Server", bodies: list[bytes]) -> dict:
+    """One round of long chats sent together to a running server, while a stream runs and a prober
+    GETs /health, each in a client process of its own: the raw samples."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     stop = ctx.Event()
     started = ctx.Event()
+    procs = []
     try:
         stream = ctx.Process(target=_stream, args=(server.port, server.model, started, stop, out))
         stream.start()
+        procs.append(stream)
         started.wait(30)
         prober = ctx.Process(target=_probe_health, args=(server.port, stop, out))
         prober.start()
-        time.sleep(0.5)
+        procs.append(prober)
+        time.sleep(0.3)
         server.get("/debug/loop-lag?reset=1")
-        sender = ctx.Process(target=_send_long, args=(server.port, rounds_of_bodies, out))
+        sender = ctx.Process(target=_send_long, args=(server.port, [bodies], out))
         sender.start()
+        procs.append(sender)
         got = {}
         got.update([out.get(timeout=3600)])  # the long requests finish first
         lag = server.get("/debug/loop-lag")[1] or {}
         stop.set()
         for _ in range(2):
             got.update([out.get(timeout=120)])
-        for p in (stream, prober, sender):
-            p.join(30)
     finally:
         stop.set()
-        server.close()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
     return {"long": got["long"], "health": got["health"], "gaps": got["stream"], "lag": lag}
 
 
@@ -504,19 +539,18 @@ def run(args) -> int:
     rounds_of_bodies = [everything[r * count : (r + 1) * count] for r in range(rounds)]
     n_passes = max(1, args.passes)
     report = {
-        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), each mode {n_passes} time(s) in mirrored order; pool mode with {workers} worker(s)",
+        "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), {n_passes} pass(es), the modes taking turns round by round; pool mode with {workers} worker(s)",
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
                     "platform": platform.platform()},
         "modes": {},
     }  # fmt: skip
-    # Each mode once per pass, every other pass in reverse order (inline, thread, pool, pool, thread,
-    # inline): this machine's speed drifts by tens of percent within a minute, and a mirrored order
-    # weighs that drift on every mode alike instead of on whichever ran last.
+    # The modes take turns round by round (run_pass), in mirrored order: this machine's speed drifts
+    # by tens of percent within a minute, and a fixed order would weigh that drift on one mode.
     passes: dict[str, list] = {mode: [] for mode in modes}
-    order = [mode for p in range(n_passes) for mode in (modes if p % 2 == 0 else modes[::-1])]
-    for mode in order:
-        print(f"running {mode} (pass {len(passes[mode]) + 1} of {n_passes}) ...", file=sys.stderr, flush=True)
-        passes[mode].append(run_mode(mode, rounds_of_bodies, workers))
+    for p in range(n_passes):
+        print(f"running pass {p + 1} of {n_passes}: {', '.join(modes)} taking turns ...", file=sys.stderr, flush=True)
+        for mode, samples in run_pass(modes, rounds_of_bodies, workers, reverse=len(rounds_of_bodies) * p % 2 == 1).items():
+            passes[mode].append(samples)
     report["modes"] = {mode: summarize(passes[mode]) for mode in modes}
     if "pool" in report["modes"]:
         eff, plain = worker_efficiency(everything, report["modes"]["pool"], workers)
