@@ -5,10 +5,12 @@ threads (two by default; WorkerReady says how many) and the gateway hands the ne
 request to whichever worker has a thread free, so a 250k-token conversion never holds up
 short requests while another thread is idle. Small bodies (quick jobs) skip the queue: they
 go at once to the worker with the fewest in flight, whose IO thread converts them beside
-whatever its conversion threads are doing (a hand-off would cost more than they do). A turn of a conversation whose cache another worker holds waits for that worker at
-most as long as converting it afresh would take (a short request: no time at all). Detokenization goes to the worker
-that converted the request (it holds that request's decoder state) and is answered
-between conversions, since a worker's IO thread runs while its conversion threads encode.
+whatever its conversion threads are doing (a hand-off would cost more than they do). A turn
+of a conversation whose cache another worker holds waits for that worker at most as long as
+converting it afresh would take (a short request: no time at all). Detokenization goes to
+the worker that converted the request (it holds that request's decoder state) and is
+answered between conversions, since a worker's IO thread runs while its conversion threads
+encode.
 
 The pool owns the worker processes: a worker that dies (crash, kill -9, OOM, or killed
 here for overrunning the conversion deadline) is replaced at once, and its in-flight
@@ -499,7 +501,7 @@ class WorkerPool:
 
     def _dispatch_quick(self) -> None:
         """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts
-        them even while its conversion thread is busy), up to quick_depth each."""
+        them even while its conversion threads are busy), up to quick_depth each."""
         ready = [w for w in self.workers if w.ready]
         while self.quick_queue and ready:
             worker = min(ready, key=lambda w: (len(w.quick), len(w.running)))
@@ -776,7 +778,7 @@ class WorkerPool:
     def state(self) -> list[dict]:
         return [
             {"index": w.index, "pid": w.process.pid if w.process else w.pid or None, "alive": w.ready,
-             "host": w.host or None, "busy": bool(w.running) or bool(w.quick), "converting": len(w.running), "quick_jobs": len(w.quick),
-             "streams": len(w.owned)}
+             "host": w.host or None, "busy": bool(w.running) or bool(w.quick), "converting": len(w.running),
+             "quick_jobs": len(w.quick), "streams": len(w.owned)}
             for w in self.workers if not w.retired
         ]  # fmt: skip
