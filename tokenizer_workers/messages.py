@@ -95,7 +95,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     reasoning_parser: str = ""
     vocab_size: int = 0  # the tokenizer's, with added tokens: a scheduler rank must take every ID below it
     fingerprint: str = ""  # hash of tokenizer, templates and context length: a remote worker must match
-    conversion_threads: int = 1  # non-quick jobs it converts at once (a worker before 1.x: one)
+    conversion_threads: int = 1  # non-quick jobs it converts at once (a worker that does not say: one)
 
 
 class WorkerHello(msgspec.Struct, tag="hello"):
