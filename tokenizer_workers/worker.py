@@ -93,7 +93,7 @@ class Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://worker-wake-{id(self)}"
-        self._elsewhere: dict[int, int] = {}  # id(link) -> conversion threads busy with that gateway's jobs
+        self._converting: dict[_Link, int] = {}  # conversion threads busy with each gateway's jobs
         self.placements: dict[int, int] = {}  # conversation -> scheduler rank a gateway put it on (m.Placed)
 
     def _socket(self) -> zmq.Socket:
@@ -325,13 +325,15 @@ class Worker:
     def _tell_busy(self, link: _Link, change: int) -> None:
         """The other gateways sharing this worker hear when it starts or stops converting jobs that
         are not theirs (WorkerBusy), so that they do not queue long jobs behind those."""
-        elsewhere = self._elsewhere
-        before = {id(other): sum(n for key, n in elsewhere.items() if key != id(other)) > 0 for other in self.links}
-        elsewhere[id(link)] = elsewhere.get(id(link), 0) + change
+        converting = self._converting
+        converting[link] = converting.get(link, 0) + change
+        total = sum(converting.values())
         for other in self.links:
-            busy = sum(n for key, n in elsewhere.items() if key != id(other)) > 0
-            if busy != before[id(other)] and other.joined:
-                self._send_nowait(other, m.encoder.encode(m.WorkerBusy(busy)))
+            if other is link or not other.joined:
+                continue  # a gateway's own jobs never make the worker busy for it
+            others = total - converting.get(other, 0)  # threads busy with jobs that are not its own
+            if (others > 0) != (others - change > 0):
+                self._send_nowait(other, m.encoder.encode(m.WorkerBusy(others > 0)))
 
     def _send(self, link: _Link, conversion) -> None:
         if self.placements and conversion.done.conversation is not None:
