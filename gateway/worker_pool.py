@@ -3,7 +3,8 @@
 Dispatch is pull-based: each worker converts as many requests at once as it has conversion
 threads (two by default; WorkerReady says how many) and the gateway hands the next queued
 request to whichever worker has a thread free, so a 250k-token conversion never holds up
-short requests while another thread is idle. Small bodies (quick jobs) skip the queue: they
+short requests while another thread is idle. Every idle worker gets a job before any worker
+gets a second one: two conversions in one process share its GIL, in two processes nothing. Small bodies (quick jobs) skip the queue: they
 go at once to the worker with the fewest in flight, whose IO thread converts them beside
 whatever its conversion threads are doing (a hand-off would cost more than they do). A turn
 of a conversation whose cache another worker holds waits for that worker at most as long as
@@ -492,12 +493,14 @@ class WorkerPool:
     def _dispatch(self) -> None:
         if self.quick_queue:
             self._dispatch_quick()
-        for worker in self.workers:
-            while worker.ready and len(worker.running) < worker.slots and not worker.elsewhere:
-                job = self._take(worker)
-                if job is None:
-                    break
-                self._send_job(worker, job)
+        # One job for every idle worker before a second for any: a job beside another on the same
+        # worker shares that process's GIL and its cache lock, one on an idle worker shares nothing.
+        for level in range(max((w.slots for w in self.workers), default=1)):
+            for worker in self.workers:
+                if worker.ready and not worker.elsewhere and len(worker.running) <= level < worker.slots:
+                    job = self._take(worker)
+                    if job is not None:
+                        self._send_job(worker, job)
 
     def _dispatch_quick(self) -> None:
         """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts

@@ -194,3 +194,25 @@ def test_a_dead_workers_quick_jobs_are_dispatched_again():
         await pool.close()
 
     asyncio.run(body())
+
+
+def test_jobs_spread_over_idle_workers_before_doubling_up():
+    """With two workers of two conversion threads each, two long prompts go one to each worker
+    (nothing shared) rather than both to the first; the third and fourth then fill second threads."""
+
+    async def body():
+        pool, sent = _pool()
+        for worker in pool.workers:
+            pool._on_message(worker.link, worker.identity, [messages.encoder.encode(
+                messages.WorkerReady(worker.index, 1, 4096, conversion_threads=2))])  # fmt: skip
+        for i in range(2):
+            pool._enqueue(_job(pool, f"long-{i}", 1_000_000, key=None))
+        pool._dispatch()
+        assert sorted(index for index, _ in sent) == [0, 1]
+        for i in range(2, 5):
+            pool._enqueue(_job(pool, f"long-{i}", 1_000_000, key=None))
+        pool._dispatch()
+        assert sorted(index for index, _ in sent) == [0, 0, 1, 1] and pool.queued == 1
+        await pool.close()
+
+    asyncio.run(body())

@@ -176,6 +176,9 @@ def test_vanished_worker_loses_nothing_and_rejoins(host, keys):
     try:
         server.wait_ready(90)
         wait_for(lambda: remote_alive(server), 60, "the remote worker to join")
+        # the local worker ready too: the second long request must still go to the idle remote
+        # worker, not to the local worker's second conversion thread
+        wait_for(lambda: all(w["alive"] for w in workers(server)), 60, "the local worker to be ready")
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(
             i, http("POST", server.url + "/v1/chat/completions", long_chat(i), timeout=120))) for i in range(2)]
         for t in threads:
