@@ -143,6 +143,11 @@ class Metrics:
             "tokenmill_remote_worker_refusals",
             "Remote tokenizer workers refused: unknown CURVE key, or a tokenizer/template different from the gateway's.",
             ("curve_key", "fingerprint"))  # fmt: skip
+        conversions = _Bound(c("tokenmill_conversions", "Conversions sent to tokenizer workers, by path: io_thread "
+                                "(small bodies, and cheap next turns of a conversation the worker holds) or "
+                                "conversion_thread.", ["path"]), model_name)  # fmt: skip
+        self.conversions = {quick: conversions.labels(path="io_thread" if quick else "conversion_thread")
+                            for quick in (True, False)}  # by job.quick; both exported from the start
         self.gateway_processes = g("tokenmill_gateway_processes",
                                    "Gateway processes whose metrics this scrape shows (each sets 1; summed when merged).")
         self.gateway_processes.set(1)

@@ -152,6 +152,7 @@ class Gateway:
                 0, self.converter_settings(), g.on_detok,
                 g.on_owner_lost, max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes,
+                quick_turn_bytes=s.quick_turn_bytes,
                 metrics=self.metrics, remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
                 remote_timeout=s.remote_worker_timeout,
             )  # fmt: skip
@@ -168,7 +169,8 @@ class Gateway:
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
                 conversion_threads=s.conversion_threads,
-                affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, metrics=self.metrics,
+                affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, quick_turn_bytes=s.quick_turn_bytes,
+                metrics=self.metrics,
                 remote_endpoint=s.remote_workers, remote_security=remote_security,
                 remote_timeout=s.remote_worker_timeout,
                 attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),

@@ -83,7 +83,8 @@ class _Job:
     timed_out: bool = False
     affinity: int | None = None  # hash of the conversation's beginning
     lane: deque | None = None  # the queue it waits in
-    quick: bool = False  # small enough for the worker's IO thread: sent without waiting for a free worker
+    quick: bool = False  # cheap enough for the worker's IO thread: sent without waiting for a free worker
+    home: int | None = None  # a quick turn of a conversation whose cache this worker holds: only it may take it
 
 
 @dataclass(eq=False)
@@ -140,6 +141,7 @@ class WorkerPool:
         affinity: bool = True,
         quick_bytes: int = 8192,
         quick_depth: int = 16,
+        quick_turn_bytes: int = 65536,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
         remote_endpoint: str | None = None,
@@ -159,12 +161,14 @@ class WorkerPool:
         self.affinity = affinity
         self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
         self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
+        self.quick_turn_bytes = quick_turn_bytes  # a conversation's turn at home up to this size is quick too
         self.remote_endpoint = remote_endpoint  # where workers on other hosts join (None: nowhere)
         self.remote_security = remote_security  # transport_security.RemoteWorkerSecurity
         self.remote_timeout = remote_timeout
         self.attach = attach  # the node's other gateways (--gateways N), which each worker joins too
         self.fingerprint = ""  # the first worker's: every remote worker must convert the same way
-        self.homes: dict[int, int] = {}  # conversation key -> worker that converted it last (insertion-ordered, bounded)
+        # conversation key -> (worker that converted it last, that body's size); insertion-ordered, bounded
+        self.homes: dict[int, tuple[int, int]] = {}
         self.cold_s_per_byte = 1e-6  # conversion time per body byte with nothing cached (running average)
         self._steal_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
@@ -342,7 +346,7 @@ class WorkerPool:
         if worker.owned:
             owned, worker.owned = worker.owned, set()
             self.on_owner_lost(worker.index, owned)
-        self.homes = {key: index for key, index in self.homes.items() if index != worker.index}  # its cache is gone
+        self.homes = {key: home for key, home in self.homes.items() if home[0] != worker.index}  # its cache is gone
         if worker.host:
             self._ring()
         while worker.lane:  # whoever is free takes what waited for this worker
@@ -379,8 +383,14 @@ class WorkerPool:
         job = _Job(next(self._ids), kind, request_id, body, future, time.monotonic())
         job.affinity = affinity
         # a template sent with the request could loop until the conversion timeout: never on the IO thread
-        job.quick = 0 < len(body) <= self.quick_bytes and not (self.settings.trust_request_chat_template
-                                                                and b'"chat_template"' in body)
+        if not (self.settings.trust_request_chat_template and b'"chat_template"' in body):
+            job.quick = 0 < len(body) <= self.quick_bytes
+            if not job.quick and affinity is not None and len(body) <= self.quick_turn_bytes:
+                home = self.homes.get(affinity)
+                # the next turn of a conversation its worker holds: little new text to encode, so
+                # cheaper than the hand-offs to a conversion thread and back
+                if home is not None and 0 <= len(body) - home[1] <= self.quick_bytes:
+                    job.quick, job.home = True, home[0]
         self.jobs[job.job_id] = job
         future.add_done_callback(lambda f: self._forget(job) if f.cancelled() else None)
         self._enqueue(job)
@@ -409,11 +419,13 @@ class WorkerPool:
         """The worker holding this conversation's segments, unless it already has more than its share."""
         if not self.affinity or job.affinity is None:
             return None
-        index = self.homes.get(job.affinity)
-        if index is None:
-            if not self.ring:
-                return None
+        home = self.homes.get(job.affinity)
+        if home is not None:
+            index = home[0]
+        elif self.ring:
             index = self.ring[bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)][1]
+        else:
+            return None
         worker = self.workers[index]
         alive = [w for w in self.workers if w.ready]
         if not worker.ready:
@@ -427,11 +439,11 @@ class WorkerPool:
         """Non-quick jobs a worker holds or has waiting for it (a shared worker busy elsewhere counts one)."""
         return max(len(worker.running), worker.elsewhere) + len(worker.lane)
 
-    def _set_home(self, key: int, index: int) -> None:
+    def _set_home(self, key: int, index: int, nbytes: int) -> None:
         """A conversation converted by a worker stays with it: that worker now holds its segments,
         so load moves once instead of missing the cache on every turn."""
         self.homes.pop(key, None)
-        self.homes[key] = index
+        self.homes[key] = (index, nbytes)
         if len(self.homes) > 65536:
             del self.homes[next(iter(self.homes))]
 
@@ -504,13 +516,25 @@ class WorkerPool:
 
     def _dispatch_quick(self) -> None:
         """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts
-        them even while its conversion threads are busy), up to quick_depth each."""
+        them even while its conversion threads are busy), up to quick_depth each. A quick turn
+        goes to its conversation's worker, or, when that one is gone or full, to a conversion
+        thread like any other turn (elsewhere it would be encoded afresh on an IO thread)."""
         ready = [w for w in self.workers if w.ready]
         while self.quick_queue and ready:
-            worker = min(ready, key=lambda w: (len(w.quick), len(w.running)))
-            if len(worker.quick) >= self.quick_depth:
-                return
-            job = self.quick_queue.popleft()
+            job = self.quick_queue[0]
+            if job.home is not None:
+                worker = self.workers[job.home]
+                if not worker.ready or len(worker.quick) >= self.quick_depth:
+                    self.quick_queue.popleft()
+                    self.queued_bytes -= len(job.body)
+                    job.quick, job.home = False, None
+                    self._enqueue(job)
+                    continue
+            else:
+                worker = min(ready, key=lambda w: (len(w.quick), len(w.running)))
+                if len(worker.quick) >= self.quick_depth:
+                    return
+            self.quick_queue.popleft()
             self.queued_bytes -= len(job.body)
             if job.future.done():
                 self.jobs.pop(job.job_id, None)
@@ -533,10 +557,11 @@ class WorkerPool:
             worker.quick[job.job_id] = job
         else:
             worker.running[job.job_id] = job
-            if job.affinity is not None:
-                self._set_home(job.affinity, worker.index)
+        if job.affinity is not None:  # quick or not, its segments go into that worker's one cache
+            self._set_home(job.affinity, worker.index, len(job.body))
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - job.enqueued)
+            self.metrics.conversions[job.quick].inc()
         if self.conversion_timeout > 0:
             job.timer = asyncio.get_running_loop().call_later(self.conversion_timeout, self._overrun, worker, job)
 

@@ -55,7 +55,7 @@ def _busy(pool: WorkerPool, index: int) -> None:
 def test_a_long_conversation_waits_for_its_worker_a_short_request_does_not():
     async def body():
         pool, sent = _pool()
-        pool.homes = {1: 1, 2: 1}  # both conversations were converted by worker 1
+        pool.homes = {1: (1, 1_000_000), 2: (1, 2_000)}  # both conversations were converted by worker 1
         _busy(pool, 0)
         _busy(pool, 1)
         pool._enqueue(_job(pool, "long-turn", 1_000_000, key=1))
@@ -81,12 +81,12 @@ def test_a_long_conversation_waits_for_its_worker_a_short_request_does_not():
 def test_a_long_conversation_moves_once_waiting_would_cost_more_than_converting():
     async def body():
         pool, sent = _pool()
-        pool.homes = {1: 1}
+        pool.homes = {1: (1, 1_000_000)}
         _busy(pool, 1)
         pool._enqueue(_job(pool, "long-turn", 1_000_000, key=1, age_s=1.5))  # waited longer than 1 s of cold work
         pool._dispatch()
         assert sent == [(0, "long-turn")]
-        assert pool.homes[1] == 0  # the conversation now lives with worker 0
+        assert pool.homes[1] == (0, 1_000_000)  # the conversation now lives with worker 0
         await pool.close()
 
     asyncio.run(body())
@@ -101,7 +101,7 @@ def test_a_conversation_no_worker_has_seen_is_taken_at_once():
         job.lane = pool.workers[1].lane
         pool.queued_bytes += len(job.body)
         pool._dispatch()
-        assert sent == [(0, "first-turn")] and pool.homes[7] == 0
+        assert sent == [(0, "first-turn")] and pool.homes[7] == (0, 1_000_000)
         await pool.close()
 
     asyncio.run(body())
@@ -213,6 +213,55 @@ def test_jobs_spread_over_idle_workers_before_doubling_up():
             pool._enqueue(_job(pool, f"long-{i}", 1_000_000, key=None))
         pool._dispatch()
         assert sorted(index for index, _ in sent) == [0, 0, 1, 1] and pool.queued == 1
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def _turn(pool: WorkerPool, name: str, nbytes: int, key: int) -> asyncio.Future:
+    return pool.convert("chat", name, b"x" * nbytes, affinity=key)
+
+
+def test_a_cheap_next_turn_goes_quick_to_the_worker_holding_its_conversation():
+    """A 20 KB conversation's next turn, 1 KB longer, is converted by the IO thread of the worker that
+    converted the last turn (most of it is in that worker's cache), even when the other worker has
+    fewer quick jobs; a turn that adds more than --quick-conversion-bytes, a body over
+    --quick-turn-bytes, and a conversation no worker holds go to conversion threads."""
+
+    async def body():
+        pool, sent = _pool()
+        pool.homes = {1: (1, 20_000), 2: (1, 20_000), 3: (1, 60_000)}
+        pool.workers[1].quick = {i: None for i in range(3)}  # worker 1 is the busier of the two
+        _turn(pool, "next-turn", 21_000, key=1)
+        assert sent == [(1, "next-turn")] and pool.homes[1] == (1, 21_000)
+        _turn(pool, "big-addition", 20_000 + 9_000, key=2)  # 9 KB of new text: a conversion thread
+        _turn(pool, "over-the-cap", 70_000, key=3)
+        _turn(pool, "unknown", 21_000, key=4)
+        quick = {job.request_id: job.quick for job in pool.jobs.values()}
+        assert quick == {"next-turn": True, "big-addition": False, "over-the-cap": False, "unknown": False}
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_a_quick_turn_whose_worker_is_full_or_gone_goes_to_a_conversion_thread():
+    async def body():
+        pool, sent = _pool()
+        pool.quick_depth = 1
+        pool.homes = {1: (1, 20_000)}
+        pool.workers[1].quick = {99: None}  # full
+        _busy(pool, 1)
+        _turn(pool, "home-full", 21_000, key=1)
+        assert sent == [] and [j.request_id for j in pool.workers[1].lane] == ["home-full"]
+        assert not pool.workers[1].lane[0].quick  # waits for worker 1's conversion thread
+        await pool.close()
+
+        pool, sent = _pool()
+        pool.homes = {2: (0, 20_000)}
+        pool.workers[0].ready = False  # worker 0 died (its cache with it) before the gateway heard
+        _turn(pool, "home-gone", 21_000, key=2)
+        assert sent == [(1, "home-gone")]
+        assert not messages.to_worker.decode(pool.headers[-1]).quick
         await pool.close()
 
     asyncio.run(body())

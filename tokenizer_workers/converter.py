@@ -8,7 +8,6 @@ or in its thread pool.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
@@ -107,13 +106,6 @@ class Converter:
         own = self.model.max_model_len
         self.max_model_len = min(own, limits.max_model_len) if limits.max_model_len else own
         self.engine = gp.Engine(limits.features, limits.max_logprobs)
-
-    def with_own_cache(self, budget_bytes: int) -> Converter:
-        """A converter for another thread: the same model, templates and parsers, with a tokenization
-        cache of its own (a cache is not thread-safe), of this size."""
-        other = copy.copy(self)
-        other.segments = self.segments.sibling(budget_bytes)
-        return other
 
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""

@@ -18,7 +18,6 @@ pieces first, so the recurring history of conversations outlives one-off text.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -131,7 +130,7 @@ class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False,
                  split_chars: int = 32768):
         self.tokenizer = tokenizer
-        self.lock = threading.Lock()  # a worker's conversion threads share the cache; encoding runs outside it
+        self.lock = threading.Lock()  # a worker's threads (conversion and IO) share the cache; encoding runs outside it
         self.min_chars = min_chars
         self.verify = verify
         self.split_chars = 0  # soft splitting is off until the self-test has checked it
@@ -303,15 +302,6 @@ class SegmentEncoder:
     @property
     def bytes_used(self) -> int:
         return self.cache.bytes_used + self.prefixes.bytes_used
-
-    def sibling(self, budget_bytes: int) -> SegmentEncoder:
-        """An encoder for another thread: the same tokenizer and self-test verdicts, its own cache."""
-        other = copy.copy(self)
-        other.cache = SegmentCache(budget_bytes - budget_bytes // 4)
-        other.prefixes = PromptPrefixes(budget_bytes // 4, self.prefixes.longest_token, self.splitter)
-        other.lock = threading.Lock()
-        other.enabled = budget_bytes > 0 and self.separable
-        return other
 
     # ---- the self-tests ----------------------------------------------------------------------
 

@@ -126,9 +126,6 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
-        # the IO thread's conversions (small requests) get a tokenization cache of their own: a cache is
-        # not thread-safe, and short chats of one agent share their long system prompt
-        self.quick_converter = self.converter.with_own_cache(self.settings.tokenize_cache_bytes // 8)
         self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or beating else ""
         for link in self.links:
             if link.joined:
@@ -235,7 +232,7 @@ class Worker:
         elif isinstance(msg, m.ConvertJob):
             body = bytes(frames[1]) if len(frames) > 1 else b""
             if msg.quick:
-                self._send(link, self._convert(self.quick_converter, msg, body, time.perf_counter()))
+                self._send(link, self._convert(msg, body, time.perf_counter()))
             else:
                 self.jobs.put((msg, body, time.perf_counter(), link))
         elif isinstance(msg, m.Placed):
@@ -249,7 +246,6 @@ class Worker:
             link.streams.difference_update(msg.request_ids)
         elif isinstance(msg, m.Limits):
             self.converter.limit_context(msg)
-            self.quick_converter.limit_context(msg)
         elif isinstance(msg, m.Shutdown):
             if msg.reason:
                 raise SystemExit(f"the gateway refused this worker: {msg.reason}")
@@ -293,12 +289,16 @@ class Worker:
             if shared:
                 self.results.put((True, link))
                 wake.send(b"")
-            self.results.put((self._convert(self.converter, job, body, received), link))
+            self.results.put((self._convert(job, body, received), link))
             if shared:
                 self.results.put((False, link))
             wake.send(b"")
 
-    def _convert(self, converter: Converter, job: m.ConvertJob, body: bytes, received: float):
+    def _convert(self, job: m.ConvertJob, body: bytes, received: float):
+        """On a conversion thread, or on the IO thread for a quick job: one converter and one
+        tokenization cache for all of them (its lock guards the lookups, not the encoding), so an
+        agent's short and long turns reuse each other's pieces."""
+        converter = self.converter
         started = time.perf_counter()
         try:
             conversion = converter.convert(job, body)
@@ -307,8 +307,6 @@ class Worker:
             conversion = converter._error(job, 500, f"Internal error while converting the request: {exc}")
             conversion.done.error.type = "InternalServerError"
         conversion.done.queue_s = started - received
-        if conversion.done.cache is not None:  # the worker's caches together, as its gauge shows them
-            conversion.done.cache.bytes_used = self.converter.segments.bytes_used + self.quick_converter.segments.bytes_used
         return conversion
 
     def _send_results(self) -> None:

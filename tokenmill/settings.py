@@ -74,6 +74,7 @@ class ServeSettings:
     verify_tokenize_cache: bool = False
     affinity: bool = True
     quick_conversion_bytes: int = 8192
+    quick_turn_bytes: int = 65536
     max_n: int = 128
     dp_policy: str = "affinity"
     tool_call_parser: str = ""
@@ -159,12 +160,14 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler, and for remote workers "
                        "(see docs/security.md)."),
     "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
-                             "pieces, one quarter for recent whole prompts (0 = off). The IO thread, which "
-                             "converts small requests, keeps a cache of its own of an eighth of this."),
+                             "pieces, one quarter for recent whole prompts (0 = off). A worker's threads share it."),
     "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
     "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
                                "without waiting for a free worker or the tokenization cache (0 = never)."),
+    "quick_turn_bytes": (int, "A conversation's next turn up to this size, at most --quick-conversion-bytes larger than "
+                         "its last turn, is converted at once by the IO thread of the worker that holds its cache "
+                         "(most of it is cached: cheaper than a hand-off to a conversion thread; 0 = never)."),
     "dp_policy": (str, "With several --scheduler ranks: affinity (a conversation stays on the rank holding its "
                   "prefix cache, within 1.25x a fair share of the load), least_loaded, or round_robin."),
     "max_n": (int, "The most choices (n) one request may ask for; each is a scheduler request (OpenAI allows 128)."),
