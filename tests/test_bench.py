@@ -25,7 +25,10 @@ def test_bench_quick_json_has_every_key(tmp_path):
     for row in report["small"].values():
         assert set(row) == {"pool_req_s", "inline_req_s", "pool_p50_ms", "inline_p50_ms"}
         assert row["pool_req_s"] > 0 and row["inline_req_s"] > 0
-    assert "pool/inline" in stdout and "pool/thread" in stdout
+    assert set(report["medium"]) == {"clients", "body_bytes", "pool_req_s", "inline_req_s", "pool_p50_ms", "inline_p50_ms"}
+    assert report["medium"]["pool_req_s"] > 0 and report["medium"]["inline_req_s"] > 0
+    assert report["small_requests"]["pool"]["medium-16"]["errors"] == 0
+    assert "pool/inline" in stdout and "pool/thread" in stdout and "pool/inline at medium-16" in stdout
 
 
 def test_passes_pool_their_samples_and_their_time():

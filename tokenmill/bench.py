@@ -193,12 +193,24 @@ def _send_long(port: int, rounds_of_bodies: list[list[bytes]], out) -> None:
     out.put(("long", {"elapsed": time.perf_counter() - t0, "prompt_tokens": results, "errors": errors}))
 
 
-def _short_requests(port: int, model: str, count: int, concurrency: int, out) -> None:
-    from tokenmill.load_client import post_many
-
-    body = json.dumps({"model": model, "max_tokens": 1, "messages": [
+def small_body(model: str) -> bytes:
+    """A ~50-token chat."""
+    return json.dumps({"model": model, "max_tokens": 1, "messages": [
         {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper and a storm, "
                                     "in one sentence, please, for a child."}]}).encode()  # fmt: skip
+
+
+def medium_body(model: str) -> bytes:
+    """A 16 KB chat (~4k tokens): 12 KB of system prompt and a 4 KB question. Sent over and over, its
+    prompt is cached after the first time, as an agent's next turn mostly is."""
+    text = corpus(16_000)
+    return json.dumps({"model": model, "max_tokens": 1, "messages": [
+        {"role": "system", "content": text[:12_000]}, {"role": "user", "content": text[12_000:]}]}).encode()  # fmt: skip
+
+
+def _short_requests(port: int, body: bytes, count: int, concurrency: int, out) -> None:
+    from tokenmill.load_client import post_many
+
     out.put(("short", post_many(port, "/v1/chat/completions", body, count, concurrency)))
 
 
@@ -363,7 +375,8 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
     This machine's speed drifts by tens of percent over a minute (other tenants, frequency), so
     running one mode after the other would compare two moments as much as two designs. Both
     servers stay up (an idle one costs nothing measurable) and each concurrency level is split
-    into rounds, inline then pool, round after round: {mode: {clients: row}}."""
+    into rounds, the modes taking turns in an order that reverses every round. After the small
+    chats, the same for 16 KB chats whose prompt is cached (MEDIUM_KEY): {mode: {clients: row}}."""
     servers = {}
     try:
         for mode in modes:
@@ -371,21 +384,25 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
         for server in servers.values():
             _short_run(server, 50, 2)  # warm: first requests load caches and code paths
         per_round = max(1, count // rounds)
-        parts: dict = {mode: {str(c): [] for c in concurrencies} for mode in modes}
-        for clients in concurrencies:
-            for _ in range(rounds):
-                for mode, server in servers.items():
-                    parts[mode][str(clients)].append(_short_run(server, per_round, clients))
+        medium = [(MEDIUM_KEY, MEDIUM_CLIENTS, medium_body(servers[modes[0]].model))] if modes else []
+        levels = [(str(c), c, None) for c in concurrencies] + medium
+        parts: dict = {mode: {key: [] for key, _, _ in levels} for mode in modes}
+        for key, clients, body in levels:
+            for r in range(rounds):
+                for mode, server in (servers.items() if r % 2 == 0 else reversed(servers.items())):
+                    parts[mode][key].append(_short_run(server, per_round if body is None else per_round // 2,
+                                                       clients, body))  # fmt: skip
         return {mode: {c: _short_row(runs) for c, runs in by_clients.items()} for mode, by_clients in parts.items()}
     finally:
         for server in servers.values():
             server.close()
 
 
-def _short_run(server: "_Server", count: int, clients: int) -> dict:
+def _short_run(server: "_Server", count: int, clients: int, body: bytes | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    p = ctx.Process(target=_short_requests, args=(server.port, server.model, count, clients, out))
+    body = small_body(server.model) if body is None else body
+    p = ctx.Process(target=_short_requests, args=(server.port, body, count, clients, out))
     p.start()
     _, res = out.get(timeout=600)
     p.join(30)
@@ -412,12 +429,14 @@ def short_rows(server: "_Server", count: int, concurrencies: tuple) -> dict:
 
 
 SMALL_CLIENTS = (8, 64)
+MEDIUM_CLIENTS = 16
+MEDIUM_KEY = f"medium-{MEDIUM_CLIENTS}"  # the medium chats' row among the small ones
 
 
 def small_summary(small: dict) -> dict:
     """The pool against inline conversion at each concurrency, as --json reports it."""
     out = {}
-    for clients in map(str, SMALL_CLIENTS):
+    for clients in (*map(str, SMALL_CLIENTS), MEDIUM_KEY):
         if "pool" in small and "inline" in small:
             pool, inline = small["pool"][clients], small["inline"][clients]
             out[clients] = {"pool_req_s": pool["requests_per_s"], "inline_req_s": inline["requests_per_s"],
@@ -482,14 +501,19 @@ def print_report(report: dict) -> None:
               f"one plain process: {_fmt(report['plain_encode_tokens_per_s'])} tokens/s)")  # fmt: skip
     if report.get("small_requests"):
         s = report["small_requests"]
-        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler; inline and pool take turns, 4 rounds):")
+        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler; inline and pool take turns, 4 rounds;\n"
+              f"  {MEDIUM_KEY}: a 16 KB chat, its prompt cached, at {MEDIUM_CLIENTS} clients):")
         for mode, rows in s.items():
             for clients, row in rows.items():
-                print(f"  {mode:>6}, {clients:>2} clients: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
+                level = clients if clients == MEDIUM_KEY else f"{clients:>2} clients"
+                print(f"  {mode:>6}, {level}: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
                       f"errors {row['errors']}{' ' + str(row['error_samples']) if row['errors'] else ''}, "
                       f"load client CPU {row['client_cpu_us']:g} µs/request")  # fmt: skip
-        for clients, row in report.get("small", {}).items():
-            print(f"  pool/inline at {clients} clients: {_ratio(row['pool_req_s'], row['inline_req_s'])} req/s, "
+        ratios = [(f"{c} clients", row) for c, row in report.get("small", {}).items()]
+        if "medium" in report:
+            ratios.append((MEDIUM_KEY, report["medium"]))
+        for level, row in ratios:
+            print(f"  pool/inline at {level}: {_ratio(row['pool_req_s'], row['inline_req_s'])} req/s, "
                   f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms")  # fmt: skip
 
 
@@ -560,6 +584,9 @@ def run(args) -> int:
     small_count = args.small_requests or (800 if quick else 4000)
     report["small_requests"] = run_small(short_modes, small_count, SMALL_CLIENTS, workers) if short_modes else {}
     report["small"] = small_summary(report["small_requests"])
+    if MEDIUM_KEY in report["small"]:
+        report["medium"] = {"clients": MEDIUM_CLIENTS, "body_bytes": len(medium_body("deepseek-v4")),
+                            **report["small"].pop(MEDIUM_KEY)}  # fmt: skip
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
