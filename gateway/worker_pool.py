@@ -4,10 +4,12 @@ Dispatch is pull-based: each worker converts as many requests at once as it has 
 threads (two by default; WorkerReady says how many) and the gateway hands the next queued
 request to whichever worker has a thread free, so a 250k-token conversion never holds up
 short requests while another thread is idle. Every idle worker gets a job before any worker
-gets a second one: two conversions in one process share its GIL, in two processes nothing. Small bodies (quick jobs) skip the queue: they
-go at once to the worker with the fewest in flight, whose IO thread converts them beside
-whatever its conversion threads are doing (a hand-off would cost more than they do). A turn
-of a conversation whose cache another worker holds waits for that worker at most as long as
+gets a second one: two conversions in one process share its GIL, in two processes nothing.
+Cheap conversions (quick jobs) skip the queue: small bodies go at once to the worker with the
+fewest in flight, and a next turn that adds little to a conversation goes to the worker that
+converted the last one (its cache holds the rest); that worker's IO thread converts them
+beside whatever its conversion threads are doing (a hand-off would cost more than they do). A
+turn of a conversation whose cache another worker holds waits for that worker at most as long as
 converting it afresh would take (a short request: no time at all). Detokenization goes to
 the worker that converted the request (it holds that request's decoder state) and is
 answered between conversions, since a worker's IO thread runs while its conversion threads
