@@ -5,9 +5,10 @@ threads (two by default; WorkerReady says how many) and the gateway hands the ne
 request to whichever worker has a thread free, so a 250k-token conversion never holds up
 short requests while another thread is idle. Every idle worker gets a job before any worker
 gets a second one: two conversions in one process share its GIL, in two processes nothing.
-Cheap conversions (quick jobs) skip the queue: small bodies go at once to the worker with the
-fewest in flight, and a next turn that adds little to a conversation goes to the worker that
-converted the last one (its cache holds the rest); that worker's IO thread converts them
+Cheap conversions (quick jobs) skip the queue: small bodies go at once to their conversation's
+worker, or the least busy when that one has more in flight, and a next turn that adds little to
+a conversation goes to the worker that converted the last one (its cache holds the rest); the
+worker's IO thread converts them
 beside whatever its conversion threads are doing (a hand-off would cost more than they do). A
 turn of a conversation whose cache another worker holds waits for that worker at most as long as
 converting it afresh would take (a short request: no time at all). Detokenization goes to
@@ -387,12 +388,15 @@ class WorkerPool:
         # a template sent with the request could loop until the conversion timeout: never on the IO thread
         if not (self.settings.trust_request_chat_template and b'"chat_template"' in body):
             job.quick = 0 < len(body) <= self.quick_bytes
-            if not job.quick and affinity is not None and len(body) <= self.quick_turn_bytes:
-                home = self.homes.get(affinity)
+            home = self.homes.get(affinity) if self.affinity and affinity is not None else None
+            if job.quick and self.affinity and affinity is not None:
+                # its earlier turns' worker, or the hash ring's choice for a new conversation
+                job.home = home[0] if home is not None else self._ring_index(affinity)
+            elif (home is not None and len(body) <= self.quick_turn_bytes
+                  and 0 <= len(body) - home[1] <= self.quick_bytes):
                 # the next turn of a conversation its worker holds: little new text to encode, so
                 # cheaper than the hand-offs to a conversion thread and back
-                if home is not None and 0 <= len(body) - home[1] <= self.quick_bytes:
-                    job.quick, job.home = True, home[0]
+                job.quick, job.home = True, home[0]
         self.jobs[job.job_id] = job
         future.add_done_callback(lambda f: self._forget(job) if f.cancelled() else None)
         self._enqueue(job)
@@ -406,7 +410,7 @@ class WorkerPool:
             self.queued_bytes -= len(job.body)
             self.jobs.pop(job.job_id, None)
 
-    # ---- dispatch: affinity with bounded load, and no idle worker while anything waits ----
+    # ---- dispatch: affinity (bounded load for new conversations), rent or buy, no idle worker while anything waits ----
 
     def _enqueue(self, job: _Job, front: bool = False) -> None:
         self.queued_bytes += len(job.body)
@@ -418,23 +422,26 @@ class WorkerPool:
             job.lane.append(job)
 
     def _owner(self, job: _Job) -> _Worker | None:
-        """The worker holding this conversation's segments, unless it already has more than its share."""
+        """The worker holding this conversation's segments (others take the job from its lane only
+        once waiting has cost as much as converting afresh: _ripe); for a conversation no worker
+        holds, the hash ring's worker unless it already has more than its share."""
         if not self.affinity or job.affinity is None:
             return None
         home = self.homes.get(job.affinity)
-        if home is not None:
-            index = home[0]
-        elif self.ring:
-            index = self.ring[bisect.bisect(self.ring, (job.affinity,)) % len(self.ring)][1]
-        else:
+        index = home[0] if home is not None else self._ring_index(job.affinity)
+        if index is None or not self.workers[index].ready:
             return None
         worker = self.workers[index]
+        if home is not None:
+            return worker
         alive = [w for w in self.workers if w.ready]
-        if not worker.ready:
-            return None
         total = sum(self._load(w) for w in alive) + len(self.queue) + 1
         bound = max(1, math.ceil(1.25 * total / len(alive)))
         return worker if self._load(worker) < bound else None
+
+    def _ring_index(self, key: int) -> int | None:
+        """The worker the consistent-hash ring gives a conversation no worker holds yet."""
+        return self.ring[bisect.bisect(self.ring, (key,)) % len(self.ring)][1] if self.ring else None
 
     @staticmethod
     def _load(worker: _Worker) -> int:
@@ -462,8 +469,9 @@ class WorkerPool:
             return job.enqueued
         return job.enqueued + self.cold_s_per_byte * len(job.body)
 
-    def _take(self, worker: _Worker) -> _Job | None:
-        """Its own lane first, then the shared queue, then the ripe jobs of other lanes, longest lane first."""
+    def _take(self, worker: _Worker, steal: bool = True) -> _Job | None:
+        """Its own lane first, then the shared queue, then (when steal) the ripe jobs of other lanes,
+        longest lane first."""
         for lane in (worker.lane, self.queue):
             while lane:
                 job = lane.popleft()
@@ -472,6 +480,8 @@ class WorkerPool:
                     job.lane = None
                     return job
                 self.jobs.pop(job.job_id, None)
+        if not steal:
+            return None
         now, wake = time.monotonic(), None
         for lane in sorted((w.lane for w in self.workers if w is not worker and w.lane), key=len, reverse=True):
             for job in list(lane):
@@ -509,31 +519,38 @@ class WorkerPool:
             self._dispatch_quick()
         # One job for every idle worker before a second for any: a job beside another on the same
         # worker shares that process's GIL and its cache lock, one on an idle worker shares nothing.
+        # At each level every worker takes from its own lane before any takes from another's.
         for level in range(max((w.slots for w in self.workers), default=1)):
-            for worker in self.workers:
-                if worker.ready and not worker.elsewhere and len(worker.running) <= level < worker.slots:
-                    job = self._take(worker)
-                    if job is not None:
-                        self._send_job(worker, job)
+            for steal in (False, True):
+                for worker in self.workers:
+                    if worker.ready and not worker.elsewhere and len(worker.running) <= level < worker.slots:
+                        job = self._take(worker, steal)
+                        if job is not None:
+                            self._send_job(worker, job)
 
     def _dispatch_quick(self) -> None:
-        """Quick jobs go at once to the worker with the fewest in flight (its IO thread converts
-        them even while its conversion threads are busy), up to quick_depth each. A quick turn
+        """Quick jobs go at once, up to quick_depth in flight per worker (its IO thread converts
+        them even while its conversion threads are busy). A small body goes to its conversation's
+        worker unless that one has more in flight than the least busy (many conversations can
+        share a key: then they spread), else to the least busy. A quick turn (over quick_bytes)
         goes to its conversation's worker, or, when that one is gone or full, to a conversion
         thread like any other turn (elsewhere it would be encoded afresh on an IO thread)."""
         ready = [w for w in self.workers if w.ready]
         while self.quick_queue and ready:
             job = self.quick_queue[0]
-            if job.home is not None:
-                worker = self.workers[job.home]
-                if not worker.ready or len(worker.quick) >= self.quick_depth:
-                    self.quick_queue.popleft()
-                    self.queued_bytes -= len(job.body)
-                    job.quick, job.home = False, None
-                    self._enqueue(job)
-                    continue
+            least = min(ready, key=lambda w: (len(w.quick), len(w.running)))
+            home = self.workers[job.home] if job.home is not None else None
+            if home is not None and home.ready and len(home.quick) < self.quick_depth and (
+                    len(job.body) > self.quick_bytes or len(home.quick) <= len(least.quick)):
+                worker = home
+            elif len(job.body) > self.quick_bytes:
+                self.quick_queue.popleft()
+                self.queued_bytes -= len(job.body)
+                job.quick, job.home = False, None
+                self._enqueue(job)
+                continue
             else:
-                worker = min(ready, key=lambda w: (len(w.quick), len(w.running)))
+                worker = least
                 if len(worker.quick) >= self.quick_depth:
                     return
             self.quick_queue.popleft()
