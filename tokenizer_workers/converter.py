@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 import zlib
 from array import array
@@ -71,6 +72,38 @@ class Conversion:
     detok: list[DetokSpec] = field(default_factory=list)
 
 
+class EncodeCpu:
+    """The process's CPU while prompts are encoded, divided among the encodings running at the
+    time. A process clock read around one encoding also counts what the process's other threads
+    encode meanwhile: with two conversion threads each request was charged about twice its CPU."""
+
+    def __init__(self, clock=time.process_time):
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.active = 0  # encodings running now
+        self.share = 0.0  # CPU seconds per encoding so far (the integral of dCPU / active)
+        self.last = clock()
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self.active:
+            self.share += (now - self.last) / self.active
+        self.last = now
+
+    def start(self) -> float:
+        with self.lock:
+            self._advance()
+            self.active += 1
+            return self.share
+
+    def stop(self, started: float) -> float:
+        """This encoding's CPU: its share of the process's CPU since start()."""
+        with self.lock:
+            self._advance()
+            self.active -= 1
+            return self.share - started
+
+
 class Converter:
 
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
@@ -87,6 +120,7 @@ class Converter:
         self.segments = SegmentEncoder(
             self.tokenizer, settings.tokenize_cache_bytes, verify=settings.verify_tokenize_cache
         )
+        self.encode_cpu = EncodeCpu()  # shared by the threads that convert with this converter
         self.parsers: ParserChoice = choose_parsers(
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
@@ -154,9 +188,12 @@ class Converter:
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         t0 = time.perf_counter()
         prompt = self.render(req.messages, req)
-        t1, cpu = time.perf_counter(), time.process_time()
-        ids, report = self.encode_chat(prompt)
-        t2, cpu = time.perf_counter(), time.process_time() - cpu
+        t1, cpu = time.perf_counter(), self.encode_cpu.start()
+        try:
+            ids, report = self.encode_chat(prompt)
+        finally:
+            cpu = self.encode_cpu.stop(cpu)
+        t2 = time.perf_counter()
         conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params)
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)

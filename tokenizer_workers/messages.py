@@ -162,7 +162,8 @@ class ConvertDone(msgspec.Struct, tag="done"):
     forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
     render_s: float = 0.0
     tokenize_s: float = 0.0
-    tokenize_cpu_s: float = 0.0  # CPU seconds of the worker process while tokenizing (all its threads)
+    # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
+    tokenize_cpu_s: float = 0.0
     queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
     cache: CacheReport | None = None
 
