@@ -32,10 +32,22 @@ class BodyTooLarge(Exception):
 
 
 def conversation_key(body: bytes) -> int | None:
-    """A hash of the conversation's beginning, from the raw body: the start of "messages"
-    repeats across the turns of one conversation. Cheap (no JSON parsing) and only a hint."""
+    """A hash of the conversation's beginning, from the raw body: the start of "messages" and of
+    its first user message, which repeat across the turns of one conversation (conversations that
+    open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
+    a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
+    only a hint."""
     start = body.find(b'"messages"', 0, 65536)
-    return None if start < 0 else zlib.crc32(body[start : start + 2048])
+    if start < 0:
+        return None
+    user = body.find(b'"user"', start + 10, start + 65536)  # ~1 us per KB scanned, on the loop
+    if user < 0:
+        return zlib.crc32(body[start : start + 2048])
+    key = zlib.crc32(body[start : min(user, start + 2048)])
+    # up to its first "}" (the message's end, or a brace in its text, the same on every turn): past
+    # the message, a later turn's body differs
+    end = body.find(b"}", user + 6, user + 2048)
+    return zlib.crc32(body[user : end if end >= 0 else user + 2048], key)
 
 
 def timing_headers(done) -> list:

@@ -328,3 +328,27 @@ def test_an_idle_worker_takes_its_own_lane_before_another_steals_it():
         await pool.close()
 
     asyncio.run(body())
+
+
+def test_the_conversation_key_follows_a_conversation_and_tells_apart_those_sharing_a_system_prompt():
+    import json
+
+    from gateway.app import conversation_key
+
+    system = {"role": "system", "content": "You are a coding agent. Follow the repository's rules. " * 200}  # 11 KB
+
+    def body(first: str, turns: int) -> bytes:
+        messages = [system, {"role": "user", "content": first}]
+        for t in range(turns):
+            messages += [{"role": "assistant", "content": f"step {t}"}, {"role": "user", "content": f"output {t}"}]
+        return json.dumps({"model": "m", "messages": messages, "max_tokens": 5}).encode()
+
+    a = [conversation_key(body("Fix the failing test in parser.py", t)) for t in range(4)]
+    b = conversation_key(body("Add a --verbose flag to the CLI", 0))
+    assert len(set(a)) == 1 and a[0] is not None  # every turn of one conversation
+    assert b != a[0]  # another conversation behind the same 11 KB system prompt
+    short = [json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] + [
+        {"role": "assistant", "content": f"hello {t}"} for t in range(turns)]}).encode() for turns in range(3)]  # fmt: skip
+    assert len({conversation_key(b) for b in short}) == 1  # a short chat's later turns fall inside 2 KB
+    assert conversation_key(json.dumps({"model": "m", "messages": [system]}).encode()) is not None
+    assert conversation_key(b'{"model": "m", "prompt": "hello"}') is None

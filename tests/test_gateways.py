@@ -104,12 +104,20 @@ def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
     """Turn after turn of one conversation, on new connections (so on both gateways), is converted
     by the worker holding its cached segments: only the new words are tokenized afresh."""
     system = "Policy. " + " ".join(f"Rule {i}: answer question {i} with care and cite section {i % 17}." for i in range(900))
-    first = chat(node, "Question 0?", system)
-    prompt_tokens = first["usage"]["prompt_tokens"]
+    history = [{"role": "system", "content": system}, {"role": "user", "content": "Question 0?"}]
+
+    def turn() -> dict:
+        status, _, body = http("POST", node.url + "/v1/chat/completions",
+                               {"model": MODEL, "max_tokens": 2, "messages": history})  # fmt: skip
+        assert status == 200, body
+        return body
+
+    prompt_tokens = turn()["usage"]["prompt_tokens"]
     assert prompt_tokens > 10000
     before = metric(scrape(node), "tokenmill_prompt_tokens_tokenized_total", 0.0)
     for i in range(1, 9):
-        chat(node, f"Question {i}?", system)
+        history += [{"role": "assistant", "content": f"Answer {i - 1}."}, {"role": "user", "content": f"Question {i}?"}]
+        turn()
     fresh = metric(scrape(node), "tokenmill_prompt_tokens_tokenized_total") - before
     assert fresh < 0.5 * prompt_tokens, f"{fresh} tokens tokenized afresh over 8 turns of a {prompt_tokens}-token prompt"
 
