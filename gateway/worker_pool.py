@@ -8,13 +8,12 @@ gets a second one: two conversions in one process share its GIL, in two processe
 Cheap conversions (quick jobs) skip the queue: small bodies go at once to their conversation's
 worker, or the least busy when that one has more in flight, and a next turn that adds little to
 a conversation goes to the worker that converted the last one (its cache holds the rest); the
-worker's IO thread converts them
-beside whatever its conversion threads are doing (a hand-off would cost more than they do). A
-turn of a conversation whose cache another worker holds waits for that worker at most as long as
-converting it afresh would take (a short request: no time at all). Detokenization goes to
-the worker that converted the request (it holds that request's decoder state) and is
-answered between conversions, since a worker's IO thread runs while its conversion threads
-encode.
+worker's IO thread converts them beside whatever its conversion threads are doing (a hand-off
+would cost more than they do). A turn of a conversation whose cache another worker holds waits
+for that worker at most as long as converting it afresh would take (a short request: no time
+at all). Detokenization goes to the worker that converted the request (it holds that
+request's decoder state) and is answered between conversions, since a worker's IO thread runs
+while its conversion threads encode.
 
 The pool owns the worker processes: a worker that dies (crash, kill -9, OOM, or killed
 here for overrunning the conversion deadline) is replaced at once, and its in-flight
@@ -87,7 +86,7 @@ class _Job:
     affinity: int | None = None  # hash of the conversation's beginning
     lane: deque | None = None  # the queue it waits in
     quick: bool = False  # cheap enough for the worker's IO thread: sent without waiting for a free worker
-    home: int | None = None  # a quick turn of a conversation whose cache this worker holds: only it may take it
+    home: int | None = None  # the worker for a quick job: its conversation's (a quick turn: that one or none)
 
 
 @dataclass(eq=False)
@@ -388,8 +387,9 @@ class WorkerPool:
         # a template sent with the request could loop until the conversion timeout: never on the IO thread
         if not (self.settings.trust_request_chat_template and b'"chat_template"' in body):
             job.quick = 0 < len(body) <= self.quick_bytes
-            home = self.homes.get(affinity) if self.affinity and affinity is not None else None
-            if job.quick and self.affinity and affinity is not None:
+            keyed = self.affinity and affinity is not None
+            home = self.homes.get(affinity) if keyed else None
+            if job.quick and keyed:
                 # its earlier turns' worker, or the hash ring's choice for a new conversation
                 job.home = home[0] if home is not None else self._ring_index(affinity)
             elif (home is not None and len(body) <= self.quick_turn_bytes
@@ -410,7 +410,7 @@ class WorkerPool:
             self.queued_bytes -= len(job.body)
             self.jobs.pop(job.job_id, None)
 
-    # ---- dispatch: affinity (bounded load for new conversations), rent or buy, no idle worker while anything waits ----
+    # ---- dispatch: affinity (new conversations within a load bound), rent or buy, no idle worker ----
 
     def _enqueue(self, job: _Job, front: bool = False) -> None:
         self.queued_bytes += len(job.body)

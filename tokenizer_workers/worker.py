@@ -4,8 +4,8 @@ Threads of two kinds, so that streams keep flowing while long prompts convert:
 - the IO thread owns the links to the gateways (the spawning gateway's socket pair;
   ZeroMQ DEALERs to a remote gateway or the node's other gateways), answers
   detokenization batches at once (they are small, and go first), converts the jobs the
-  gateway marks quick (small bodies: handing them to the other thread would cost more
-  than converting them; they have a tokenization cache of their own), and forwards
+  gateway marks quick (small bodies and cheap next turns: handing them to another thread
+  would cost more than converting them), and forwards
   finished conversions;
 - the conversion threads (two by default, ``--conversion-threads``) render and tokenize the
   other requests, one each, through one shared tokenization cache. ``encode_batch`` releases
