@@ -30,6 +30,40 @@ def test_any_cut_of_the_stream_gives_back_the_messages(msgs, cuts):
     assert got == msgs
 
 
+@settings(max_examples=300, deadline=None)
+@given(messages, st.lists(st.integers(1, 700), min_size=1, max_size=20), st.integers(4, 64), st.integers(8, 400))
+def test_reads_into_its_buffers_give_back_the_messages(msgs, cuts, chunk, big_at):
+    """As a socket read fills buffer(): small messages through the scratch chunk, a message of
+    big_at bytes or more straight into a buffer of its own, never read past its end."""
+    stream = b"".join(pack_header(m) + b"".join(m) for m in msgs)
+    reader, got, pos, i = FrameReader(chunk=chunk, big_at=big_at), [], 0, 0
+    while pos < len(stream):
+        buffer = reader.buffer()
+        step = min(cuts[i % len(cuts)], len(buffer), len(stream) - pos)
+        buffer[:step] = stream[pos : pos + step]
+        got += [[bytes(f) for f in m] for m in reader.filled(step)]
+        pos, i = pos + step, i + 1
+    assert got == msgs
+    assert len(reader.buffer()) == chunk  # nothing half-read left behind
+
+
+def test_a_large_message_is_read_into_one_buffer_of_its_size():
+    big = bytes(range(256)) * 1024  # 256 KiB
+    stream = pack_header([b"head", big]) + b"head" + big + pack_header([b"next"]) + b"next"
+    reader = FrameReader(chunk=1000, big_at=64 << 10)
+    reader.buffer()[:1000] = stream[:1000]
+    assert reader.filled(1000) == []
+    rest = reader.buffer()
+    assert len(rest) == len(pack_header([b"head", big])) + 4 + len(big) - 1000  # exactly the message's remainder
+    rest[:] = stream[1000 : 1000 + len(rest)]
+    (frames,) = reader.filled(len(rest))
+    assert bytes(frames[0]) == b"head" and frames[1] == big
+    assert frames[1].obj is rest.obj  # the frame is a view into the buffer the socket filled, not a copy
+    tail = stream[1000 + len(rest) :]
+    reader.buffer()[: len(tail)] = tail
+    assert [[bytes(f) for f in m] for m in reader.filled(len(tail))] == [[b"next"]]
+
+
 # A worker-like process: echoes every message back with its frames reversed, through its PipePeer.
 ECHO = """
 import select, sys

@@ -230,7 +230,7 @@ class Worker:
             if link.beats:
                 link.streams.difference_update(item.request_id for item in msg.items if item.finished)
         elif isinstance(msg, m.ConvertJob):
-            body = bytes(frames[1]) if len(frames) > 1 else b""
+            body = frames[1] if len(frames) > 1 else b""  # a view into the buffer it was read into: not copied
             if msg.quick:
                 self._send(link, self._convert(msg, body, time.perf_counter()))
             else:

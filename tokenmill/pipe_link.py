@@ -24,6 +24,7 @@ from typing import Callable
 _U32 = struct.Struct("<I")
 _HEADS = {n: struct.Struct(f"<{n + 1}I") for n in range(9)}  # count + lengths, for the usual sizes
 _READ = 256 * 1024
+_BIG = 64 * 1024  # messages from this size on are read in place (FrameReader)
 
 
 def _head(count: int) -> struct.Struct:
@@ -37,15 +38,42 @@ def pack_header(frames) -> bytes:
 
 
 class FrameReader:
-    """Cuts a byte stream into messages. Frames are memoryviews into the bytes read, not copies."""
+    """Cuts a byte stream into messages. Frames are memoryviews into the bytes read, not copies.
 
-    __slots__ = ("_pending", "_need")
+    Reads go where ``buffer()`` says: a scratch chunk, copied out once per read (a few small
+    messages), or, once a large message's prefix has arrived, straight into a buffer of its own
+    size, so a long prompt's body or token IDs land in their final place from the socket (two
+    copies and a dozen allocations fewer per megabyte than gathering chunks)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_pending", "_need", "_scratch", "_big", "_filled", "_big_at")
+
+    def __init__(self, chunk: int = _READ, big_at: int = _BIG) -> None:
         self._pending = bytearray()  # the start of a message that has not fully arrived
         self._need = 0  # bytes that message needs in all, once its prefix is known
+        self._scratch = memoryview(bytearray(chunk))
+        self._big: memoryview | None = None  # a large message being received in place
+        self._filled = 0  # bytes of it so far
+        self._big_at = big_at  # messages from this size on are received in place
+
+    def buffer(self) -> memoryview:
+        """Where the next read should go (never past the end of a large message)."""
+        if self._big is not None:
+            return self._big[self._filled :]
+        return self._scratch
+
+    def filled(self, nbytes: int) -> list[list[memoryview]]:
+        """``nbytes`` were read into ``buffer()``: the messages now whole."""
+        big = self._big
+        if big is None:
+            return self.feed(bytes(self._scratch[:nbytes]))
+        self._filled += nbytes
+        if self._filled < len(big):
+            return []
+        self._big = None
+        return [_frames(big, 0)[0]]
 
     def feed(self, data: bytes) -> list[list[memoryview]]:
+        """Bytes read elsewhere (they must not change afterwards: the frames point into them)."""
         if self._pending:
             self._pending += data
             if len(self._pending) < self._need:
@@ -56,18 +84,18 @@ class FrameReader:
         unpack_from = _U32.unpack_from
         while size - pos >= 4:
             count = unpack_from(data, pos)[0]
-            start = pos + 4 + 4 * count
-            if start > size:
+            if pos + 4 + 4 * count > size:
                 break
-            lengths = _head(count).unpack_from(data, pos)[1:]
-            end = start + sum(lengths)
+            frames, end = _frames(view, pos, count)
             if end > size:
-                self._need = end - pos
+                need = end - pos
+                if need >= self._big_at:  # the rest goes straight into a buffer of its own
+                    self._big = memoryview(bytearray(need))
+                    self._big[: size - pos] = view[pos:]
+                    self._filled, pos = size - pos, size
+                else:
+                    self._need = need
                 break
-            frames = []
-            for length in lengths:
-                frames.append(view[start : start + length])
-                start += length
             messages.append(frames)
             pos = end
         if pos < size:
@@ -75,13 +103,27 @@ class FrameReader:
         return messages
 
 
+def _frames(view: memoryview, pos: int, count: int | None = None) -> tuple[list[memoryview], int]:
+    """The message whose prefix starts at ``pos``: its frames (possibly past the end of ``view``
+    when it has not all arrived, then to be ignored), and where it ends."""
+    if count is None:
+        count = _U32.unpack_from(view, pos)[0]
+    lengths = _head(count).unpack_from(view, pos)[1:]
+    start, frames = pos + 4 + 4 * count, []
+    for length in lengths:
+        frames.append(view[start : start + length])
+        start += length
+    return frames, start
+
+
 class LinkDown(ConnectionError):
     """The worker's end is closed, or it has stopped reading."""
 
 
-class PipeLink(asyncio.Protocol):
+class PipeLink(asyncio.BufferedProtocol):
     """The gateway's end, served by the event loop: a send is one non-blocking write, and
-    what arrives is handed to ``on_message`` as soon as it is whole."""
+    what arrives (read into the FrameReader's buffers) is handed to ``on_message`` as soon as
+    it is whole."""
 
     MAX_BACKLOG = 256 << 20  # bytes queued for a worker that stopped reading: past this, sends fail
 
@@ -102,8 +144,11 @@ class PipeLink(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.transport = None  # the worker's process watcher, not this, decides what its death means
 
-    def data_received(self, data: bytes) -> None:
-        for frames in self._reader.feed(data):
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._reader.buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        for frames in self._reader.filled(nbytes):
             if self.transport is None:
                 return
             self.on_message(self, frames)
@@ -147,18 +192,19 @@ class PipePeer:
 
     def receive(self) -> list[list[memoryview]]:
         """Every whole message waiting now; raises EOFError when the gateway has gone."""
-        messages = []
+        messages, reader, recv_into = [], self._reader, self.sock.recv_into
         while True:
+            buffer = reader.buffer()
             try:
-                data = self.sock.recv(_READ, socket.MSG_DONTWAIT)
+                nbytes = recv_into(buffer, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return messages
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue
                 raise EOFError(str(exc)) from exc
-            if not data:
+            if not nbytes:
                 raise EOFError("the gateway closed the link")
-            messages += self._reader.feed(data)
-            if len(data) < _READ:
+            messages += reader.filled(nbytes)
+            if nbytes < len(buffer):
                 return messages
