@@ -31,6 +31,7 @@ import argparse
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import sys
@@ -53,6 +54,14 @@ log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
 _HEARTBEAT = m.encoder.encode(m.Heartbeat())
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enums cost a call
+
+
+def _wake_pipe() -> tuple[int, int]:
+    """A pipe whose every byte wakes the IO thread's poll; both ends non-blocking."""
+    rx, tx = os.pipe()
+    os.set_blocking(rx, False)
+    os.set_blocking(tx, False)
+    return rx, tx
 
 
 @dataclass(eq=False)
@@ -92,7 +101,7 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_addr = f"inproc://worker-wake-{id(self)}"
+        self._wake_rx, self._wake_tx = _wake_pipe()  # conversion threads say a result is ready
         self._converting: dict[_Link, int] = {}  # conversion threads busy with each gateway's jobs
         self.placements: dict[int, int] = {}  # conversation -> scheduler rank a gateway put it on (m.Placed)
 
@@ -116,8 +125,6 @@ class Worker:
                 sock.setsockopt(zmq.IDENTITY, f"a{self.index}-{os.getpid()}".encode())
                 sock.connect(endpoint)
                 self.links.append(_Link(sock, endpoint, -1, joined=False, beats=True))
-        wake_rx = self.ctx.socket(zmq.PULL)
-        wake_rx.bind(self._wake_addr)
         for n in range(self.conversion_threads):  # the first loads the model; the others wait for it
             threading.Thread(target=self._convert_loop, args=(n == 0,), name=f"conversion-{n}", daemon=True).start()
         beating = any(link.beats for link in self.links)
@@ -130,18 +137,25 @@ class Worker:
         for link in self.links:
             if link.joined:
                 self._send_ready(link)
-        poller = zmq.Poller()
+        # Only socket pairs (a worker of one gateway, the default): the plain poll(2), one system
+        # call per wake-up. With ZeroMQ links, zmq_poll, which polls twice and asks each ZeroMQ
+        # socket for its events.
+        plain = all(isinstance(link.sock, PipePeer) for link in self.links)
+        poller = select.poll() if plain else zmq.Poller()
         for link in self.links:
-            poller.register(link.sock, zmq.POLLIN)
-        poller.register(wake_rx, zmq.POLLIN)
+            poller.register(link.sock.fileno() if plain else link.sock, select.POLLIN)
+        poller.register(self._wake_rx, select.POLLIN)
         # the poller names a ZeroMQ socket by itself and a plain one (the socket pair) by its fd
         by_sock = {link.sock.fileno() if isinstance(link.sock, PipePeer) else link.sock: link for link in self.links}
         timeout = 500 * self.HEARTBEAT_S if beating else None
+        wake_rx = self._wake_rx
         while True:
             for ready, _ in poller.poll(timeout):
-                if ready is wake_rx:
-                    while wake_rx.get(_EVENTS) & _POLLIN:
-                        wake_rx.recv(_NOBLOCK)
+                if ready == wake_rx:
+                    try:
+                        os.read(wake_rx, 4096)
+                    except BlockingIOError:
+                        pass
                     self._send_results()
                     continue
                 link = by_sock[ready]
@@ -265,8 +279,14 @@ class Worker:
         return True
 
     def _convert_loop(self, loads: bool) -> None:
-        wake = self.ctx.socket(zmq.PUSH)
-        wake.connect(self._wake_addr)
+        wake_tx = self._wake_tx
+
+        def wake() -> None:
+            try:
+                os.write(wake_tx, b"!")
+            except BlockingIOError:  # the pipe is full of wake-ups the IO thread has yet to read
+                pass
+
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.CONVERSION_NICE)
         except (OSError, AttributeError):
@@ -288,11 +308,11 @@ class Worker:
             job, body, received, link = self.jobs.get()
             if shared:
                 self.results.put((True, link))
-                wake.send(b"")
+                wake()
             self.results.put((self._convert(job, body, received), link))
             if shared:
                 self.results.put((False, link))
-            wake.send(b"")
+            wake()
 
     def _convert(self, job: m.ConvertJob, body: bytes, received: float):
         """On a conversion thread, or on the IO thread for a quick job: one converter and one
