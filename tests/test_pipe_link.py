@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import subprocess
 import sys
 
@@ -62,6 +63,15 @@ def test_a_large_message_is_read_into_one_buffer_of_its_size():
     tail = stream[1000 + len(rest) :]
     reader.buffer()[: len(tail)] = tail
     assert [[bytes(f) for f in m] for m in reader.filled(len(tail))] == [[b"next"]]
+
+
+def test_a_huge_claimed_size_is_not_allocated_up_front():
+    """A garbled prefix (a bug on the other end) claiming gigabytes allocates nothing ahead:
+    past 256 MiB a message is gathered as its bytes arrive, as small ones are."""
+    reader = FrameReader(chunk=1000)
+    prefix = struct.pack("<II", 1, 1 << 31)  # one frame of 2 GiB
+    assert reader.feed(prefix + b"some") == []
+    assert len(reader.buffer()) == 1000  # still the scratch chunk, not a 2 GiB buffer
 
 
 # A worker-like process: echoes every message back with its frames reversed, through its PipePeer.

@@ -25,6 +25,7 @@ _U32 = struct.Struct("<I")
 _HEADS = {n: struct.Struct(f"<{n + 1}I") for n in range(9)}  # count + lengths, for the usual sizes
 _READ = 256 * 1024
 _BIG = 64 * 1024  # messages from this size on are read in place (FrameReader)
+_MAX_IN_PLACE = 256 << 20  # a larger claimed size is gathered as it arrives, not allocated up front
 
 
 def _head(count: int) -> struct.Struct:
@@ -89,7 +90,7 @@ class FrameReader:
             frames, end = _frames(view, pos, count)
             if end > size:
                 need = end - pos
-                if need >= self._big_at:  # the rest goes straight into a buffer of its own
+                if self._big_at <= need <= _MAX_IN_PLACE:  # the rest goes straight into a buffer of its own
                     self._big = memoryview(bytearray(need))
                     self._big[: size - pos] = view[pos:]
                     self._filled, pos = size - pos, size
