@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from array import array
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -195,6 +196,9 @@ class Gateway:
                 self.siblings = SiblingGateways(s, self.runtime_dir, endpoints, self.metrics)
                 await self.siblings.start()
                 self.siblings.watch_stalls(self.exchange, s.gateway_stall_timeout)
+        # Everything started so far lives as long as the gateway: out of the collector's sight, a
+        # full collection (a stall of the loop, every stream waits) no longer walks it.
+        gc.freeze()
         self._lag_task = asyncio.create_task(self._measure_loop_lag())
         interval = systemd_notify.watchdog_interval()
         self._watchdog_task = asyncio.create_task(systemd_notify.pet_watchdog(interval)) if interval else None

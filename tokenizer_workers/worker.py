@@ -28,6 +28,7 @@ heartbeats (remote_link.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import queue
@@ -133,6 +134,10 @@ class Worker:
         if self._load_error is not None:
             raise self._load_error
         self.detokenizer = Detokenizer(self.converter.tokenizer)
+        # What is loaded now lives as long as the process. Out of the collector's sight, a full
+        # collection no longer walks it: it took 5-7 ms, on whichever thread allocated, and every
+        # stream's next text waited (at 256 streams the gap p99 went from 25 to 33 ms).
+        gc.freeze()
         self._fingerprint = self.converter.fingerprint() if self.settings.fingerprint or beating else ""
         for link in self.links:
             if link.joined:

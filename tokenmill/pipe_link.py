@@ -74,7 +74,8 @@ class FrameReader:
         return [_frames(big, 0)[0]]
 
     def feed(self, data: bytes) -> list[list[memoryview]]:
-        """Bytes read elsewhere (they must not change afterwards: the frames point into them)."""
+        """Bytes read (they must not change afterwards: the frames point into them). Once a
+        large message has begun, its rest must come through buffer() and filled()."""
         if self._pending:
             self._pending += data
             if len(self._pending) < self._need:
