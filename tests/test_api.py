@@ -144,6 +144,7 @@ def assert_error(status, body, expected_status, *words):
         (b"{not json", 400, ["not valid JSON"], None),
         (b"[1, 2]", 400, ["object"], None),
         (b"", 400, ["empty"], None),
+        (b" \n\t\r\x0b ", 400, ["empty"], None),  # whitespace only: empty too (the worker checks it in place)
         ({"model": "deepseek-v4"}, 400, ["messages"], "messages"),
         ({"model": "deepseek-v4", "messages": []}, 400, ["messages"], "messages"),
         ({"model": "deepseek-v4", "messages": "hi"}, 400, ["array"], "messages"),
