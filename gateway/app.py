@@ -255,7 +255,8 @@ class App:
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
-        framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage)
+        framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage,
+                            done.continuous_usage, [c.prompt_tokens for c in gen.choices])
         try:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
@@ -291,31 +292,31 @@ class App:
         while open_choices and not failed:
             parts: list[bytes] = []
             run: list[str] = []  # text deltas of one kind and choice in a row, while merging: one event
-            run_kind, run_index = None, -1
+            run_kind, run_index, run_tokens = None, -1, 0
             event = await gen.events.get()
             while True:  # write everything already waiting in one go
                 kind = event[0]
                 if kind == "text" or kind == "reasoning":
                     if run and (not merge or kind != run_kind or event[1] != run_index):
-                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
                         coalesced += len(run) - 1
                         run.clear()
-                    run_kind, run_index = kind, event[1]
+                    run_kind, run_index, run_tokens = kind, event[1], event[3]
                     run.append(event[2])
                     gen.buffered -= len(event[2])
                 else:
                     if run:
-                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
                         coalesced += len(run) - 1
                         run.clear()
                     if kind == "call":
                         gen.buffered -= len(event[2].text)
-                        parts.append(framer.call_chunks(event[1], event[2]))
+                        parts.append(framer.call_chunks(event[1], event[2], event[3]))
                     elif kind == "logprobs":
                         gen.buffered -= len(event[2])
-                        parts.append(framer.logprobs_chunk(event[1], event[2], event[3]))
+                        parts.append(framer.logprobs_chunk(event[1], event[2], event[3], event[4]))
                     elif kind == "finish":
-                        parts.append(framer.finish_chunk(event[1], event[2]))
+                        parts.append(framer.finish_chunk(event[1], event[2], event[3]))
                         self.gw.metrics.finished(event[2])
                         open_choices -= 1
                     elif kind == "error":
@@ -329,7 +330,7 @@ class App:
                     break
                 event = gen.events.get_nowait()
             if run:
-                parts.append(framer.delta_chunk(run_kind, run_index, "".join(run)))
+                parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
                 coalesced += len(run) - 1
             if coalesced:
                 self.gw.metrics.coalesced_deltas.inc(coalesced)

@@ -54,12 +54,14 @@ class Generation:
 
 
 # Events put on Generation.events:
-#   ("text", choice_index, text)
-#   ("logprobs", choice_index, text, fragments) -- text with its tokens' logprobs (tokenizer_workers/logprobs.py)
-#   ("reasoning", choice_index, text)
-#   ("call", choice_index, OutPiece)  -- one whole tool call
-#   ("finish", choice_index, finish_reason)
+#   ("text", choice_index, text, tokens)
+#   ("logprobs", choice_index, text, fragments, tokens) -- text with its tokens' logprobs (tokenizer_workers/logprobs.py)
+#   ("reasoning", choice_index, text, tokens)
+#   ("call", choice_index, OutPiece, tokens)  -- one whole tool call
+#   ("finish", choice_index, finish_reason, tokens)
 #   ("error", ApiError)            -- the whole request failed; nothing follows
+# ``tokens``: the choice's tokens generated up to this event (usage in every chunk, vLLM's
+# continuous_usage_stats), as the worker counted them when it decoded the event's text.
 
 
 class Generations:
@@ -148,19 +150,21 @@ class Generations:
             if entry is None:
                 continue
             gen, choice = entry
+            tokens = delta.tokens
             if delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
                 gen.buffered += len(delta.text)
-                gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs))
+                gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs, tokens))
             elif delta.text:
                 gen.buffered += len(delta.text)
-                gen.events.put_nowait(("text", choice.index, delta.text))
+                gen.events.put_nowait(("text", choice.index, delta.text, tokens))
             for piece in delta.pieces:
                 gen.buffered += len(piece.text)
                 if piece.kind == "call":
                     choice.tool_calls += 1
-                    gen.events.put_nowait(("call", choice.index, piece))
+                    gen.events.put_nowait(("call", choice.index, piece, tokens))
                 else:  # "content" and "text" events are the same thing
-                    gen.events.put_nowait(("text" if piece.kind == "content" else piece.kind, choice.index, piece.text))
+                    gen.events.put_nowait(("text" if piece.kind == "content" else piece.kind, choice.index, piece.text,
+                                           tokens))
             if self.max_buffered and gen.buffered > self.max_buffered:
                 self._too_slow(gen)
                 continue
@@ -175,7 +179,7 @@ class Generations:
                     self.fail(gen, ApiError(500, f"The scheduler failed the request: {choice.error or 'unknown error'}",
                                             "InternalServerError", None, "scheduler_error"))
                     continue
-                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice)))
+                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice), tokens or choice.completion_tokens))
                 if gen.finished:
                     self.live.discard(gen)
 

@@ -78,82 +78,111 @@ def completion_logprobs(fragments: list[list[bytes]]) -> dict:
 class Framer:
     """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
+    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool,
+                 continuous_usage: bool = False, prompt_tokens: list[int] | None = None):
         self.chat = kind == "chat"
         self.id = request_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk of choice i carries the usage of its prompt
+        # (prompt_tokens[i]) and of its tokens generated up to that chunk
+        self.continuous_usage = continuous_usage
+        self.prompt_tokens = prompt_tokens or []
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
-        self._templates: dict = {}  # (kind, index) -> the chunk's bytes around its text
+        self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
 
     def _template(self, kind: str, index: int) -> list[bytes]:
-        """A text or reasoning chunk as bytes with holes for the text: the same bytes the dict
-        would encode to, built once per choice, so a token's event costs one string encode."""
+        """A text or reasoning chunk as bytes with holes for the text (and, with continuous usage,
+        for the usage object): the same bytes the dict would encode to, built once per choice, so a
+        token's event costs one string encode."""
         hole = f"@{uuid.uuid4().hex}@"
-        chunk = self.text_chunk_slow(index, hole) if kind == "text" else self.reasoning_chunk_slow(index, hole)
-        parts = chunk.split(_json.encode(hole))
+        usage_hole = f"@{uuid.uuid4().hex}@"
+        usage = msgspec.Raw(_json.encode(usage_hole)) if self.continuous_usage else None
+        chunk = (self.text_chunk_slow(index, hole, usage) if kind == "text"
+                 else self.reasoning_chunk_slow(index, hole, usage))  # fmt: skip
+        # [the parts around the text (a reasoning chunk holds it twice), what follows the usage]
+        head, _, tail = chunk.partition(_json.encode(usage_hole))
+        parts = [head.split(_json.encode(hole)), tail]
         self._templates[(kind, index)] = parts
         return parts
 
-    def _chunk(self, choices: list) -> dict:
+    def _usage(self, index: int, tokens: int) -> msgspec.Raw | None:
+        """The usage object of a chunk of choice ``index`` after ``tokens`` generated tokens (continuous
+        usage), else None (``"usage": null`` when the request asked for usage at the end)."""
+        if not self.continuous_usage:
+            return None
+        prompt = self.prompt_tokens[index] if index < len(self.prompt_tokens) else 0
+        return msgspec.Raw(b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
+                           % (prompt, tokens, prompt + tokens))  # fmt: skip
+
+    def _chunk(self, choices: list, usage: msgspec.Raw | None = None) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = usage
         return out
 
     def role_chunk(self, index: int) -> bytes:
-        return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+        return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], self._usage(index, 0)))  # fmt: skip
 
-    def text_chunk(self, index: int, text: str) -> bytes:
+    def text_chunk(self, index: int, text: str, tokens: int = 0) -> bytes:
         parts = self._templates.get(("text", index)) or self._template("text", index)
-        return _json.encode(text).join(parts)
+        return self._fill(parts, index, text, tokens)
 
-    def reasoning_chunk(self, index: int, text: str) -> bytes:
+    def reasoning_chunk(self, index: int, text: str, tokens: int = 0) -> bytes:
         parts = self._templates.get(("reasoning", index)) or self._template("reasoning", index)
-        return _json.encode(text).join(parts)
+        return self._fill(parts, index, text, tokens)
 
-    def text_chunk_slow(self, index: int, text: str) -> bytes:
+    def _fill(self, parts: list, index: int, text: str, tokens: int) -> bytes:
+        around, tail = parts
+        if not tail:
+            return _json.encode(text).join(around)
+        return b"".join((_json.encode(text).join(around), self._usage(index, tokens), tail))
+
+    def text_chunk_slow(self, index: int, text: str, usage: msgspec.Raw | None = None) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-        return sse(self._chunk([choice]))
+        return sse(self._chunk([choice], usage))
 
-    def reasoning_chunk_slow(self, index: int, text: str) -> bytes:
+    def reasoning_chunk_slow(self, index: int, text: str, usage: msgspec.Raw | None = None) -> bytes:
         """Reasoning under vLLM's name and under the name SGLang and most client libraries read."""
         delta = {"reasoning": text, "reasoning_content": text}
-        return sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        return sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], usage))
 
-    def delta_chunk(self, kind: str, index: int, text: str) -> bytes:
+    def delta_chunk(self, kind: str, index: int, text: str, tokens: int = 0) -> bytes:
         """A "text" or "reasoning" delta."""
-        return self.text_chunk(index, text) if kind == "text" else self.reasoning_chunk(index, text)
+        return self.text_chunk(index, text, tokens) if kind == "text" else self.reasoning_chunk(index, text, tokens)
 
-    def call_chunks(self, index: int, call) -> bytes:
+    def call_chunks(self, index: int, call, tokens: int = 0) -> bytes:
         """One whole tool call as OpenAI streams it: id, type and name first, then the arguments."""
         head = {"index": call.index, "id": call.call_id, "type": "function",
                 "function": {"name": call.name, "arguments": ""}}  # fmt: skip
         args = {"index": call.index, "function": {"arguments": call.text}}
+        usage = self._usage(index, tokens)
         return b"".join(
-            sse(self._chunk([{"index": index, "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}]))
+            sse(self._chunk([{"index": index, "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}],
+                            usage))
             for item in (head, args)
         )
 
-    def logprobs_chunk(self, index: int, text: str, fragments: list[bytes]) -> bytes:
+    def logprobs_chunk(self, index: int, text: str, fragments: list[bytes], tokens: int = 0) -> bytes:
         """A text delta with its tokens' logprobs (fragments from the worker, spliced in as they are)."""
         if self.chat:
             choice = {"index": index, "delta": {"content": text}, "logprobs": chat_logprobs([fragments]),
                       "finish_reason": None}  # fmt: skip
         else:
             choice = {"index": index, "text": text, "logprobs": completion_logprobs([fragments]), "finish_reason": None}
-        return sse(self._chunk([choice]))
+        return sse(self._chunk([choice], self._usage(index, tokens)))
 
-    def finish_chunk(self, index: int, reason: str) -> bytes:
+    def finish_chunk(self, index: int, reason: str, tokens: int = 0) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
-        return sse(self._chunk([choice]))
+        return sse(self._chunk([choice], self._usage(index, tokens)))
 
     def usage_chunk(self, usage_obj: dict) -> bytes:
         return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,

@@ -423,12 +423,16 @@ def test_render_conversation_reads_the_conversation_format():
 def test_the_framers_text_templates_give_the_bytes_the_dict_encoding_gives():
     """Text and reasoning events are built from per-choice byte templates (one string encode per
     token); they must be byte for byte what encoding the whole chunk gives."""
+    import msgspec
+
     from gateway.openai_format import Framer
 
     for kind in ("chat", "completion"):
-        for include_usage in (False, True):
-            framer = Framer(kind, "chatcmpl-x", 1796000000, 'model "with" quotes', include_usage)
+        for include_usage, continuous in ((False, False), (True, False), (True, True)):
+            framer = Framer(kind, "chatcmpl-x", 1796000000, 'model "with" quotes', include_usage, continuous,
+                            [5] * 8)  # fmt: skip
             for text in ("hi", 'a"b\\c\n\t', "日本語🙂", "", "@x@", "\u2028"):
                 for index in (0, 7):
-                    assert framer.text_chunk(index, text) == framer.text_chunk_slow(index, text)
-                    assert framer.reasoning_chunk(index, text) == framer.reasoning_chunk_slow(index, text)
+                    usage = msgspec.Raw(b'{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}') if continuous else None
+                    assert framer.text_chunk(index, text, 3) == framer.text_chunk_slow(index, text, usage)
+                    assert framer.reasoning_chunk(index, text, 3) == framer.reasoning_chunk_slow(index, text, usage)

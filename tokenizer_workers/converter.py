@@ -390,6 +390,8 @@ class Converter:
             choices=choices,
             stream=req.stream,
             include_usage=include_usage,
+            # as vLLM: continuous_usage_stats counts only with include_usage
+            continuous_usage=include_usage and req.stream_options.continuous_usage_stats,
             render_s=render_s,
             tokenize_s=tokenize_s,
             logprobs=params.logprobs is not None,

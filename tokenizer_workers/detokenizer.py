@@ -28,7 +28,7 @@ from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
-                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset")  # fmt: skip
+                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -46,6 +46,7 @@ class _Stream:
         self.top_n = spec.logprobs  # None: no logprobs
         self.chat = spec.chat
         self.text_offset = 0  # completions' logprobs.text_offset so far
+        self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
 
 
 class Detokenizer:
@@ -104,6 +105,7 @@ class Detokenizer:
 
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
         new_ids = frame_to_ids(frame)
+        state.count += len(new_ids)
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
         state.ids.extend(new_ids)
@@ -124,8 +126,9 @@ class Detokenizer:
         if stopped or finished:
             del self.states[rid]
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished)
-        return DetokDelta(rid, "", stopped, stopped or finished, self._parse(state, text, stopped or finished))
+            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count)
+        return DetokDelta(rid, "", stopped, stopped or finished, self._parse(state, text, stopped or finished),
+                          tokens=state.count)
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser

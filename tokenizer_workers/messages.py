@@ -156,6 +156,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     choices: list[ChoicePlan] = []
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
@@ -187,6 +188,7 @@ class DetokDelta(msgspec.Struct, array_like=True):
     # logprobs of this delta's tokens as JSON fragments, entries comma-joined without brackets:
     # chat: [content]; completions: [tokens, token_logprobs, top_logprobs, text_offset]
     logprobs: list[bytes] = []
+    tokens: int = 0  # the request's tokens the detokenizer has taken so far (usage in every chunk)
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):

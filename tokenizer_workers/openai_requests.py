@@ -17,7 +17,7 @@ from tokenizer_workers.request_fields import RefusableFields, refused_field
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused when true
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every streamed chunk
 
 
 class SamplingFields(RefusableFields):
@@ -137,9 +137,6 @@ def check_sampling(req: SamplingFields) -> None:
     if refused is not None:
         name, reason = refused
         raise InvalidRequest(f"{name} is not supported by this server: {reason}.", name)
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server: usage comes "
-                             "in the last chunk (include_usage).", "stream_options.continuous_usage_stats")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2.", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

@@ -1,0 +1,112 @@
+"""vLLM's request fields that the front end honours as vLLM 0.32's OpenAI server does (issue 29):
+stream_options.continuous_usage_stats, ...
+
+A real `tokenmill serve` on the simulated scheduler in echo mode (the output repeats the prompt's
+tokens, so what a response must hold is known in advance), driven with the official OpenAI client
+and, where the exact bytes matter, plain HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from conftest import http
+
+MODEL = "deepseek-v4"
+WORDS = "the mill grinds the grain into fine white flour every single morning"
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    """The data events of a streamed response, parsed ([DONE] left out)."""
+    req = urllib.request.Request(server.url + path, json.dumps({"model": MODEL, **body}).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+# ---- stream_options.continuous_usage_stats ------------------------------------------------------
+
+
+def test_continuous_usage_counts_every_chat_chunk_as_vllm(echo_server):
+    """Every chunk carries usage: the prompt's tokens and the choice's tokens generated so far (0 in
+    the role chunk), total their sum; the last chunk still sums the choices (vLLM's serving_chat)."""
+    client = echo_server.client()
+    chat = [{"role": "user", "content": WORDS}]
+    stream = client.chat.completions.create(model=MODEL, messages=chat, n=2, max_tokens=9, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    prompt = chunks[0].usage.prompt_tokens
+    assert prompt > 9
+    seen = {0: [], 1: []}
+    text = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        assert len(chunk.choices) == 1 and chunk.usage is not None, chunk
+        choice = chunk.choices[0]
+        usage = chunk.usage
+        assert usage.prompt_tokens == prompt and usage.total_tokens == prompt + usage.completion_tokens
+        if choice.delta.role:
+            assert usage.completion_tokens == 0
+        text[choice.index] += choice.delta.content or ""
+        seen[choice.index].append((usage.completion_tokens, text[choice.index], choice.finish_reason))
+    for index in (0, 1):
+        counts = [c for c, _, _ in seen[index]]
+        assert counts == sorted(counts) and counts[-1] == 9 and seen[index][-1][2] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.prompt_tokens == prompt and last.usage.completion_tokens == 18
+
+
+def test_continuous_usage_counts_tokens_behind_the_text(echo_server, default_tokenizer):
+    """A completions stream of a token-ID prompt, echoed: at every chunk, the text so far is the
+    decode of exactly completion_tokens of the prompt's tokens, and prompt_tokens is that prompt's
+    own count (two prompts of different lengths)."""
+    first = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    second = first[:5]
+    events = _sse(echo_server, "/v1/completions", {
+        "prompt": [first, second], "max_tokens": 12, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    texts = {0: "", 1: ""}
+    prompts = {0: first, 1: second}
+    finished = set()
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        usage = event["usage"]
+        i = choice["index"]
+        assert usage["prompt_tokens"] == len(prompts[i])
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        texts[i] += choice["text"]
+        echoed = (prompts[i] * 3)[: usage["completion_tokens"]]
+        assert texts[i] == default_tokenizer.decode(echoed), (i, usage, texts[i])
+        if choice["finish_reason"]:
+            finished.add(i)
+            assert usage["completion_tokens"] == 12
+    assert finished == {0, 1}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == {
+        "prompt_tokens": len(first) + len(second), "completion_tokens": 24, "total_tokens": len(first) + len(second) + 24}
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
+    """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); a request
+    that is not streamed just answers."""
+    events = _sse(echo_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": WORDS}], "max_tokens": 4, "stream": True,
+        "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+    assert events and all("usage" not in e for e in events), events
+    events = _sse(echo_server, "/v1/completions", {
+        "prompt": WORDS, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False}})  # fmt: skip
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 4
+    status, _, body = http("POST", echo_server.url + "/v1/completions", {
+        "model": MODEL, "prompt": WORDS, "max_tokens": 3,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    status, _, body = http("POST", echo_server.url + "/v1/completions", {
+        "model": MODEL, "prompt": WORDS, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}})
+    assert status == 400 and body["error"]["param"] == "stream_options.continuous_usage_stats", body
