@@ -26,7 +26,6 @@ NON_DEFAULT = {
     "best_of": 2,
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "include_stop_str_in_output": True,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 10,
     "return_token_ids": True,

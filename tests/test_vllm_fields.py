@@ -110,3 +110,43 @@ def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
     status, _, body = http("POST", echo_server.url + "/v1/completions", {
         "model": MODEL, "prompt": WORDS, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}})
     assert status == 400 and body["error"]["param"] == "stream_options.continuous_usage_stats", body
+
+
+# ---- include_stop_str_in_output ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["gamma"], "alpha beta gamma"),
+    (["a gam"], "alpha beta gam"),  # across two tokens, and inside one: the text ends where the stop string does
+    (["delta", "beta g"], "alpha beta g"),  # the one that ends first, as vLLM's check_stop_strings
+    (["nowhere"], "alpha beta gamma delta epsilon"),
+])
+def test_include_stop_str_in_output_keeps_the_stop_string(echo_server, default_tokenizer, stop, expected):
+    ids = default_tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False).ids
+    client = echo_server.client()
+    extra = {"include_stop_str_in_output": True}
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body=extra)
+    assert whole.choices[0].text == expected
+    assert whole.choices[0].finish_reason == ("length" if stop == ["nowhere"] else "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True,
+                                            extra_body=extra))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    # false (the default) cuts it, as before
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop,
+                                    extra_body={"include_stop_str_in_output": False})  # fmt: skip
+    assert cut.choices[0].text == (expected if stop == ["nowhere"] else expected[: expected.rindex(
+        "gamma" if stop == ["gamma"] else ("a gam" if stop == ["a gam"] else "beta g"))])
+
+
+def test_include_stop_str_in_output_on_chat_and_bad_values(echo_server):
+    client = echo_server.client()
+    chat = [{"role": "user", "content": "alpha beta gamma delta"}]
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, stop=["beta"],
+                                         extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert out.choices[0].message.content.endswith("alpha beta") and out.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, stop=["beta"], stream=True,
+                                              extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == out.choices[0].message.content
+    status, _, body = http("POST", echo_server.url + "/v1/completions",
+                           {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "include_stop_str_in_output", body

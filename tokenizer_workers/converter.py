@@ -57,6 +57,7 @@ class DetokSpec:
 
     request_id: str
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
     skip_special_tokens: bool = True
     parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
     include_reasoning: bool = True
@@ -382,8 +383,8 @@ class Converter:
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                detok.append(DetokSpec(rid, stops, req.skip_special_tokens, logprobs=params.logprobs,
-                                       chat=what == "messages"))
+                detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
+                                       logprobs=params.logprobs, chat=what == "messages"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,

@@ -28,7 +28,8 @@ from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
-                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count")  # fmt: skip
+                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
+                 "tail", "tail_len")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -38,7 +39,13 @@ class _Stream:
         self.stream = DecodeStream(skip_special_tokens=self.skip_special)
         self.ids: list[int] = []
         self.stop = spec.stop
-        self.hold = max((len(s) for s in spec.stop), default=1) - 1
+        longest = max((len(s) for s in spec.stop), default=1) - 1
+        # vLLM's include_stop_str_in_output: nothing is held back (text before a stop string is
+        # output either way), and a match is searched for in the sent text's last characters too
+        self.include_stop = spec.include_stop and bool(spec.stop)
+        self.hold = 0 if self.include_stop else longest
+        self.tail = ""  # with include_stop: the last tail_len characters sent
+        self.tail_len = longest
         self.streamed = ""  # everything DecodeStream produced (the decode of ids so far)
         self.pending = ""  # produced but not yet sent, because it may start a stop string
         self.include_reasoning = spec.include_reasoning
@@ -149,6 +156,8 @@ class Detokenizer:
     @staticmethod
     def _cut(state: _Stream, finished: bool) -> tuple[str, bool]:
         pending = state.pending
+        if state.include_stop:
+            return Detokenizer._cut_after(state, pending)
         if state.stop:
             hits = [i for i in (pending.find(s) for s in state.stop) if i >= 0]
             if hits:
@@ -167,3 +176,21 @@ class Detokenizer:
         cut = len(pending) - keep
         state.pending = pending[cut:]
         return pending[:cut], False
+
+    @staticmethod
+    def _cut_after(state: _Stream, pending: str) -> tuple[str, bool]:
+        """include_stop_str_in_output: the text up to the end of the stop string that ends first
+        (the first in the list among equals), as vLLM's check_stop_strings picks it."""
+        state.pending = ""
+        if not pending:
+            return "", False
+        text = state.tail + pending
+        end = -1
+        for s in state.stop:
+            i = text.find(s)
+            if i >= 0 and (end < 0 or i + len(s) < end):
+                end = i + len(s)
+        if end >= 0:
+            return text[len(state.tail) : end], True
+        state.tail = text[-state.tail_len :] if state.tail_len else ""
+        return pending, False

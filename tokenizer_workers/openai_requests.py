@@ -32,6 +32,7 @@ class SamplingFields(RefusableFields):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string stays in the text
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -55,7 +55,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_equals(1), "only one sequence per choice is generated"),
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
-    "include_stop_str_in_output": (_false, "stop strings are always cut from the output"),
     "spaces_between_special_tokens": (_true, "special tokens are decoded as the tokenizer joins them"),
     "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt that is too long is a 400"),
     "return_token_ids": (_false, "responses carry text, not token IDs"),
