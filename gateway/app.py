@@ -50,6 +50,17 @@ def conversation_key(body: bytes) -> int | None:
     return zlib.crc32(body[user : end if end >= 0 else user + 2048], key)
 
 
+def _response_id(scope, prefix: str, done, server_id: str) -> str:
+    """The response's id, as vLLM makes it: chatcmpl-/cmpl- followed by the X-Request-Id header, else
+    the body's request_id; the server's own id when the client gave neither."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return f"{prefix}-{value.decode('latin-1')}"
+    if done.client_request_id is not None:
+        return f"{prefix}-{done.client_request_id}"
+    return server_id
+
+
 def timing_headers(done) -> list:
     """Server-Timing (ms) and cache figures of the conversion, for clients and benchmarks."""
     parts = [f"queue;dur={done.queue_s * 1000:.3f}", f"render;dur={done.render_s * 1000:.3f}",
@@ -218,7 +229,8 @@ class App:
             await self.error(send, fmt.error(503, "The GPU scheduler is not connected; retry shortly.",
                                              code="scheduler_unavailable"), endpoint, retry_after=2)
             return
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
         result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
         if result is None:
             return
@@ -255,8 +267,8 @@ class App:
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
-        framer = fmt.Framer(kind, request_id, int(time.time()), gw.model_name, done.include_usage,
-                            done.continuous_usage, [c.prompt_tokens for c in gen.choices])
+        framer = fmt.Framer(kind, _response_id(scope, prefix, done, request_id), int(time.time()), gw.model_name,
+                            done.include_usage, done.continuous_usage, [c.prompt_tokens for c in gen.choices])
         try:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))

@@ -42,7 +42,6 @@ NON_DEFAULT = {
     "kv_transfer_params": {"do_remote_decode": True},
     "mm_processor_kwargs": {"a": 1},
     "vllm_xargs": {"a": 1},
-    "request_id": "mine",
 }
 # defaults that clients send, which must be accepted
 DEFAULTS = {"response_format": {"type": "text"}, "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0,

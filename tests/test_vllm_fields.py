@@ -150,3 +150,34 @@ def test_include_stop_str_in_output_on_chat_and_bad_values(echo_server):
     status, _, body = http("POST", echo_server.url + "/v1/completions",
                            {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"})  # fmt: skip
     assert status == 400 and body["error"]["param"] == "include_stop_str_in_output", body
+
+
+# ---- request_id ---------------------------------------------------------------------------------
+
+
+def test_request_id_names_the_response_as_vllm(echo_server):
+    """chatcmpl-{request_id} / cmpl-{request_id}, streamed and not; an X-Request-Id header wins, as in
+    vLLM's _base_request_id; two requests with the same id at once both complete."""
+    import concurrent.futures
+
+    client = echo_server.client()
+    chat = [{"role": "user", "content": WORDS}]
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, extra_body={"request_id": "abc-1"})
+    assert out.id == "chatcmpl-abc-1"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"request_id": "abc-2"}))  # fmt: skip
+    assert {c.id for c in chunks} == {"chatcmpl-abc-2"}
+    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3, extra_body={"request_id": "xyz"})
+    assert out.id == "cmpl-xyz"
+    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3, extra_body={"request_id": "xyz"},
+                                    extra_headers={"X-Request-Id": "from-header"})  # fmt: skip
+    assert out.id == "cmpl-from-header"
+    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3)
+    assert out.id.startswith("cmpl-") and len(out.id) == len("cmpl-") + 32
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # the same id, at once: the scheduler's ids differ
+        outs = list(pool.map(lambda _: client.completions.create(model=MODEL, prompt=WORDS, max_tokens=20,
+                                                                 extra_body={"request_id": "same"}), range(4)))
+    assert {o.id for o in outs} == {"cmpl-same"} and all(o.usage.completion_tokens == 20 for o in outs)
+    status, _, body = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "request_id": 5})
+    assert status == 400 and body["error"]["param"] == "request_id", body

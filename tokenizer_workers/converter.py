@@ -390,6 +390,7 @@ class Converter:
             job.job_id,
             choices=choices,
             stream=req.stream,
+            client_request_id=req.request_id,
             include_usage=include_usage,
             # as vLLM: continuous_usage_stats counts only with include_usage
             continuous_usage=include_usage and req.stream_options.continuous_usage_stats,

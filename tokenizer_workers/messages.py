@@ -155,6 +155,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     body: bytes | None = None
     choices: list[ChoicePlan] = []
     stream: bool = False
+    client_request_id: str | None = None  # the request's own request_id (vLLM's): the response id's tail
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)

@@ -49,6 +49,7 @@ class SamplingFields(RefusableFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id is chatcmpl-/cmpl- and this (X-Request-Id wins)
 
 
 class ChatCompletionRequest(SamplingFields):

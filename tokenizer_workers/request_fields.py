@@ -71,7 +71,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (_none, "disaggregated prefill is not available"),
     "mm_processor_kwargs": (_none, "multimodal input is not available"),
     "vllm_xargs": (_none, "engine-specific extra arguments are not passed on"),
-    "request_id": (_none, "response ids are the server's"),
 }
 
 # accepted, with no effect on the output (bookkeeping OpenAI keeps on its side)
