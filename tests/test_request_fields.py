@@ -27,7 +27,6 @@ NON_DEFAULT = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "truncate_prompt_tokens": 10,
     "return_token_ids": True,
     "suffix": "the end",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],

@@ -181,3 +181,54 @@ def test_request_id_names_the_response_as_vllm(echo_server):
     assert {o.id for o in outs} == {"cmpl-same"} and all(o.usage.completion_tokens == 20 for o in outs)
     status, _, body = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "request_id": 5})
     assert status == 400 and body["error"]["param"] == "request_id", body
+
+
+# ---- truncate_prompt_tokens ---------------------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(echo_server, default_tokenizer):
+    """The echo model repeats its prompt: what it says is the prompt the engine got."""
+    ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    client = echo_server.client()
+    for prompt in (ids, WORDS):  # token IDs, and text (tokenized with BOS, then cut)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                        extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+        assert out.usage.prompt_tokens == 4 and out.choices[0].text == default_tokenizer.decode(ids[-4:])
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=3,
+                                    extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"})  # fmt: skip
+    assert out.usage.prompt_tokens == 3 and out.choices[0].text == default_tokenizer.decode(ids[:3])
+    # several prompts: each is cut; a shorter one stays whole; -1 cuts nothing that fits
+    out = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    assert out.usage.prompt_tokens == 7 and [c.text for c in out.choices] == [
+        default_tokenizer.decode(ids[-5:-3]), default_tokenizer.decode(ids[:2])]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
+    assert out.usage.prompt_tokens == len(ids)
+    # chat: the rendered prompt's last tokens
+    chat = [{"role": "user", "content": WORDS}]
+    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3,
+                                         extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    assert whole.usage.prompt_tokens > 3 and out.usage.prompt_tokens == 3
+
+
+def test_truncate_prompt_tokens_makes_a_long_prompt_fit(server, default_tokenizer):
+    """--max-model-len 8192: a 9,000-token prompt is a 400 as it is, and fits once cut; more than the
+    context, below -1 or 0 is a 400 naming the field."""
+    long_prompt = [100] * 9000
+    status, _, body = http("POST", server.url + "/v1/completions",
+                           {"model": MODEL, "prompt": long_prompt, "max_tokens": 2})  # fmt: skip
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    for keep, expected in ((8000, 8000), (-1, 8191)):
+        status, _, body = http("POST", server.url + "/v1/completions", {
+            "model": MODEL, "prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": keep})  # fmt: skip
+        assert status == 200 and body["usage"]["prompt_tokens"] == expected, body
+    for bad in (8193, -2, 0, "ten", 1.5):
+        for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            status, _, body = http("POST", server.url + path, {"model": MODEL, "max_tokens": 2,
+                                                               "truncate_prompt_tokens": bad, **extra})  # fmt: skip
+            assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", (bad, body)
+    status, _, body = http("POST", server.url + "/v1/completions", {
+        "model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2, "truncation_side": "middle"})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "truncation_side", body

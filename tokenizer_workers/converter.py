@@ -341,6 +341,28 @@ class Converter:
             "prompt must be a string, a list of strings, a list of token IDs, or a list of token-ID lists.", "prompt"
         )
 
+    def _truncation(self, req) -> tuple[int | None, bool]:
+        """vLLM's truncate_prompt_tokens: (how many prompt tokens to keep, or None; keep the last ones?).
+        As vLLM: -1 is as many as the context holds with one token left for the output, more than
+        the context is a 400, and the side is truncation_side, else the left (generative models'
+        default). 0 would leave nothing to generate from, and is a 400 too."""
+        keep = req.truncate_prompt_tokens
+        side = req.truncation_side
+        if side not in (None, "left", "right"):
+            raise oa.InvalidRequest("truncation_side must be either 'left' or 'right'.", "truncation_side")
+        if keep is None:
+            return None, True
+        limit = self.max_model_len
+        if keep == -1:
+            keep = limit - 1
+        elif keep < 1:
+            raise oa.InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as fit) or at least 1, got {keep}.",
+                                    "truncate_prompt_tokens")
+        elif keep > limit:
+            raise oa.InvalidRequest(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={limit}. "
+                                    "Please request a smaller truncation size.", "truncate_prompt_tokens")
+        return keep, side != "right"
+
     def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s, params: "_Generation") -> Conversion:
         """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
         choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does."""
@@ -349,8 +371,11 @@ class Converter:
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = oa.stop_strings(req)
         seed = params.sampling.seed
+        keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
         for ids in id_lists:
+            if keep is not None and len(ids) > keep:
+                ids = ids[len(ids) - keep :] if left else ids[:keep]
             n = len(ids)
             limit = self.max_model_len
             if n + (max_tokens or 0) > limit or n >= limit:

@@ -49,6 +49,9 @@ class SamplingFields(RefusableFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: keep N of the prompt's tokens (-1: as many as fit), the last N unless truncation_side "right"
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
     request_id: str | None = None  # vLLM's: the response's id is chatcmpl-/cmpl- and this (X-Request-Id wins)
 
 

@@ -56,7 +56,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
     "spaces_between_special_tokens": (_true, "special tokens are decoded as the tokenizer joins them"),
-    "truncate_prompt_tokens": (_none, "prompts are never truncated; a prompt that is too long is a 400"),
     "return_token_ids": (_false, "responses carry text, not token IDs"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
     "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
