@@ -19,7 +19,6 @@ NON_DEFAULT = {
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
     "prompt_logprobs": 1,
-    "return_tokens_as_token_ids": True,
     "allowed_token_ids": [1, 2],
     "bad_words": ["bad"],
     "logits_processors": ["my.module:Proc"],

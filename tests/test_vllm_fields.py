@@ -232,3 +232,39 @@ def test_truncate_prompt_tokens_makes_a_long_prompt_fit(server, default_tokenize
     status, _, body = http("POST", server.url + "/v1/completions", {
         "model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2, "truncation_side": "middle"})  # fmt: skip
     assert status == 400 and body["error"]["param"] == "truncation_side", body
+
+
+# ---- return_tokens_as_token_ids -----------------------------------------------------------------
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens(echo_server, default_tokenizer):
+    ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    client = echo_server.client()
+    extra = {"return_tokens_as_token_ids": True}
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, logprobs=2, seed=1, extra_body=extra)
+    lp = out.choices[0].logprobs
+    names = [f"token_id:{t}" for t in ids[:6]]
+    assert lp.tokens == names
+    assert lp.text_offset == [sum(len(n) for n in names[:k]) for k in range(6)]  # vLLM counts the names' lengths
+    assert all(names[k] in top and all(key.startswith("token_id:") for key in top) for k, top in enumerate(lp.top_logprobs))
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, logprobs=2, seed=1)
+    assert out.choices[0].text == plain.choices[0].text
+    assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    # chat, streamed and not: the chosen token's bytes stay its text's (as vLLM's), top entries' are the names'
+    chat = [{"role": "user", "content": WORDS}]
+    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
+                                           seed=1, extra_body=extra)  # fmt: skip
+    plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
+                                           seed=1)  # fmt: skip
+    for named, texted in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content, strict=True):
+        assert named.token.startswith("token_id:") and named.bytes == texted.bytes
+        assert named.logprob == texted.logprob
+        assert named.top_logprobs[0].token == named.token
+        assert all(t.bytes == list(t.token.encode()) and t.token.startswith("token_id:") for t in named.top_logprobs)
+    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
+                                              seed=1, stream=True, extra_body=extra)  # fmt: skip
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in whole.choices[0].logprobs.content]
+    status, _, body = http("POST", echo_server.url + "/v1/completions",
+                           {"model": MODEL, "prompt": "x", "return_tokens_as_token_ids": "yes"})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "return_tokens_as_token_ids", body

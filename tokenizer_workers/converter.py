@@ -63,6 +63,7 @@ class DetokSpec:
     include_reasoning: bool = True
     tool_parser_name: str = ""
     logprobs: int | None = None  # None: no logprobs; else how many top tokens to show per token
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     chat: bool = True  # logprobs in chat's shape, else in completions'
 
 
@@ -409,7 +410,8 @@ class Converter:
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
                 detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
-                                       logprobs=params.logprobs, chat=what == "messages"))
+                                       logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                                       chat=what == "messages"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,

@@ -21,7 +21,7 @@ from tokenizers.decoders import DecodeStream
 
 from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers.converter import DetokSpec
-from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists
+from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists, token_id_name
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
@@ -29,7 +29,7 @@ from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
-                 "tail", "tail_len")  # fmt: skip
+                 "tail", "tail_len", "tokens_as_ids")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -51,6 +51,7 @@ class _Stream:
         self.include_reasoning = spec.include_reasoning
         self.parser_name = spec.tool_parser_name
         self.top_n = spec.logprobs  # None: no logprobs
+        self.tokens_as_ids = spec.tokens_as_ids
         self.chat = spec.chat
         self.text_offset = 0  # completions' logprobs.text_offset so far
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
@@ -101,9 +102,10 @@ class Detokenizer:
         if self._texts is None:
             self._texts = TokenTexts(self.tokenizer)
         arrays = (item.token_ids, item.logprobs, item.top_ids, item.top_logprobs)
+        names = token_id_name if state.tokens_as_ids else None
         if state.chat:
-            return [chat_entries(self._texts, state.top_n, *arrays)]
-        parts, state.text_offset = completion_lists(self._texts, state.top_n, state.text_offset, *arrays)
+            return [chat_entries(self._texts, state.top_n, *arrays, names=names)]
+        parts, state.text_offset = completion_lists(names or self._texts, state.top_n, state.text_offset, *arrays)
         return parts
 
     def take_failures(self) -> dict[str, int]:

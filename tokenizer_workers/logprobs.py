@@ -75,19 +75,27 @@ def _steps(token_ids: bytes, logprobs: bytes, top_ids: bytes, top_logprobs: byte
         yield tid, ranked[tid], ranked  # the chosen token's value as its top entry has it, as vLLM reads it
 
 
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"
+
+
 def chat_entries(texts: TokenTexts, top_n: int, token_ids: bytes, logprobs: bytes, top_ids: bytes,
-                 top_logprobs: bytes) -> bytes:
-    """The ``logprobs.content`` entries of these tokens, comma-joined (no brackets)."""
+                 top_logprobs: bytes, names=None) -> bytes:
+    """The ``logprobs.content`` entries of these tokens, comma-joined (no brackets). ``names``
+    (return_tokens_as_token_ids) names the tokens instead of their text; as in vLLM, the chosen
+    token's ``bytes`` stay its text's, the top entries' are their names'."""
     entries = []
+    names = names or texts
     for tid, lp, ranked in _steps(token_ids, logprobs, top_ids, top_logprobs):
         text = texts(tid)
         top = []
         if top_n:
             for other, other_lp in list(ranked.items())[:top_n]:
-                other_text = texts(other)
+                other_text = names(other)
                 top.append({"token": other_text, "logprob": max(other_lp, _FLOOR),
                             "bytes": list(other_text.encode("utf-8", "replace"))})  # fmt: skip
-        entries.append({"token": text, "logprob": max(lp, _FLOOR), "bytes": list(text.encode("utf-8", "replace")),
+        entries.append({"token": names(tid), "logprob": max(lp, _FLOOR), "bytes": list(text.encode("utf-8", "replace")),
                         "top_logprobs": top})  # fmt: skip
     return _json.encode(entries)[1:-1]
 

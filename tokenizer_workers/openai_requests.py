@@ -38,6 +38,7 @@ class SamplingFields(RefusableFields):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     logprobs: Any = None  # chat: a bool; completions: the number of top tokens (0-20)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None

@@ -48,7 +48,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_decoding_backend": (_none, "the engine chooses its constrained-decoding backend"),
     "guided_whitespace_pattern": (_none, "the engine's constrained-decoding backend decides whitespace"),
     "prompt_logprobs": (_none, "the scheduler protocol returns logprobs of generated tokens only"),
-    "return_tokens_as_token_ids": (_false, "logprobs name tokens by their text"),
     "allowed_token_ids": (_none, "the scheduler protocol carries no token allow-list"),
     "bad_words": (_empty, "the scheduler protocol carries no banned words"),
     "logits_processors": (_none, "custom logits processors cannot cross the scheduler protocol"),
