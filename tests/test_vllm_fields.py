@@ -268,3 +268,38 @@ def test_return_tokens_as_token_ids_names_logprob_tokens(echo_server, default_to
     status, _, body = http("POST", echo_server.url + "/v1/completions",
                            {"model": MODEL, "prompt": "x", "return_tokens_as_token_ids": "yes"})  # fmt: skip
     assert status == 400 and body["error"]["param"] == "return_tokens_as_token_ids", body
+
+
+# ---- echo (completions) -------------------------------------------------------------------------
+
+
+def test_completions_echo_puts_the_prompt_first(echo_server, default_tokenizer):
+    client = echo_server.client()
+    ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    generated = default_tokenizer.decode(ids[:4])
+    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=5, echo=True)
+    # the text prompt is echoed as given; the model (echo mode) repeats the prompt's tokens, BOS first
+    with_bos = default_tokenizer.encode(WORDS).ids
+    assert out.choices[0].text == WORDS + default_tokenizer.decode(with_bos[:5])
+    assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens == len(with_bos)
+    # token IDs: decoded; n and several prompts: every choice; streamed: the same text
+    out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, echo=True, n=2)
+    texts = [c.text for c in out.choices]
+    assert texts == [WORDS + generated] * 2 + [default_tokenizer.decode(ids[:3]) * 2 + default_tokenizer.decode(ids[:1])] * 2
+    chunks = list(client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, echo=True, n=2,
+                                            stream=True))  # fmt: skip
+    got = ["", "", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            got[c.index] += c.text
+    assert got == texts
+    # stop strings are looked for in the generated text only (the prompt holds "mill")
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True, stop=["grinds"])
+    assert out.choices[0].text == WORDS + "the mill " and out.choices[0].finish_reason == "stop"
+    # truncation cuts what the engine sees, not the echo (vLLM detokenizes before truncating)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    assert out.choices[0].text == WORDS + default_tokenizer.decode(ids[-3:-1]) and out.usage.prompt_tokens == 3
+    for body in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
+        status, _, err = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", **body})
+        assert status == 400 and err["error"]["param"] == "echo", err

@@ -64,6 +64,7 @@ class DetokSpec:
     tool_parser_name: str = ""
     logprobs: int | None = None  # None: no logprobs; else how many top tokens to show per token
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    prefix: str = ""  # completions' echo: the prompt's text, sent before the first generated text
     chat: bool = True  # logprobs in chat's shape, else in completions'
 
 
@@ -211,16 +212,21 @@ class Converter:
         self._check_model(req.model)
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
-        if req.echo:
-            raise oa.InvalidRequest("echo is not supported by this server.", "echo")
+        if req.echo and req.logprobs is not None:
+            raise oa.InvalidRequest("echo with logprobs is not supported by this server: it needs the prompt's "
+                                    "logprobs, and the scheduler protocol returns those of generated tokens only.",
+                                    "echo")
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        echo = None
+        if req.echo:  # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
-        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params)
+        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo)
 
     def _convert_tokenize(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.TokenizeRequest = oa.parse("tokenize", body)
@@ -364,7 +370,8 @@ class Converter:
                                     "Please request a smaller truncation size.", "truncate_prompt_tokens")
         return keep, side != "right"
 
-    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s, params: "_Generation") -> Conversion:
+    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s, params: "_Generation",
+              echo: list[str] | None = None) -> Conversion:
         """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
         choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does."""
         if req.stop_token_ids:
@@ -374,7 +381,7 @@ class Converter:
         seed = params.sampling.seed
         keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
-        for ids in id_lists:
+        for p, ids in enumerate(id_lists):
             if keep is not None and len(ids) > keep:
                 ids = ids[len(ids) - keep :] if left else ids[:keep]
             n = len(ids)
@@ -411,7 +418,7 @@ class Converter:
                 frames.append(prompt_frame)
                 detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                                       chat=what == "messages"))
+                                       chat=what == "messages", prefix=echo[p] if echo else ""))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,

@@ -29,7 +29,8 @@ from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
-                 "tail", "tail_len", "tokens_as_ids")  # fmt: skip
+                 "tail", "tail_len", "tokens_as_ids",
+                 "prefix")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -52,6 +53,7 @@ class _Stream:
         self.parser_name = spec.tool_parser_name
         self.top_n = spec.logprobs  # None: no logprobs
         self.tokens_as_ids = spec.tokens_as_ids
+        self.prefix = spec.prefix  # completions' echo: goes out with the first text
         self.chat = spec.chat
         self.text_offset = 0  # completions' logprobs.text_offset so far
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
@@ -132,6 +134,8 @@ class Detokenizer:
             if full.startswith(state.streamed):
                 state.pending += full[len(state.streamed) :]
         text, stopped = self._cut(state, finished)
+        if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
+            text, state.prefix = state.prefix + text, ""
         if stopped or finished:
             del self.states[rid]
         if state.parser is None:

@@ -75,7 +75,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     # a string, a list of strings, a list of token IDs, or a list of lists of token IDs
     prompt: str | list[Any] | None = None
-    echo: bool = False
+    echo: bool | None = False  # the prompt's text before the completion's (as vLLM: the prompt as given)
 
 
 class TokenizeRequest(msgspec.Struct):
