@@ -303,3 +303,27 @@ def test_completions_echo_puts_the_prompt_first(echo_server, default_tokenizer):
     for body in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
         status, _, err = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", **body})
         assert status == 400 and err["error"]["param"] == "echo", err
+
+
+def test_chat_echo_repeats_the_last_assistant_message(echo_server):
+    """vLLM's chat echo: the last message's content first when its role is the answer's."""
+    client = echo_server.client()
+    chat = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Well, "}]
+    plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4)
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, extra_body={"echo": True})
+    assert out.choices[0].message.content == "Well, " + plain.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, stream=True,
+                                              extra_body={"echo": True})  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == out.choices[0].message.content
+    parts = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    out = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=2, extra_body={"echo": True})
+    assert out.choices[0].message.content.startswith("a\nb")
+    # the last message is the user's: nothing to echo
+    user_last = [{"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4)
+    out = client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4, extra_body={"echo": True})
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    status, _, err = http("POST", echo_server.url + "/v1/chat/completions",
+                          {"model": MODEL, "messages": user_last, "echo": 3})  # fmt: skip
+    assert status == 400 and err["error"]["param"] == "echo", err

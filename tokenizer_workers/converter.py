@@ -64,7 +64,7 @@ class DetokSpec:
     tool_parser_name: str = ""
     logprobs: int | None = None  # None: no logprobs; else how many top tokens to show per token
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
-    prefix: str = ""  # completions' echo: the prompt's text, sent before the first generated text
+    prefix: str = ""  # echo (completions: the prompt; chat: the last message), sent before the first generated text
     chat: bool = True  # logprobs in chat's shape, else in completions'
 
 
@@ -198,8 +198,10 @@ class Converter:
             cpu = self.encode_cpu.stop(cpu)
         t2 = time.perf_counter()
         conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params)
+        echo = _chat_echo(req)
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)
+            spec_.prefix = echo
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.cache = report
@@ -446,6 +448,21 @@ class _Generation:
 def _wrap_seed(seed: int) -> int:
     """seed + i stays a signed 64-bit integer."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def _chat_echo(req) -> str:
+    """vLLM's chat echo: the last message's content, when its role is the answer's (the assistant's,
+    or with add_generation_prompt false the last message's own); parts' texts joined by newlines."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.get("role")
+    content = last.get("content")
+    if last.get("role") != role or not content:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
 
 
 def _conversation_key(messages: list[dict]) -> int:

@@ -134,14 +134,19 @@ class Detokenizer:
             if full.startswith(state.streamed):
                 state.pending += full[len(state.streamed) :]
         text, stopped = self._cut(state, finished)
+        prefix = ""
         if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
-            text, state.prefix = state.prefix + text, ""
+            prefix, state.prefix = state.prefix, ""
+            if state.parser is None:
+                text, prefix = prefix + text, ""
         if stopped or finished:
             del self.states[rid]
         if state.parser is None:
             return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count)
-        return DetokDelta(rid, "", stopped, stopped or finished, self._parse(state, text, stopped or finished),
-                          tokens=state.count)
+        pieces = self._parse(state, text, stopped or finished)
+        if prefix:  # chat's echo is content, ahead of what the parser makes of the output
+            pieces.insert(0, OutPiece("content", prefix))
+        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count)
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser

@@ -70,6 +70,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool | None = False  # vLLM's: the last message's content first, when it has the answer's role
 
 
 class CompletionRequest(SamplingFields):
