@@ -170,6 +170,7 @@ class Gateway:
                 max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
                 conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
                 conversion_threads=s.conversion_threads,
+                conversion_nice=s.conversion_nice,
                 affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, quick_turn_bytes=s.quick_turn_bytes,
                 metrics=self.metrics,
                 remote_endpoint=s.remote_workers, remote_security=remote_security,
@@ -214,6 +215,7 @@ class Gateway:
             *(["--max-model-len", str(s.sim_max_model_len)] if s.sim_max_model_len else []),
             "--model", s.model or "default",
             *(["--replies", s.sim_replies] if s.sim_replies else []),
+            *(["--busy-cores", str(s.sim_busy_cores)] if s.sim_busy_cores else []),
             env=child_env(),
         )  # fmt: skip
 

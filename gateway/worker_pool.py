@@ -140,6 +140,7 @@ class WorkerPool:
         conversion_timeout: float = 60.0,
         memory_limit_mb: int = 0,
         conversion_threads: int = 2,
+        conversion_nice: int = 0,
         affinity: bool = True,
         quick_bytes: int = 8192,
         quick_depth: int = 16,
@@ -160,6 +161,7 @@ class WorkerPool:
         self.conversion_timeout = conversion_timeout
         self.memory_limit_mb = memory_limit_mb
         self.conversion_threads = conversion_threads  # of each worker this gateway spawns
+        self.conversion_nice = conversion_nice
         self.affinity = affinity
         self.quick_bytes = quick_bytes  # bodies up to this size convert on a worker's IO thread (0: never)
         self.quick_depth = quick_depth  # quick jobs in flight per worker, at most
@@ -297,6 +299,7 @@ class WorkerPool:
                 sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
                 "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
                 "--memory-limit-mb", str(self.memory_limit_mb), "--conversion-threads", str(self.conversion_threads),
+                "--conversion-nice", str(self.conversion_nice),
                 *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env, pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         self._spawn_task(self._watch_process(worker, worker.process))

@@ -71,6 +71,7 @@ from pathlib import Path
 import zmq
 
 from scheduler_client import structured
+from scheduler_client.busy_cores import BusyCores
 from scheduler_client.protocol import (
     FEATURES,
     FINISH_ABORT,
@@ -358,6 +359,7 @@ class SimulatedScheduler(SchedulerServer):
         tokens_per_step: int = 1,
         max_model_len: int | None = None,
         prefix_cache_tokens: int = 0,
+        busy_cores: int = 0,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
@@ -408,6 +410,8 @@ class SimulatedScheduler(SchedulerServer):
         self.tokens_per_step = tokens_per_step  # >1: several tokens per step, as speculative decoding emits
         self.max_model_len = max_model_len or None  # prompt and output together, as an engine's context
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.busy_cores_wanted = busy_cores  # spinners start with serving (busy_cores.py)
+        self.busy_cores: BusyCores | None = None
         self.inter_token_latency_s = float(inter_token_latency_s)
         self.max_running = int(max_running)
         self.mode = mode
@@ -451,6 +455,8 @@ class SimulatedScheduler(SchedulerServer):
 
     def background(self) -> list:
         self._wake = asyncio.Event()
+        if self.busy_cores_wanted and self.busy_cores is None:
+            self.busy_cores = BusyCores(self.busy_cores_wanted)
         return [self._engine_loop()]
 
     def welcome(self) -> Welcome:
@@ -482,6 +488,9 @@ class SimulatedScheduler(SchedulerServer):
         return (identity, request_id) in self._requests
 
     def on_teardown(self) -> None:
+        if self.busy_cores is not None:
+            self.busy_cores.close()
+            self.busy_cores = None
         self._requests.clear()
         self._waiting.clear()
         self._prefilling.clear()
@@ -642,6 +651,8 @@ class SimulatedScheduler(SchedulerServer):
                 ready = next(iter(self._prefilling.values())).ready_at
                 deadline = ready if deadline is None else min(deadline, ready)
             self._wake.clear()
+            if self.busy_cores is not None:
+                self.busy_cores.set(deadline is not None or bool(self._waiting))
             if deadline is None:
                 await self._wake.wait()
                 continue
@@ -943,6 +954,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model's EOS; where several match, the latest in the prompt wins (implies --model default if none given)",
     )
     parser.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N cores busy while any request runs, as a GPU engine's CPU side spins (default %(default)s)",
+    )
+    parser.add_argument(
         "--curve-secret-key-file",
         metavar="FILE",
         default=None,
@@ -975,6 +993,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         replies=args.replies,
         tokens_per_step=args.tokens_per_step,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        busy_cores=args.busy_cores,
         max_model_len=args.max_model_len or None,
     )
 

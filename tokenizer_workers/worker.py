@@ -14,9 +14,10 @@ Threads of two kinds, so that streams keep flowing while long prompts convert:
   arrays: about a tenth of a long conversion) runs while the other's prompt is encoded on
   every core: with one thread, the cores idled through those parts.
 
-The conversion threads run at a lower CPU priority (nice, per thread), and so do the
-tokenizers thread-pool threads the first creates: on a busy node the gateway, the scheduler
-and this worker's IO thread win the CPU, and conversion uses what is left.
+The conversion threads run ``--conversion-nice`` steps below this process's CPU priority
+(per thread), and so do the tokenizers thread-pool threads the first creates. The default, 0,
+shares the CPU with an engine that keeps cores busy (docs/front-end-cost.md, "A busy engine"):
+below it, a long prompt waited seconds for the leftovers of an engine's busy cores.
 
 Started by the gateway as ``python -m tokenizer_workers.worker --link-fd FD --index N``,
 holding one end of a socket pair (tokenmill/pipe_link.py), with its settings in the
@@ -81,15 +82,16 @@ class _Link:
 
 
 class Worker:
-    CONVERSION_NICE = 10
     HEARTBEAT_S = RemoteWorkerLink.HEARTBEAT_S
     HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
     MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
 
     def __init__(self, index: int, endpoint: str | int, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
-                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = (), conversion_threads: int = 2):
+                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = (), conversion_threads: int = 2,
+                 conversion_nice: int = 0):
         self.index = index
         self.conversion_threads = max(1, conversion_threads)
+        self.conversion_nice = conversion_nice  # added to the process's niceness for the conversion threads
         self.endpoint = endpoint  # a remote worker's gateway address, or the spawning gateway's socket pair (an fd)
         self.settings = settings  # None for a remote worker until the gateway sends its own
         self.remote = remote  # keys, identity and model override of a worker on another host
@@ -292,10 +294,12 @@ class Worker:
             except BlockingIOError:  # the pipe is full of wake-ups the IO thread has yet to read
                 pass
 
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.CONVERSION_NICE)
-        except (OSError, AttributeError):
-            pass
+        if self.conversion_nice:
+            try:  # niceness is per thread on Linux: this one (and the pool it may create) only
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.conversion_nice))
+            except (OSError, AttributeError):
+                pass
         if loads:
             try:  # the model loads here, so the tokenizers thread pool is born with this thread's priority
                 self.converter = Converter(self.settings)
@@ -375,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None, help="What ps shows for this process.")
     parser.add_argument("--memory-limit-mb", type=int, default=0)
     parser.add_argument("--conversion-threads", type=int, default=2)
+    parser.add_argument("--conversion-nice", type=int, default=0)
     parser.add_argument("--attach", action="append", default=[], help="Another gateway of the node to join.")
     args = parser.parse_args(argv)
     die_with_supervisor()
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
     try:
         worker = Worker(args.index, args.link_fd, settings, attach=tuple(args.attach),
-                        conversion_threads=args.conversion_threads)
+                        conversion_threads=args.conversion_threads, conversion_nice=args.conversion_nice)
         worker.run()  # returns when the gateway is gone
         code = 0
     except SystemExit as exc:  # refused, or settings that differ: the message says why

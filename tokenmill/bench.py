@@ -33,12 +33,13 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp", "gateways"),
+    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp", "gateways", "busy"),
                         help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
                              "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
                              "vLLM's own server on the same engine; streams: hundreds of concurrent streams; "
                              "dp: data-parallel routing policies and the engines' prefix caches; gateways: "
-                             "what a second gateway process buys and costs.")
+                             "what a second gateway process buys and costs; busy: long prompts while the engine "
+                             "keeps cores busy and short chats keep arriving.")
     parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
     parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
@@ -69,6 +70,9 @@ def add_arguments(parser) -> None:
     from tokenmill import bench_gateways
 
     bench_gateways.add_arguments(parser)
+    from tokenmill import bench_busy
+
+    bench_busy.add_arguments(parser)
 
 
 # ---- percentiles ---------------------------------------------------------------------------
@@ -548,6 +552,10 @@ def run(args) -> int:
         from tokenmill import bench_gateways
 
         return bench_gateways.run(args)
+    if args.scenario == "busy":
+        from tokenmill import bench_busy
+
+        return bench_busy.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)

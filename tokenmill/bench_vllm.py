@@ -12,7 +12,11 @@ the start of every long message, so no cache of either side can serve it):
 * **agent replay**: conversations growing by a tool output per turn to ~60k tokens, each turn
   sent whole to ``/tokenize``: the conversion time of the late turns;
 * **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
-  ``usage``: engine-bound on the CPU, so this shows what the front end costs the engine.
+  ``usage``: engine-bound on the CPU, so this shows what the front end costs the engine;
+* **busy engine**: the long-context rounds again (fresh text), while short streaming chats
+  (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
+  instead of one long stream: the engine decodes on the same cores and new requests keep
+  arriving, as on a serving node (``tokenmill.bench_busy.measure_busy``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 from tokenmill.bench import _probe_health, _r, corpus, free_port, pct
+from tokenmill.bench_busy import measure_busy
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench"
@@ -320,6 +325,8 @@ FIGURES = {
                      "stream_gap_max_ms", "conversion_wall_s", "mean_prompt_tokens"],
     "agent_replay": ["first_turn_p50_ms", "late_turn_p50_ms", "late_turn_max_ms", "final_prompt_tokens"],
     "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
+    "busy_engine": ["health_p50_ms", "health_p99_ms", "health_max_ms", "conversion_wall_s", "chat_ttft_p50_ms",
+                    "chat_ttft_p99_ms", "chat_e2e_p99_ms", "chats"],
 }  # fmt: skip
 
 
@@ -362,10 +369,13 @@ def run(args) -> int:
             tag = f"run {k} {time.time_ns()}"
             rounds = [long_bodies(texts, f"{tag} round {r}", 4, long_tokens) for r in range(2)]
             pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
+            busy_rounds = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
             for side, port in ports.items():
                 results[side]["long_context"].append(long_context(port, rounds))
                 results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
                 results[side]["short_chats"].append(short_chats(port, 32, seconds))
+                results[side]["busy_engine"].append(measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate,
+                                                                 args.busy_chat_tokens))  # fmt: skip
                 print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
         report = {side: {s: _median_runs(runs) for s, runs in per.items()} for side, per in results.items()}
         report["runs"] = results

@@ -45,6 +45,7 @@ class ServeSettings:
     gateway_stall_timeout: float = 30.0
     workers: int = 0  # 0: CPU count minus one, at least one
     conversion_threads: int = 2  # per worker
+    conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
     scheduler: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
@@ -87,6 +88,7 @@ class ServeSettings:
     sim_max_model_len: int = 0
     sim_mode: str = "random"
     sim_replies: str | None = None
+    sim_busy_cores: int = 0
     log_level: str = "info"
 
     def __post_init__(self):
@@ -98,6 +100,10 @@ class ServeSettings:
             raise SystemExit("gateways: at least 1")
         if self.conversion_threads < 1:
             raise SystemExit("conversion_threads: at least 1")
+        if not 0 <= self.conversion_nice <= 19:
+            raise SystemExit("conversion_nice: 0 to 19")
+        if self.sim_busy_cores < 0:
+            raise SystemExit("sim_busy_cores: 0 or more")
         if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):
             raise SystemExit("--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
                              "(remote workers join one gateway) nor with --conversion-mode inline/thread")
@@ -127,6 +133,9 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                 "0 = none: only remote workers convert)."),
     "conversion_threads": (int, "Requests each tokenizer worker converts at once, one thread each, sharing its "
                            "tokenization cache: a long prompt starts beside another instead of waiting for it."),
+    "conversion_nice": (int, "Niceness (0-19) the workers' conversion threads add to their process's. 0 shares the "
+                        "CPU evenly with an engine that keeps cores busy; above 0, conversion takes what the "
+                        "engine leaves (docs/front-end-cost.md, \"A busy engine\")."),
     "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
                   "data-parallel ranks (each request goes to one). Default: start the simulated scheduler."),
     "chat_template": (str, "Chat template file that overrides the model's."),
@@ -181,6 +190,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
     "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
     "sim_max_model_len": (int, "Simulated scheduler: the engine's context length, reported in its Welcome (0 = none)."),
+    "sim_busy_cores": (int, "Simulated scheduler: cores kept busy while any request runs, as a GPU engine's "
+                       "CPU side spins (0 = none)."),
     "sim_tokens_per_step": (int, "Simulated scheduler: tokens per request per decode step (speculative decoding emits several)."),
     "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
     "sim_replies": (str, 'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '

@@ -29,6 +29,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--memory-limit-mb", type=int, default=8192, help="Address-space cap (0 = none).")
     parser.add_argument("--conversion-threads", type=int, default=2,
                         help="Requests converted at once, one thread each, sharing the tokenization cache.")
+    parser.add_argument("--conversion-nice", type=int, default=0,
+                        help="Niceness the conversion threads add to this process's (0-19; as `serve --conversion-nice`).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -45,5 +47,6 @@ def run(args) -> int:
     sys.setswitchinterval(0.001)  # as the gateway's own workers: detokenization never waits long
     link = RemoteWorkerLink(args.keys, args.model)
     logging.getLogger("tokenmill.worker").info("joining the gateway at %s as %s", args.connect, link.identity.decode())
-    Worker(-1, args.connect, None, remote=link, conversion_threads=args.conversion_threads).run()
+    Worker(-1, args.connect, None, remote=link, conversion_threads=args.conversion_threads,
+           conversion_nice=args.conversion_nice).run()
     return 0

@@ -1,0 +1,137 @@
+"""A busy engine: the simulator's busy cores, the conversion threads' priority, and `tokenmill bench busy`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from conftest import Server, run_bench
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _named(parent: int, name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    pids = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    pids.append(pid)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def _simulator(server: Server) -> int:
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"scheduler_client.simulated" in f.read():
+                return pid
+    raise AssertionError("no simulated scheduler among the gateway's children")
+
+
+def test_busy_cores_spin_while_requests_run_sleep_when_idle_and_die_with_the_simulator():
+    server = Server("--sim-busy-cores", "2", "--sim-inter-token-latency-ms", "20")
+    try:
+        sim = _simulator(server)
+        deadline = time.monotonic() + 30
+        while len(spinners := _named(sim, "tm-sim-busy")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(spinners) == 2, spinners
+        time.sleep(0.5)  # past their start-up
+        idle_before = sum(map(_cpu_s, spinners))
+        time.sleep(1.0)
+        assert sum(map(_cpu_s, spinners)) - idle_before < 0.1, "spinners burn CPU with nothing to run"
+
+        busy_before = sum(map(_cpu_s, spinners))
+        client = server.client()
+        reply = client.chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": "go"}],
+                                               max_tokens=100, extra_body={"ignore_eos": True})  # fmt: skip
+        assert reply.usage.completion_tokens == 100  # 100 steps of 20 ms: two seconds of work
+        assert sum(map(_cpu_s, spinners)) - busy_before > 0.2, "spinners stayed idle while the engine worked"
+
+        time.sleep(0.3)  # the step loop has seen that nothing runs
+        after = sum(map(_cpu_s, spinners))
+        time.sleep(1.0)
+        assert sum(map(_cpu_s, spinners)) - after < 0.1, "spinners kept burning after the last request"
+
+        os.kill(sim, signal.SIGKILL)  # even a simulator killed outright takes its spinners along
+        deadline = time.monotonic() + 10
+        while any(map(_alive, spinners)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, spinners)), "spinners outlived their simulator"
+    finally:
+        server.stop()
+
+
+def _thread_nices(pid: int) -> list[int]:
+    nices = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+def _worker(server: Server) -> int:
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"tokenizer_workers.worker" in f.read():
+                return pid
+    raise AssertionError("no tokenizer worker among the gateway's children")
+
+
+def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_process_priority():
+    niced = Server("--conversion-nice", "7", "--conversion-threads", "2")
+    plain = Server()
+    try:
+        for server in (niced, plain):  # a long prompt: the first conversion thread has started the tokenizers pool
+            server.client().chat.completions.create(model="deepseek-v4", max_tokens=1,
+                                                    messages=[{"role": "user", "content": "word " * 20000}])  # fmt: skip
+        worker = _worker(niced)
+        nices = _thread_nices(worker)
+        assert nices.count(7) >= 2, nices  # both conversion threads (and the tokenizers pool they started)
+        assert 0 in nices, nices  # the IO thread, which detokenizes streams, is not lowered
+        with open(f"/proc/{worker}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[16]) == 0  # the main (IO) thread
+        assert set(_thread_nices(_worker(plain))) == {0}, "the default shares the CPU evenly"
+    finally:
+        niced.stop()
+        plain.stop()
+
+
+def test_conversion_nice_out_of_range_is_refused_at_start():
+    server = Server("--conversion-nice", "20", ready=False)
+    assert server.proc.wait(60) != 0
+    assert "conversion_nice: 0 to 19" in server.read_output()
+
+
+def test_bench_busy_reports_every_figure_for_every_mode(tmp_path):
+    report, stdout = run_bench(tmp_path, "busy", "--quick", "--passes", "1", "--requests", "1", "--tokens", "20000",
+                               "--rounds", "1", "--busy-rate", "10")  # fmt: skip
+    assert set(report["modes"]) == {"inline", "thread", "pool"}
+    for mode, row in report["modes"].items():
+        assert {"health_p50_ms", "health_p99_ms", "health_max_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
+                "conversion_wall_s", "chat_ttft_p50_ms", "chat_ttft_p99_ms", "chat_e2e_p99_ms", "chats"} <= set(row), mode  # fmt: skip
+        assert row["errors"] == [], (mode, row["errors"])
+        assert row["chats"] > 0 and row["conversion_wall_s"] > 0 and row["health_p99_ms"] is not None, (mode, row)
+    assert report["workload"]["busy_cores"] == os.cpu_count()
+    assert "pool/inline" in stdout and "pool/thread" in stdout
