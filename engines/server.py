@@ -102,6 +102,8 @@ class EngineRequest:
     ignore_eos: bool
     logprobs: int | None = None  # 1.1: None: none; 0: each chosen token's; N > 0: and the top N
     structured: Structured | None = None  # 1.1: constrained decoding
+    priority: int = 0  # 1.2: lower is scheduled earlier (with "priority" in features)
+    cache_salt: str | None = None  # 1.2: the prompt's prefix-cache salt (with "cache_salt" in features)
 
 
 @dataclass
@@ -323,6 +325,8 @@ class EngineServer(SchedulerServer):
             ignore_eos=gen.ignore_eos,
             logprobs=gen.logprobs,
             structured=gen.structured,
+            priority=gen.priority,
+            cache_salt=gen.cache_salt,
         )
         self._live[live.key] = live
         live.task = asyncio.create_task(self._run(live, request), name=f"engine-{live.rid}")

@@ -30,6 +30,15 @@ protocol says. vLLM's own validation errors (prompt too long, a token ID outside
 vocabulary, a parameter out of range, a schema its grammar backend cannot compile) become
 protocol errors carrying the request_id and, where vLLM names it, the field at fault.
 
+Protocol 1.2: ``priority`` -> ``AsyncLLM.generate(..., priority=)`` (the feature is listed only when
+vLLM schedules by priority, ``--engine-arg scheduling_policy=priority``: with its default "fcfs"
+vLLM 0.32 accepts a priority and ignores it), ``cache_salt`` -> the prompt dict's ``cache_salt``
+(vLLM mixes it into the first block's prefix-cache hash), ``allowed_token_ids`` ->
+``allowed_token_ids``, and ``bad_words`` (token sequences the front end tokenized as vLLM's
+``SamplingParams.update_from_tokenizer`` does) -> the sequences vLLM bans
+(``SamplingParams._bad_words_token_ids``; the ``bad_words`` strings stay empty, so vLLM does not
+tokenize anything again).
+
 Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
 before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
 them): per position, the sampled token's logprob and the top N in vLLM's rank order.
@@ -46,6 +55,7 @@ from typing import Any
 from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
+    FEATURE_PRIORITY,
     FEATURES,
     FINISH_ABORT,
     FINISH_ERROR,
@@ -72,7 +82,14 @@ def vllm_sampling_params(**kwargs: Any):
         kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
     if "flat_logprobs" in kwargs and "flat_logprobs" not in getattr(SamplingParams, "__struct_fields__", ()):
         del kwargs["flat_logprobs"]  # an older vLLM: per-position dicts, which convert_logprobs reads too
-    return SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA, **kwargs)
+    bad_words = kwargs.pop("bad_words_token_ids", None)
+    params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA, **kwargs)
+    if bad_words:
+        # The front end tokenized bad_words as vLLM's update_from_tokenizer does; vLLM keeps the token
+        # sequences in this field (its sampler bans their last tokens), and leaves it alone when
+        # ``bad_words`` (the strings) is empty. It travels to the engine core with the rest.
+        params._bad_words_token_ids = [list(seq) for seq in bad_words]
+    return params
 
 
 def structured_outputs(structured: Structured) -> dict[str, Any]:
@@ -127,6 +144,9 @@ def convert_logprobs(positions, token_ids, top_n: int) -> tuple[list[float], lis
 # vLLM's names for the fields its validation errors name (VLLMValidationError.parameter) -> the protocol's
 _PARAMS = {
     "logprobs": "logprobs",
+    "allowed_token_ids": "sampling.allowed_token_ids",
+    "bad_words": "sampling.bad_words",
+    "cache_salt": "cache_salt",
     "max_tokens": "max_new_tokens",
     "stop_token_ids": "stop_token_ids",
     "structured_outputs": "structured",
@@ -212,6 +232,9 @@ class VLLMBackend(Backend):
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
         if no_tokenizer:  # vLLM refuses structured outputs without its tokenizer
             features -= set(STRUCTURED_FEATURES)
+        policy = getattr(scheduler_config, "policy", None) or self.engine_args.get("scheduling_policy")
+        if str(getattr(policy, "value", policy)) != "priority":  # vLLM's "fcfs" ignores a request's priority
+            features.discard(FEATURE_PRIORITY)
         max_logprobs = getattr(model_config, "max_logprobs", 20)
         if not isinstance(max_logprobs, int) or max_logprobs < 0:  # -1: the whole vocabulary
             max_logprobs = vocab if vocab is not None else 20
@@ -267,7 +290,24 @@ class VLLMBackend(Backend):
             kwargs["flat_logprobs"] = True  # flat lists instead of a dict per position
         if request.structured is not None:
             kwargs["structured_outputs"] = structured_outputs(request.structured)
+        if s.allowed_token_ids is not None:
+            kwargs["allowed_token_ids"] = [int(t) for t in s.allowed_token_ids]
+        if s.bad_words:
+            kwargs["bad_words_token_ids"] = [[int(t) for t in seq] for seq in s.bad_words]
         return self._make_params(**kwargs)
+
+    @staticmethod
+    def prompt(request: EngineRequest) -> dict[str, Any]:
+        """vLLM's TokensPrompt for the request: its token IDs, and its cache_salt (1.2) when set."""
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        return prompt
+
+    @staticmethod
+    def generate_kwargs(request: EngineRequest) -> dict[str, Any]:
+        """AsyncLLM.generate's keyword arguments beyond prompt, params and request ID: priority (1.2)."""
+        return {"priority": int(request.priority)} if request.priority else {}
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         rid = request.rid
@@ -284,7 +324,7 @@ class VLLMBackend(Backend):
         top_n = request.logprobs
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
-        stream = self.engine.generate({"prompt_token_ids": request.prompt}, params, rid)
+        stream = self.engine.generate(self.prompt(request), params, rid, **self.generate_kwargs(request))
         produced = completed = stopped = False
         try:
             async for out in stream:

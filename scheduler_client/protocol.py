@@ -14,7 +14,7 @@ from array import array
 
 import msgspec
 
-PROTOCOL_VERSION = 1  # 1.1 adds optional fields only; a scheduler announces what it honours in Welcome.features
+PROTOCOL_VERSION = 1  # 1.1 and 1.2 add optional fields only; a scheduler announces what it honours in Welcome.features
 
 # finish_reason values a scheduler may report.
 FINISH_STOP = "stop"  # a stop token (EOS or one of stop_token_ids) was generated
@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=
     repetition_penalty: float = 1.0  # 1 disables
     min_tokens: int = 0  # stop tokens cannot end the request before this many tokens
     logit_bias: dict[int, float] = {}  # token ID -> bias added to its logit, in [-100, 100]
+    # 1.2, likewise:
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated (None: any)
+    bad_words: list[list[int]] = []  # token sequences never generated: a sequence's last token is banned after its others
 
 
 class Structured(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
@@ -55,7 +58,12 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", 
 FEATURE_LOGPROBS = "logprobs"
 SAMPLING_FEATURES = ("min_p", "repetition_penalty", "min_tokens", "logit_bias")
 STRUCTURED_FEATURES = tuple(f"structured.{kind}" for kind in STRUCTURED_KINDS)
-FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES)
+# 1.2: scheduling, prefix-cache isolation, token masks
+FEATURE_PRIORITY = "priority"  # Generate.priority (listed only by a scheduler that orders its queue by it)
+FEATURE_CACHE_SALT = "cache_salt"  # Generate.cache_salt
+SAMPLING_FEATURES_12 = ("allowed_token_ids", "bad_words")
+FEATURES_12 = (FEATURE_PRIORITY, FEATURE_CACHE_SALT, *SAMPLING_FEATURES_12)
+FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -82,6 +90,10 @@ class Generate(msgspec.Struct, tag="generate"):
     # 1.1: the logprobs of each generated token (0), and of the top N tokens at each step (N > 0)
     logprobs: int | None = None
     structured: Structured | None = None  # 1.1: constrained decoding
+    # 1.2: the waiting queue is ordered by priority, lower first, FIFO among equals (int64)
+    priority: int = 0
+    # 1.2: mixed into the prefix-cache key of the prompt's blocks: only requests with the same salt share them
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

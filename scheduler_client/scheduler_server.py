@@ -71,7 +71,7 @@ class Rejected(Exception):
 
 
 def features_used(gen: Generate) -> list[tuple[str, str]]:
-    """(feature, field) for each optional 1.1 Generate field this request sets."""
+    """(feature, field) for each optional 1.1 or 1.2 Generate field this request sets."""
     used = []
     s = gen.sampling
     if gen.logprobs is not None:
@@ -86,6 +86,14 @@ def features_used(gen: Generate) -> list[tuple[str, str]]:
         used.append(("min_tokens", "sampling.min_tokens"))
     if s.logit_bias:
         used.append(("logit_bias", "sampling.logit_bias"))
+    if gen.priority:
+        used.append(("priority", "priority"))
+    if gen.cache_salt is not None:
+        used.append(("cache_salt", "cache_salt"))
+    if s.allowed_token_ids is not None:
+        used.append(("allowed_token_ids", "sampling.allowed_token_ids"))
+    if s.bad_words:
+        used.append(("bad_words", "sampling.bad_words"))
     return used
 
 
@@ -488,6 +496,26 @@ class SchedulerServer:
                 raise Rejected(f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}", param="structured")
             if kind == "choice" and not gen.structured.choices:
                 raise Rejected("structured choice needs at least one choice", param="structured")
+        self._validate_12(gen)
+
+    def _validate_12(self, gen: Generate) -> None:
+        """Ranges of the 1.2 fields (their use was checked against ``features`` already)."""
+        if not -(2**63) <= gen.priority < 2**63:
+            raise Rejected("priority must be a signed 64-bit integer", param="priority")
+        if gen.cache_salt is not None and not gen.cache_salt:
+            raise Rejected("cache_salt must not be empty", param="cache_salt")
+        s = gen.sampling
+        vocab_size = self.vocab_size
+        if s.allowed_token_ids is not None:
+            if not s.allowed_token_ids:
+                raise Rejected("sampling.allowed_token_ids must not be empty", param="sampling.allowed_token_ids")
+            if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in s.allowed_token_ids):
+                raise Rejected("sampling.allowed_token_ids must be token IDs in the vocabulary",
+                               param="sampling.allowed_token_ids")
+        for seq in s.bad_words:
+            if not seq or any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in seq):
+                raise Rejected("sampling.bad_words must be non-empty sequences of token IDs in the vocabulary",
+                               param="sampling.bad_words")
 
     # ------------------------------------------------------------------ stats
 

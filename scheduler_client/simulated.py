@@ -46,6 +46,14 @@ tokenizer, all but the ``structured.*`` ones):
 * ``min_p`` and ``repetition_penalty`` are accepted and have no visible effect: the
   simulator has no distribution to reshape.
 
+Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_token_ids`` and
+``bad_words`` are always listed, ``priority`` only with ``--scheduling priority``:
+
+* ``priority``: the waiting queue is a heap on (priority, arrival): lowest first, FIFO among equals;
+* ``cache_salt``: starts the ``--prefix-cache-tokens`` model's chain of block hashes;
+* ``allowed_token_ids`` / ``bad_words`` (random mode): draws keep to the allowed IDs and never
+  complete a banned sequence (its last token after the others as the latest generated tokens).
+
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m scheduler_client.simulated --bind ENDPOINT``.
 """
@@ -55,6 +63,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
@@ -73,6 +83,7 @@ import zmq
 from scheduler_client import structured
 from scheduler_client.busy_cores import BusyCores
 from scheduler_client.protocol import (
+    FEATURE_PRIORITY,
     FEATURES,
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -230,9 +241,10 @@ class PrefixCache:
         self.capacity = max(1, capacity_tokens // self.BLOCK)
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def admit(self, prompt_bytes: bytes) -> int:
+    def admit(self, prompt_bytes: bytes, salt: str | None = None) -> int:
         step = 4 * self.BLOCK
-        chain, hit, counting = 0, 0, True
+        # a cache_salt (1.2) starts the chain elsewhere: only prompts with the same salt share blocks
+        chain, hit, counting = (0 if salt is None else hash(("salt", salt))), 0, True
         for start in range(0, len(prompt_bytes) - step + 1, step):
             chain = hash((chain, prompt_bytes[start : start + step]))
             if counting and chain in self.blocks:
@@ -269,6 +281,13 @@ class _Request:
     forced: int | None = None  # the token with the highest logit_bias >= 100
     logprobs: int | None = None
     lp_key: int = 0  # what the logprob hash starts from
+    # 1.2
+    priority: int = 0
+    arrival: int = 0  # its place in the --scheduling priority queue
+    allowed: tuple[int, ...] | None = None  # sampling.allowed_token_ids
+    allowed_set: frozenset[int] | None = None
+    bad_words: dict[int, list[tuple[int, ...]]] | None = None  # a banned sequence's last token -> the tokens before it
+    history: list[int] | None = None  # generated tokens, kept for bad_words
     next_token: Callable[[_Request], tuple[int | None, str | None]] | None = None  # set at accept
     state: str = _WAITING
     generated: int = 0
@@ -360,9 +379,12 @@ class SimulatedScheduler(SchedulerServer):
         max_model_len: int | None = None,
         prefix_cache_tokens: int = 0,
         busy_cores: int = 0,
+        scheduling: str = "fcfs",
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling must be 'fcfs' or 'priority', not {scheduling!r}")
         if mode not in ("random", "echo"):
             raise ValueError(f"mode must be 'random' or 'echo', not {mode!r}")
         if max_running < 1:
@@ -402,6 +424,10 @@ class SimulatedScheduler(SchedulerServer):
         # 1.1: structured outputs need a tokenizer to turn their text into tokens
         self._features = frozenset(FEATURES) if self._tokenizer is not None else \
             frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES)
+        # 1.2: priority is honoured (and listed) only when the queue is ordered by it, as vLLM's --scheduling-policy
+        self.scheduling = scheduling
+        if scheduling != "priority":
+            self._features -= {FEATURE_PRIORITY}
         self.max_logprobs = min(20, self._tokens.vocab_size)
         # distinct token IDs the top-N alternatives come from (the palette's, else the vocabulary)
         self._alternatives = list(dict.fromkeys(t for sentence in self._tokens.sentences for t in sentence))
@@ -419,6 +445,9 @@ class SimulatedScheduler(SchedulerServer):
 
         self._requests: dict[tuple[bytes, str], _Request] = {}
         self._waiting: dict[tuple[bytes, str], _Request] = {}  # insertion order = FIFO
+        # --scheduling priority: (priority, arrival, key) of the waiting requests (stale entries are skipped)
+        self._queue: list[tuple[int, int, tuple[bytes, str]]] = []
+        self._arrivals = itertools.count()
         self._prefilling: dict[tuple[bytes, str], _Request] = {}  # in prefill order
         self._decoding: dict[tuple[bytes, str], _Request] = {}
         self._prefill_busy_until = 0.0
@@ -493,6 +522,7 @@ class SimulatedScheduler(SchedulerServer):
             self.busy_cores = None
         self._requests.clear()
         self._waiting.clear()
+        self._queue.clear()
         self._prefilling.clear()
         self._decoding.clear()
 
@@ -533,11 +563,28 @@ class SimulatedScheduler(SchedulerServer):
         if gen.logprobs is not None:
             req.logprobs = gen.logprobs
             req.lp_key = _logprob_key(gen, prompt_bytes)
-        req.next_token = self._next_token if not (req.min_tokens or sampling.logit_bias) else self._next_token_11
+        if sampling.allowed_token_ids is not None:
+            req.allowed = tuple(dict.fromkeys(sampling.allowed_token_ids))
+            req.allowed_set = frozenset(req.allowed)
+        if sampling.bad_words:
+            req.bad_words = {}
+            for seq in sampling.bad_words:
+                req.bad_words.setdefault(seq[-1], []).append(tuple(seq[:-1]))
+            req.history = []
+        masked = req.allowed is not None or req.bad_words is not None
+        if masked:
+            req.next_token = self._next_token_masked
+        elif req.min_tokens or sampling.logit_bias:
+            req.next_token = self._next_token_11
+        else:
+            req.next_token = self._next_token
         if self.prefix_cache is not None:
-            req.cached = self.prefix_cache.admit(prompt_bytes)
+            req.cached = self.prefix_cache.admit(prompt_bytes, gen.cache_salt)
         self._requests[req.key] = req
         self._waiting[req.key] = req
+        if self.scheduling == "priority":
+            req.priority, req.arrival = gen.priority, next(self._arrivals)
+            heapq.heappush(self._queue, (req.priority, req.arrival, req.key))
         self._wake_engine()
 
     def _structured_script(self, gen: Generate, req: _Request) -> list[int]:
@@ -589,8 +636,15 @@ class SimulatedScheduler(SchedulerServer):
 
     def _admit(self, now: float) -> None:
         while self._waiting and self.num_running < self.max_running:
-            key = next(iter(self._waiting))
-            req = self._waiting.pop(key)
+            if self.scheduling == "priority":  # the lowest priority first, FIFO among equals
+                _, arrival, key = heapq.heappop(self._queue)
+                req = self._waiting.get(key)
+                if req is None or req.arrival != arrival:  # aborted (or its session gone) while waiting
+                    continue
+                del self._waiting[key]
+            else:
+                key = next(iter(self._waiting))
+                req = self._waiting.pop(key)
             start = max(now, self._prefill_busy_until)
             req.state = _PREFILLING
             req.prefill_start = start
@@ -801,7 +855,7 @@ class SimulatedScheduler(SchedulerServer):
                         break
                 else:
                     token = self._draw(req, True)
-        elif req.forced is not None and not (early and req.forced in stop_ids):
+        elif req.forced is not None and not (early and req.forced in stop_ids) and self._permitted(req, req.forced):
             token = req.forced
         elif (
             self.eos_probability > 0
@@ -809,6 +863,7 @@ class SimulatedScheduler(SchedulerServer):
             and not req.ignore_eos
             and req.first_stop_id is not None
             and req.first_stop_id not in req.banned
+            and self._permitted(req, req.first_stop_id)
             and req.rng.random() < self.eos_probability
         ):
             return req.first_stop_id, FINISH_STOP
@@ -820,9 +875,34 @@ class SimulatedScheduler(SchedulerServer):
             return token, FINISH_LENGTH
         return token, None
 
+    def _next_token_masked(self, req: _Request) -> tuple[int | None, str | None]:
+        """_next_token_11 for a request with allowed_token_ids or bad_words (1.2): random-mode draws
+        (and --eos-probability, and a logit_bias-forced token) keep to the allowed IDs and never
+        complete a banned sequence; the generated tokens are kept for the latter."""
+        token, reason = self._next_token_11(req)
+        if req.history is not None and token is not None:
+            req.history.append(token)
+        return token, reason
+
+    def _permitted(self, req: _Request, token: int) -> bool:
+        """Whether allowed_token_ids and bad_words let ``token`` come next."""
+        if req.allowed_set is not None and token not in req.allowed_set:
+            return False
+        if req.bad_words is not None:
+            prefixes = req.bad_words.get(token)
+            if prefixes:
+                history = req.history
+                for prefix in prefixes:
+                    n = len(prefix)
+                    if n == 0 or (len(history) >= n and tuple(history[-n:]) == prefix):
+                        return False
+        return True
+
     def _draw(self, req: _Request, early: bool) -> int:
         """A random-mode token that is not banned (nor, while early, a stop token)."""
         banned, stop_ids = req.banned, req.stop_ids
+        if req.allowed is not None or req.bad_words is not None:
+            return self._draw_masked(req, early)
         if self._tokens.uses_palette:
             for _ in range(64):
                 token = self._palette_token(req)
@@ -837,6 +917,37 @@ class SimulatedScheduler(SchedulerServer):
             if token not in banned and token not in stop_ids:
                 return token
         return req.rng.randrange(vocab)
+
+    def _draw_masked(self, req: _Request, early: bool) -> int:
+        """_draw under allowed_token_ids / bad_words: from the palette (or the vocabulary) when that
+        gives a permitted token, else from the allowed IDs; stop tokens only if nothing else is left."""
+        banned, stop_ids = req.banned, req.stop_ids
+
+        def fits(token: int, stops: bool) -> bool:
+            return token not in banned and (stops or token not in stop_ids) and self._permitted(req, token)
+
+        if req.allowed is None or self._tokens.uses_palette:
+            for _ in range(64):
+                token = self._palette_token(req) if self._tokens.uses_palette else req.rng.randrange(self._tokens.vocab_size)
+                if fits(token, not early and self._tokens.uses_palette):
+                    return token
+        pool = req.allowed if req.allowed is not None else range(self._tokens.vocab_size)
+        if req.allowed is not None:
+            for _ in range(16):
+                token = pool[req.rng.randrange(len(pool))]
+                if fits(token, False):
+                    return token
+        for stops in (False, not early):
+            fitting = [t for t in pool if fits(t, stops)] if req.allowed is not None else None
+            if fitting:
+                return fitting[req.rng.randrange(len(fitting))]
+            if fitting is None:  # the whole vocabulary: the first that fits
+                token = next((t for t in pool if fits(t, stops)), None)
+                if token is not None:
+                    return token
+        # nothing is permitted (every allowed token completes a banned word): an engine would emit the
+        # least unlikely token anyway; so does the simulator
+        return pool[req.rng.randrange(len(pool))]
 
     def _palette_token(self, req: _Request) -> int:
         sentences = self._tokens.sentences
@@ -906,6 +1017,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="tokens each request gets per decode step, as engines with speculative decoding emit (default %(default)s)",
+    )
+    parser.add_argument(
+        "--scheduling",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the order waiting requests are admitted in: fcfs (arrival), or priority (Generate.priority, lower "
+        "first, FIFO among equals; only then is the 'priority' feature listed, as vLLM's --scheduling-policy; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--max-running", type=int, default=256, metavar="N", help="requests decoded at once; the rest wait (default %(default)s)"
@@ -995,6 +1114,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         prefix_cache_tokens=args.prefix_cache_tokens,
         busy_cores=args.busy_cores,
         max_model_len=args.max_model_len or None,
+        scheduling=getattr(args, "scheduling", "fcfs"),
     )
 
 

@@ -51,6 +51,7 @@ from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_a
 from engines.vllm_backend import VLLMBackend, convert_logprobs, structured_outputs
 from scheduler_client.protocol import (
     FEATURES,
+    FEATURES_12,
     PROTOCOL_VERSION,
     STRUCTURED_FEATURES,
     Abort,
@@ -240,10 +241,11 @@ def sglang_backend(**engine_kwargs) -> tuple[SGLangBackend, FakeSGLangEngine]:
 
 
 def request(rid: str, prompt=(1, 2, 3), n: int = 5, stop=(), ignore_eos: bool = False, logprobs=None,
-            structured=None, **sampling) -> EngineRequest:  # fmt: skip
+            structured=None, priority: int = 0, cache_salt: str | None = None, **sampling) -> EngineRequest:  # fmt: skip
     return EngineRequest(
         rid=rid, prompt=list(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
         stop_token_ids=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
+        priority=priority, cache_salt=cache_salt,
     )  # fmt: skip
 
 
@@ -426,8 +428,8 @@ def test_sglang_protocol_1_1_params_and_features():
     with_tokenizer, _ = sglang_backend(skip_tokenizer_init=False)
     no_grammar, _ = sglang_backend(skip_tokenizer_init=False, grammar_backend="none")
     try:
-        assert with_tokenizer.info().features == set(FEATURES)
-        assert no_grammar.info().features == set(FEATURES) - set(STRUCTURED_FEATURES)
+        assert with_tokenizer.info().features == set(FEATURES) - set(FEATURES_12)  # none of protocol 1.2's
+        assert no_grammar.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - set(FEATURES_12)
     finally:
         asyncio.run(with_tokenizer.close())
         asyncio.run(no_grammar.close())
@@ -498,10 +500,13 @@ FakeValidationError.__name__ = "VLLMValidationError"
 class FakeAsyncLLM:
     """vLLM's AsyncLLM contract: generate() is an async generator of DELTA outputs; abort()."""
 
-    def __init__(self, **model_config_fields) -> None:
+    def __init__(self, policy: str = "fcfs", **model_config_fields) -> None:
         fields = {"max_model_len": 2048, "get_vocab_size": lambda: 6000, "max_logprobs": 20, **model_config_fields}
         model_config = SimpleNamespace(**fields)
-        self.vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=32))
+        self.vllm_config = SimpleNamespace(model_config=model_config,
+                                           scheduler_config=SimpleNamespace(max_num_seqs=32, policy=policy))
+        self.prompts: dict[str, dict] = {}
+        self.priorities: dict[str, int] = {}
         self.model_config = model_config
         self.errored = False
         self.aborted: list[tuple[str, bool]] = []
@@ -509,8 +514,9 @@ class FakeAsyncLLM:
         self._abort: dict[str, asyncio.Event] = {}
         self.shut_down = False
 
-    async def generate(self, prompt, sampling_params, request_id):
-        assert set(prompt) == {"prompt_token_ids"}
+    async def generate(self, prompt, sampling_params, request_id, *, priority: int = 0):
+        assert set(prompt) <= {"prompt_token_ids", "cache_salt"}  # a TokensPrompt
+        self.prompts[request_id], self.priorities[request_id] = prompt, priority
         ids = list(prompt["prompt_token_ids"])
         params = sampling_params
         assert params["detokenize"] is False and params["output_kind"] == "DELTA"
@@ -580,8 +586,8 @@ def _out(tokens: list[int], reason: str | None, logprobs=None):
     return SimpleNamespace(outputs=[completion], finished=reason is not None, num_cached_tokens=0)
 
 
-def vllm_backend(engine_args: dict | None = None, **model_config) -> tuple[VLLMBackend, FakeAsyncLLM]:
-    engine = FakeAsyncLLM(**model_config)
+def vllm_backend(engine_args: dict | None = None, policy: str = "fcfs", **model_config) -> tuple[VLLMBackend, FakeAsyncLLM]:
+    engine = FakeAsyncLLM(policy, **model_config)
     backend = VLLMBackend(
         engine=engine,
         engine_args={"model": "fake/model", **(engine_args or {})},
@@ -644,7 +650,7 @@ def test_vllm_abort_and_early_close():
 def test_vllm_protocol_1_1_params_and_features():
     backend, _ = vllm_backend()
     info = backend.info()
-    assert info.features == set(FEATURES) and info.max_logprobs == 20
+    assert info.features == set(FEATURES) - {"priority"} and info.max_logprobs == 20  # vLLM's default FCFS
     params = backend.sampling_params(request("p", n=8, min_p=0.05, repetition_penalty=1.3, min_tokens=50,
                                              logit_bias={5: -100.0}, logprobs=2,
                                              structured=STRUCTURED["regex"]))  # fmt: skip
@@ -663,10 +669,49 @@ def test_vllm_protocol_1_1_params_and_features():
     }  # fmt: skip
 
     no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})  # vLLM refuses structured outputs then
-    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES)
+    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority"}
     assert no_tokenizer.engine_args["skip_tokenizer_init"] is True
     whole_vocab, _ = vllm_backend(max_logprobs=-1)  # vLLM's -1: as many as the vocabulary has
     assert whole_vocab.info().max_logprobs == 6000
+
+
+def test_vllm_protocol_1_2_params_and_features():
+    """priority -> generate(priority=), cache_salt -> the TokensPrompt's cache_salt, allowed_token_ids ->
+    SamplingParams.allowed_token_ids, bad_words' token sequences -> the ones vLLM bans. The priority
+    feature only when vLLM schedules by priority (with "fcfs" vLLM 0.32 ignores a priority)."""
+    fcfs, _ = vllm_backend()
+    assert "priority" not in fcfs.info().features
+    assert {"cache_salt", "allowed_token_ids", "bad_words"} <= fcfs.info().features
+    backend, engine = vllm_backend(policy="priority")
+    assert backend.info().features == set(FEATURES)
+    params = backend.sampling_params(request("p", allowed_token_ids=[5, 9], bad_words=[[7, 8], [3]]))
+    assert params["allowed_token_ids"] == [5, 9] and params["bad_words_token_ids"] == [[7, 8], [3]]
+    plain = backend.sampling_params(request("q"))
+    assert not {"allowed_token_ids", "bad_words_token_ids"} & set(plain)
+
+    async def main():
+        await collect(backend.generate(request("salted", (4, 5), n=2, priority=-7, cache_salt="alice")))
+        assert engine.prompts["salted"] == {"prompt_token_ids": [4, 5], "cache_salt": "alice"}
+        assert engine.priorities["salted"] == -7
+        await collect(backend.generate(request("plain", (4, 5), n=2)))
+        assert engine.prompts["plain"] == {"prompt_token_ids": [4, 5]} and engine.priorities["plain"] == 0
+
+    asyncio.run(main())
+
+
+def test_vllm_sampling_params_carry_bad_words_token_ids():
+    """With vLLM installed: the real SamplingParams keeps the sequences where its sampler reads them
+    (bad_words_token_ids), through the msgpack trip to the engine core, and update_from_tokenizer
+    leaves them alone (bad_words, the strings, stay empty)."""
+    pytest.importorskip("vllm")
+    from engines.vllm_backend import vllm_sampling_params
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    params = vllm_sampling_params(max_tokens=3, allowed_token_ids=[1, 2], bad_words_token_ids=[[5, 6], [7]])
+    params.update_from_tokenizer(None)  # returns at once: no strings to tokenize
+    assert params.bad_words_token_ids == [[5, 6], [7]] and params.allowed_token_ids == [1, 2]
+    back = MsgpackDecoder(type(params)).decode(MsgpackEncoder().encode(params))
+    assert back.bad_words_token_ids == [[5, 6], [7]]
 
 
 def test_vllm_logprobs_conversion():
@@ -1128,7 +1173,7 @@ def test_vllm_errors_name_the_field():
         fe = Frontend(endpoint)
         try:
             welcome = await fe.hello()
-            assert welcome.features == sorted(FEATURES) and welcome.max_logprobs == 20
+            assert welcome.features == sorted(set(FEATURES) - {"priority"}) and welcome.max_logprobs == 20
             await fe.generate("many", (1, 2), 3, logprobs=11)  # within Welcome's 20, beyond this vLLM's 10
             await fe.generate("schema", (1, 2), 3, structured=Structured(kind="json_schema", spec="{not json"))
             await fe.generate("ok", (1, 2), 2, logprobs=1, min_p=0.1, min_tokens=1, logit_bias={7: 2.0},

@@ -714,10 +714,37 @@ def expect_error(client, request_id):
 
 def test_welcome_lists_features(sched, model_sched):
     welcome = sched.client(handshake=False).handshake()
-    assert welcome.features == sorted(set(FEATURES) - set(STRUCTURED_FEATURES))
+    # priority (1.2) only with --scheduling priority
+    assert welcome.features == sorted(set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority"})
     assert welcome.max_logprobs == 20
     welcome = model_sched.client(handshake=False).handshake()
-    assert welcome.features == sorted(FEATURES)
+    assert welcome.features == sorted(set(FEATURES) - {"priority"})
+
+
+def test_allowed_token_ids_and_bad_words_in_random_mode(sched):
+    """1.2 without a palette: every token is an allowed one, no banned sequence is ever completed (30
+    never; 20 never right after 10), stop tokens are masked like the rest; out-of-range values and a
+    field the scheduler does not list are refused naming the field."""
+    client = sched.client()
+    allowed = [10, 20, 30, 7]
+    rid = client.generate([1, 2, 3], 200, sampling=SamplingParams(seed=3, allowed_token_ids=allowed,
+                                                                  bad_words=[[10, 20], [30]]),
+                          stop_token_ids=[99])  # fmt: skip
+    outputs = client.collect([rid])[rid]
+    check_stream(outputs, 3)
+    tokens = tokens_of(outputs)
+    assert len(tokens) == 200 and outputs[-1].finish_reason == "length"
+    assert set(tokens) <= {10, 20, 7} and {10, 20} <= set(tokens)
+    assert all(not (a == 10 and b == 20) for a, b in zip(tokens, tokens[1:]))
+    for sampling, param in ((SamplingParams(allowed_token_ids=[]), "sampling.allowed_token_ids"),
+                            (SamplingParams(allowed_token_ids=[10**7]), "sampling.allowed_token_ids"),
+                            (SamplingParams(bad_words=[[]]), "sampling.bad_words")):  # fmt: skip
+        client.generate([1], 3, request_id="bad", sampling=sampling)
+        error = client.recv_not_stats()
+        assert isinstance(error, Error) and error.param == param and error.request_id == "bad", error
+    client.generate([1], 3, request_id="prio", priority=2)  # not --scheduling priority
+    error = client.recv_not_stats()
+    assert isinstance(error, Error) and error.code == "unsupported" and error.param == "priority", error
 
 
 def structured_text(client, tokenizer, structured, max_new_tokens=500, **fields):

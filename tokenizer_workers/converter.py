@@ -269,8 +269,10 @@ class Converter:
         """The request's generation fields as protocol values, every one checked (generation_params.py)."""
         if not 1 <= req.n <= self.settings.max_n:
             raise oa.InvalidRequest(f"n must be between 1 and {self.settings.max_n}.", "n")
-        return _Generation(gp.sampling(req, self.engine, self.vocab_size, max_tokens), spec,
-                           gp.logprobs(req, chat, self.engine), req.n)
+        sampling = gp.sampling(req, self.engine, self.vocab_size, max_tokens)
+        gp.token_masks(req, self.engine, self.tokenizer, self.vocab_size, sampling)
+        return _Generation(sampling, spec, gp.logprobs(req, chat, self.engine), req.n,
+                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine))
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
@@ -414,6 +416,8 @@ class Converter:
                     ignore_eos=req.ignore_eos,
                     logprobs=params.logprobs,
                     structured=params.structured,
+                    priority=params.priority,
+                    cache_salt=params.cache_salt,
                 )
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
@@ -443,6 +447,8 @@ class _Generation:
     structured: protocol.Structured | None
     logprobs: int | None
     n: int
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 def _wrap_seed(seed: int) -> int:

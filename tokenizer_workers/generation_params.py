@@ -21,6 +21,12 @@ from tokenizer_workers.openai_requests import InvalidRequest
 from tokenizer_workers.output_parsers.base import functions as tool_functions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
+# vLLM 0.32's limits on bad_words after tokenization (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
+# vLLM 0.32's validate_cache_salt
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 # structured_outputs keys that choose the constraint (vLLM's StructuredOutputsParams), and the kind each means
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -93,6 +99,80 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
                                  "logit_bias")
         out[token] = float(value)
     return out
+
+
+def token_masks(req, engine: Engine, tokenizer, vocab_size: int, params: protocol.SamplingParams) -> None:
+    """allowed_token_ids and bad_words (protocol 1.2) into ``params``, checked as vLLM 0.32 checks them."""
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise InvalidRequest("allowed_token_ids must not be empty.", "allowed_token_ids")
+        bad = [t for t in allowed if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"allowed_token_ids has token IDs outside the vocabulary [0, {vocab_size}): "
+                                 f"{bad[:10]}.", "allowed_token_ids")
+        engine.require("allowed_token_ids", "allowed_token_ids", "allowed_token_ids")
+        params.allowed_token_ids = list(allowed)
+    if req.bad_words:
+        params.bad_words = bad_words_ids(req.bad_words, tokenizer, vocab_size)
+        engine.require("bad_words", "bad_words", "bad_words")
+
+
+def bad_words_ids(words: list[str], tokenizer, vocab_size: int) -> list[list[int]]:
+    """The token sequences vLLM 0.32 bans for ``bad_words`` (SamplingParams.update_from_tokenizer):
+    each word (duplicates dropped, leading whitespace stripped) encoded without special tokens as it
+    stands, and once more after a space when that gives a different first token and as many tokens
+    (the word in mid-text, for tokenizers that mark a preceding space)."""
+    if any(not w for w in words):
+        raise InvalidRequest("bad_words cannot contain an empty string.", "bad_words")
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+        if not bare:
+            raise InvalidRequest(f"bad_words entries must tokenize to at least one token; {word!r} does not.",
+                                 "bad_words")
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+        if len(out) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"Too many bad words after tokenization: {len(out)}. The max number is "
+                                 f"{MAX_BAD_WORDS}.", "bad_words")
+    outside = [t for seq in out for t in seq if not 0 <= t < vocab_size]
+    if outside:
+        raise InvalidRequest(f"bad_words tokenize to token IDs outside the vocabulary [0, {vocab_size}): "
+                             f"{outside[:10]}.", "bad_words")
+    total = sum(len(seq) for seq in out)
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise InvalidRequest(f"Too many total bad word tokens: {total}. The max is {MAX_BAD_WORDS_TOKENS}.",
+                             "bad_words")
+    return out
+
+
+def priority(req, engine: Engine) -> int:
+    """vLLM's priority (lower is scheduled earlier): a signed 64-bit integer; a non-zero one needs an
+    engine that schedules by priority."""
+    value = req.priority
+    if value is None or value == 0:
+        return 0
+    if isinstance(value, bool) or not -(2**63) <= value < 2**63:
+        raise InvalidRequest("priority must be a signed 64-bit integer.", "priority")
+    engine.require(protocol.FEATURE_PRIORITY, "priority", "priority")
+    return value
+
+
+def cache_salt(req, engine: Engine) -> str | None:
+    """vLLM 0.32's cache_salt: a non-empty string of at most 128 characters without '@', '/', '\\' or NUL."""
+    salt = req.cache_salt
+    if salt is None:
+        return None
+    if not salt:
+        raise InvalidRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
+        raise InvalidRequest(f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must "
+                             "not contain '@', '/', '\\', or NUL.", "cache_salt")
+    engine.require(protocol.FEATURE_CACHE_SALT, "cache_salt", "cache_salt")
+    return salt
 
 
 def logprobs(req, chat: bool, engine: Engine) -> int | None:

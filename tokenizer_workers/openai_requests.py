@@ -54,6 +54,11 @@ class SamplingFields(RefusableFields):
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
     request_id: str | None = None  # vLLM's: the response's id is chatcmpl-/cmpl- and this (X-Request-Id wins)
+    # vLLM's, passed to the engine (protocol 1.2)
+    priority: int | None = None  # lower is scheduled earlier
+    cache_salt: str | None = None  # isolates the prompt's prefix-cache entries
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    bad_words: list[str] | None = None  # never generated (tokenized in the worker, as vLLM does)
 
 
 class ChatCompletionRequest(SamplingFields):
