@@ -135,3 +135,54 @@ def test_bench_busy_reports_every_figure_for_every_mode(tmp_path):
         assert row["chats"] > 0 and row["conversion_wall_s"] > 0 and row["health_p99_ms"] is not None, (mode, row)
     assert report["workload"]["busy_cores"] == os.cpu_count()
     assert "pool/inline" in stdout and "pool/thread" in stdout
+
+
+def test_a_send_to_an_engine_that_does_not_read_fails_at_once_instead_of_waiting(tmp_path):
+    """The gateway's loop never waits for the engine: with the queue to a scheduler that stopped reading
+    full, a multipart Generate (header + prompt frame) raises zmq.Again on its first frame, whole or not
+    at all, instead of blocking the loop until the engine reads."""
+    import threading
+
+    import zmq
+
+    from tokenmill.loop_socket import LoopSocket
+
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.ROUTER)  # binds and never reads, as an engine stuck in a long step
+    engine.setsockopt(zmq.RCVHWM, 1)
+    engine.bind(f"ipc://{tmp_path}/engine.sock")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, 1)
+    dealer.setsockopt(zmq.IMMEDIATE, 1)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"ipc://{tmp_path}/engine.sock")
+    sock = LoopSocket(dealer, lambda frames: None)
+    outcome: dict = {}
+
+    def fill() -> None:
+        sent = 0
+        try:
+            for _ in range(1_000_000):  # the kernel's socket buffers fill long before this
+                sock.send([b"header", b"\0" * 65536])
+                sent += 1
+        except zmq.Again:
+            outcome["again_after"] = sent
+
+    for _ in range(100):  # the connection is up once the engine has read one message (IMMEDIATE queues none before)
+        try:
+            dealer.send(b"hello", zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            time.sleep(0.05)
+    assert engine.poll(10_000), "the engine never heard from the gateway"
+    engine.recv_multipart()
+    filler = threading.Thread(target=fill, daemon=True)
+    filler.start()
+    filler.join(60)
+    try:
+        assert not filler.is_alive(), "a send blocked the caller"
+        assert outcome.get("again_after", 0) > 0, outcome
+    finally:
+        dealer.close(0)
+        engine.close(0)
+        ctx.term()
