@@ -107,12 +107,14 @@ def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_pro
             server.client().chat.completions.create(model="deepseek-v4", max_tokens=1,
                                                     messages=[{"role": "user", "content": "word " * 20000}])  # fmt: skip
         worker = _worker(niced)
+        with open(f"/proc/{worker}/stat") as f:  # the main (IO) thread keeps the process's niceness
+            base = int(f.read().rsplit(")", 1)[1].split()[16])
         nices = _thread_nices(worker)
-        assert nices.count(7) >= 2, nices  # both conversion threads (and the tokenizers pool they started)
-        assert 0 in nices, nices  # the IO thread, which detokenizes streams, is not lowered
-        with open(f"/proc/{worker}/stat") as f:
-            assert int(f.read().rsplit(")", 1)[1].split()[16]) == 0  # the main (IO) thread
-        assert set(_thread_nices(_worker(plain))) == {0}, "the default shares the CPU evenly"
+        lowered = min(19, base + 7)
+        assert base < lowered and nices.count(lowered) >= 2, (base, nices)  # both conversion threads (and their pool)
+        assert base in nices, nices  # the IO thread, which detokenizes streams, is not lowered
+        plain_worker = _worker(plain)
+        assert set(_thread_nices(plain_worker)) == {_thread_nices(plain_worker)[0]}, "the default shares the CPU evenly"
     finally:
         niced.stop()
         plain.stop()
