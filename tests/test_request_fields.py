@@ -26,7 +26,6 @@ NON_DEFAULT = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "return_token_ids": True,
     "suffix": "the end",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",

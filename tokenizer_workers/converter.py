@@ -66,6 +66,7 @@ class DetokSpec:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     prefix: str = ""  # echo (completions: the prompt; chat: the last message), sent before the first generated text
     chat: bool = True  # logprobs in chat's shape, else in completions'
+    token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
 
 
 @dataclass
@@ -202,6 +203,10 @@ class Converter:
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)
             spec_.prefix = echo
+        if req.return_token_ids and not req.include_reasoning and any(s.parser for s in conversion.detok):
+            for spec_ in conversion.detok:  # as vLLM: with a parser at work and the reasoning left out, the
+                spec_.token_ids = False  # generated IDs are not shown (they would tell the reasoning)
+            conversion.done.token_ids = False
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.cache = report
@@ -225,7 +230,9 @@ class Converter:
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
         echo = None
-        if req.echo:  # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation
+        # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation;
+        # with return_token_ids vLLM echoes no text (the prompt's IDs are in the response instead)
+        if req.echo and not req.return_token_ids:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
         return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo)
@@ -383,6 +390,7 @@ class Converter:
         seed = params.sampling.seed
         keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
+        prompt_ids = [] if req.return_token_ids else None
         for p, ids in enumerate(id_lists):
             if keep is not None and len(ids) > keep:
                 ids = ids[len(ids) - keep :] if left else ids[:keep]
@@ -400,6 +408,8 @@ class Converter:
             if n == 0:
                 raise oa.InvalidRequest(f"The {what} is empty after tokenization.", what)
             prompt_frame = protocol.ids_to_frame(ids)
+            if prompt_ids is not None:  # the IDs the engine gets (truncated), as vLLM returns them
+                prompt_ids.append(_json.encode(ids.tolist() if hasattr(ids, "tolist") else ids))
             for i in range(params.n):
                 rid = f"{job.request_id}-{len(choices)}"
                 sampling = params.sampling
@@ -420,7 +430,8 @@ class Converter:
                 frames.append(prompt_frame)
                 detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                                       chat=what == "messages", prefix=echo[p] if echo else ""))
+                                       chat=what == "messages", prefix=echo[p] if echo else "",
+                                       token_ids=bool(req.return_token_ids)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -433,6 +444,8 @@ class Converter:
             render_s=render_s,
             tokenize_s=tokenize_s,
             logprobs=params.logprobs is not None,
+            prompt_token_ids=prompt_ids,
+            token_ids=bool(req.return_token_ids),
         )
         return Conversion(done, frames, detok)
 

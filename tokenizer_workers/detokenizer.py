@@ -14,7 +14,10 @@ The text then goes through the parser, and the delta carries its pieces in order
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
+
+import msgspec
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -25,12 +28,14 @@ from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_list
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
+_json = msgspec.json.Encoder()
+
 
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
                  "tail", "tail_len", "tokens_as_ids",
-                 "prefix")  # fmt: skip
+                 "prefix", "show_ids", "stop_end")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
         self.parser: OutputParser | None = spec.parser
@@ -57,6 +62,8 @@ class _Stream:
         self.chat = spec.chat
         self.text_offset = 0  # completions' logprobs.text_offset so far
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
+        self.show_ids = spec.token_ids  # vLLM's return_token_ids: each delta says its generated token IDs
+        self.stop_end = 0  # where the matched stop string ends, counted from the start of pending
 
 
 class Detokenizer:
@@ -115,10 +122,13 @@ class Detokenizer:
         return out
 
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
-        new_ids = frame_to_ids(frame)
+        raw = new_ids = frame_to_ids(frame)
         state.count += len(new_ids)
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
+        # return_token_ids with stop strings: where each new token's text ends, to tell which token
+        # completed a stop string (vLLM leaves out those generated after it in the same step)
+        ends = [] if state.show_ids and state.stop else None
         state.ids.extend(new_ids)
         for tid in new_ids:
             try:
@@ -129,11 +139,32 @@ class Detokenizer:
             if piece:
                 state.streamed += piece
                 state.pending += piece
+            if ends is not None:
+                ends.append(len(state.streamed))
+        settled = 0  # text the final decode added (the last tokens' held-back bytes)
         if finished:
             full = self.tokenizer.decode(state.ids, skip_special_tokens=state.skip_special)
             if full.startswith(state.streamed):
+                settled = len(full) - len(state.streamed)
                 state.pending += full[len(state.streamed) :]
+        pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
+        shown = None
+        if state.show_ids:
+            if stopped and ends:
+                ends[-1] += settled
+                # keep the tokens up to the one whose text reaches the end of the stop string
+                kept = bisect_left(ends, pending_start + state.stop_end) + 1
+                if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
+                    decoded, cut = 0, len(raw)
+                    for k, tid in enumerate(raw):
+                        decoded += tid not in state.drop_ids
+                        if decoded == kept:
+                            cut = k + 1
+                            break
+                    kept = cut
+                raw = raw[:kept]
+            shown = _json.encode(raw.tolist() if hasattr(raw, "tolist") else raw)[1:-1]
         prefix = ""
         if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
             prefix, state.prefix = state.prefix, ""
@@ -142,11 +173,11 @@ class Detokenizer:
         if stopped or finished:
             del self.states[rid]
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count)
+            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown)
         pieces = self._parse(state, text, stopped or finished)
         if prefix:  # chat's echo is content, ahead of what the parser makes of the output
             pieces.insert(0, OutPiece("content", prefix))
-        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count)
+        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown)
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser
@@ -170,10 +201,11 @@ class Detokenizer:
         if state.include_stop:
             return Detokenizer._cut_after(state, pending)
         if state.stop:
-            hits = [i for i in (pending.find(s) for s in state.stop) if i >= 0]
+            hits = [(i, i + len(s)) for s, i in ((s, pending.find(s)) for s in state.stop) if i >= 0]
             if hits:
                 state.pending = ""
-                return pending[: min(hits)], True
+                start, state.stop_end = min(hits)
+                return pending[:start], True
         if finished or not state.hold:
             state.pending = ""
             return pending, False
@@ -202,6 +234,7 @@ class Detokenizer:
             if i >= 0 and (end < 0 or i + len(s) < end):
                 end = i + len(s)
         if end >= 0:
+            state.stop_end = end - len(state.tail)
             return text[len(state.tail) : end], True
         state.tail = text[-state.tail_len :] if state.tail_len else ""
         return pending, False

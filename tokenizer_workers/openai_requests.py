@@ -39,6 +39,7 @@ class SamplingFields(RefusableFields):
     skip_special_tokens: bool = True
     logprobs: Any = None  # chat: a bool; completions: the number of top tokens (0-20)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the generated token IDs in the response
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None

@@ -55,7 +55,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
     "spaces_between_special_tokens": (_true, "special tokens are decoded as the tokenizer joins them"),
-    "return_token_ids": (_false, "responses carry text, not token IDs"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
     "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
     "function_call": (_none, "use tool_choice (function_call is OpenAI's deprecated form)"),
