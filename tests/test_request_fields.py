@@ -25,7 +25,6 @@ NON_DEFAULT = {
     "best_of": 2,
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "spaces_between_special_tokens": False,
     "suffix": "the end",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",

@@ -475,3 +475,56 @@ def test_return_token_ids_with_reasoning_as_vllm(scripted, default_tokenizer):
     events = _sse(scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True,
                                                      "include_reasoning": False, **thinking})  # fmt: skip
     assert events[0]["prompt_token_ids"] and not any("token_ids" in e["choices"][0] for e in events)
+
+
+# ---- spaces_between_special_tokens --------------------------------------------------------------
+
+
+def _wordpiece_model(directory: Path) -> Path:
+    """A tokenizer whose decoder (WordPiece) puts a space before every token that is not a ##piece,
+    added tokens included: where spaces_between_special_tokens shows."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3, "mill": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True),
+                            AddedToken("</s>", special=True)])  # fmt: skip
+    tok.add_tokens(["plainadd"])  # an added token that is not special: vLLM treats it alike
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"}))  # fmt: skip
+    (directory / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    return directory
+
+
+def test_spaces_between_special_tokens_as_vllm(tmp_path):
+    """vLLM's FastIncrementalDetokenizer: with skip_special_tokens false and spaces_between false, an
+    added token after an added token is its bare content; the rest is the decoder's text. (Its output
+    for these IDs, worked out by running vLLM 0.32's decode_next: 'hello', ' <a>', '<b>', ' world',
+    's', ' <b>', '<a>', 'plainadd', 'plainadd', ' mill'.)"""
+    model = _wordpiece_model(tmp_path / "wordpiece")
+    srv = Server("--workers", "1", "--model", str(model), "--sim-mode", "echo", "--sim-inter-token-latency-ms", "0",
+                 "--tool-call-parser", "none", "--reasoning-parser", "none")  # fmt: skip
+    try:
+        client = srv.client()
+        ids = [1, 5, 6, 2, 3, 6, 5, 8, 8, 4]
+        kept = "hello <a><b> worlds <b><a>plainaddplainadd mill"
+        for extra, expected in (({"skip_special_tokens": False, "spaces_between_special_tokens": False}, kept),
+                                ({"skip_special_tokens": False}, "hello <a> <b> worlds <b> <a> plainadd plainadd mill"),
+                                ({"spaces_between_special_tokens": False}, "hello worlds plainadd plainadd mill")):
+            out = client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), extra_body=extra)
+            assert out.choices[0].text == expected, extra
+            chunks = list(client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), stream=True,
+                                                    extra_body=extra))  # fmt: skip
+            assert "".join(c.choices[0].text for c in chunks) == expected, extra
+        out = client.chat.completions.create(model="wordpiece", messages=[{"role": "user", "content": "<a> <b> mill"}],
+                                             max_tokens=3, extra_body={"skip_special_tokens": False,
+                                                                       "spaces_between_special_tokens": False})  # fmt: skip
+        assert out.choices[0].message.content == "<a><b> mill"
+        status, _, err = http("POST", srv.url + "/v1/completions",
+                              {"model": "wordpiece", "prompt": ids, "spaces_between_special_tokens": "no"})  # fmt: skip
+        assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens", err
+    finally:
+        srv.stop()

@@ -67,6 +67,7 @@ class DetokSpec:
     prefix: str = ""  # echo (completions: the prompt; chat: the last message), sent before the first generated text
     chat: bool = True  # logprobs in chat's shape, else in completions'
     token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
+    spaces_between: bool = True  # vLLM's spaces_between_special_tokens (has effect only without skip_special_tokens)
 
 
 @dataclass
@@ -431,7 +432,8 @@ class Converter:
                 detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                        chat=what == "messages", prefix=echo[p] if echo else "",
-                                       token_ids=bool(req.return_token_ids)))
+                                       token_ids=bool(req.return_token_ids),
+                                       spaces_between=req.spaces_between_special_tokens is not False))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,

@@ -35,9 +35,9 @@ class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
                  "tail", "tail_len", "tokens_as_ids",
-                 "prefix", "show_ids", "stop_end")  # fmt: skip
+                 "prefix", "show_ids", "stop_end", "added", "last_added", "plain")  # fmt: skip
 
-    def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
+    def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
         self.parser: OutputParser | None = spec.parser
         # with a parser, DecodeStream keeps specials and drop_ids does what skip_special_tokens would
         self.skip_special = spec.skip_special_tokens and self.parser is None
@@ -64,6 +64,12 @@ class _Stream:
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
         self.show_ids = spec.token_ids  # vLLM's return_token_ids: each delta says its generated token IDs
         self.stop_end = 0  # where the matched stop string ends, counted from the start of pending
+        # spaces_between_special_tokens false (with skip_special_tokens false): an added token right after
+        # another is its bare content, without the space the decoder may put before it (vLLM's fast
+        # detokenizer); added: added token ID -> content, else None
+        self.added = added
+        self.last_added = False
+        self.plain = ""  # with added: what DecodeStream produced (streamed holds what was sent)
 
 
 class Detokenizer:
@@ -76,9 +82,15 @@ class Detokenizer:
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._drop_ids: dict[tuple, frozenset] = {}
         self._texts: TokenTexts | None = None  # each token's own text, for logprobs (made on first use)
+        self._added: dict[int, str] | None = None  # added token ID -> content (made on first use)
         self.parse_failures: dict[str, int] = {}  # since the last take_failures()
 
     def open(self, spec: DetokSpec) -> None:
+        added = None
+        if not spec.spaces_between and not spec.skip_special_tokens:
+            if self._added is None:
+                self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+            added = self._added or None
         drop = frozenset()
         if spec.parser is not None:
             markers = spec.parser.markers
@@ -86,7 +98,7 @@ class Detokenizer:
             if drop is None:  # special tokens skip_special_tokens drops, less the parser's markers
                 keep = {self.tokenizer.token_to_id(m) for m in markers}
                 drop = self._drop_ids[markers] = self.special_ids - keep
-        self.states[spec.request_id] = _Stream(spec, drop)
+        self.states[spec.request_id] = _Stream(spec, drop, added)
         while len(self.states) > self.max_states:
             self.states.popitem(last=False)
 
@@ -136,6 +148,12 @@ class Detokenizer:
             except Exception:  # "Invalid prefix" and friends: rebuild from the full decode below
                 state.stream = DecodeStream(skip_special_tokens=state.skip_special)
                 piece = None
+            if state.added is not None:
+                state.plain += piece or ""
+                content = state.added.get(tid)
+                if content is not None and state.last_added:
+                    piece = content
+                state.last_added = content is not None
             if piece:
                 state.streamed += piece
                 state.pending += piece
@@ -144,9 +162,10 @@ class Detokenizer:
         settled = 0  # text the final decode added (the last tokens' held-back bytes)
         if finished:
             full = self.tokenizer.decode(state.ids, skip_special_tokens=state.skip_special)
-            if full.startswith(state.streamed):
-                settled = len(full) - len(state.streamed)
-                state.pending += full[len(state.streamed) :]
+            decoded = state.streamed if state.added is None else state.plain
+            if full.startswith(decoded):
+                settled = len(full) - len(decoded)
+                state.pending += full[len(decoded) :]
         pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
         shown = None

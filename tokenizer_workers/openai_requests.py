@@ -37,6 +37,7 @@ class SamplingFields(RefusableFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None  # vLLM's: false joins adjacent added tokens without a space
     logprobs: Any = None  # chat: a bool; completions: the number of top tokens (0-20)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the generated token IDs in the response

@@ -54,7 +54,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_equals(1), "only one sequence per choice is generated"),
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
-    "spaces_between_special_tokens": (_true, "special tokens are decoded as the tokenizer joins them"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
     "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
     "function_call": (_none, "use tool_choice (function_call is OpenAI's deprecated form)"),
