@@ -43,15 +43,18 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls, forced_calls: bool = False) -> dict:
+def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False) -> dict:
     """A chat.completion message: content null when the model only reasoned or called tools (""
-    when the request forced the calls, as vLLM answers)."""
+    when the request forced the calls, as vLLM answers); with OpenAI's legacy functions, the call
+    is function_call {name, arguments}."""
     empty = "" if forced_calls else None
     out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else empty}
     if reasoning:
         out["reasoning"] = reasoning
         out["reasoning_content"] = reasoning
-    if calls:
+    if calls and functions:
+        out["function_call"] = {"name": calls[0].name, "arguments": calls[0].text}
+    elif calls:
         out["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
                              for c in calls]  # fmt: skip
     return out
@@ -80,7 +83,7 @@ class Framer:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool,
                  continuous_usage: bool = False, prompt_tokens: list[int] | None = None,
-                 prompt_ids: list[bytes] | None = None, token_ids: bool = False):
+                 prompt_ids: list[bytes] | None = None, token_ids: bool = False, functions: bool = False):
         self.chat = kind == "chat"
         self.id = request_id
         self.created = created
@@ -94,6 +97,7 @@ class Framer:
         # vLLM's return_token_ids: each choice's prompt token IDs (a JSON array; None when not asked), and
         # whether its chunks and choices carry their generated token IDs
         self.prompt_ids = prompt_ids
+        self.functions = functions  # OpenAI's legacy functions: a call is message.function_call / delta.function_call
         self.token_ids = token_ids
         self._prompt_ids_due = set(range(len(prompt_ids))) if prompt_ids is not None and not self.chat else set()
         self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
@@ -190,15 +194,20 @@ class Framer:
         return self.text_chunk(index, text, tokens) if kind == "text" else self.reasoning_chunk(index, text, tokens)
 
     def call_chunks(self, index: int, call, tokens: int = 0) -> bytes:
-        """One whole tool call as OpenAI streams it: id, type and name first, then the arguments."""
-        head = {"index": call.index, "id": call.call_id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-        args = {"index": call.index, "function": {"arguments": call.text}}
+        """One whole tool call as OpenAI streams it: id, type and name first, then the arguments
+        (legacy functions: delta.function_call, its name first, then its arguments)."""
+        if self.functions:
+            deltas = ({"function_call": {"name": call.name, "arguments": ""}},
+                      {"function_call": {"arguments": call.text}})  # fmt: skip
+        else:
+            head = {"index": call.index, "id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            args = {"index": call.index, "function": {"arguments": call.text}}
+            deltas = ({"tool_calls": [head]}, {"tool_calls": [args]})
         usage = self._usage(index, tokens)
         return b"".join(
-            sse(self._chunk([{"index": index, "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}],
-                            usage))
-            for item in (head, args)
+            sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], usage))
+            for delta in deltas
         )
 
     def logprobs_chunk(self, index: int, text: str, fragments: list[bytes], tokens: int = 0) -> bytes:
@@ -233,7 +242,7 @@ class Framer:
         if self.chat:
             choices = [
                 {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else (),
-                                                forced_calls),
+                                                forced_calls, self.functions),
                  "logprobs": lps[i], "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]  # fmt: skip

@@ -26,8 +26,6 @@ NON_DEFAULT = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "suffix": "the end",
-    "functions": [{"name": "f", "parameters": {"type": "object"}}],
-    "function_call": "auto",
     "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],

@@ -418,6 +418,8 @@ def test_return_token_ids_on_chat_as_vllm(echo_server, default_tokenizer):
 
 THINK = "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."
 SAYS = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
+CALL = 'Let me look that up.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}' \
+       '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +428,8 @@ def scripted(tmp_path_factory):
     model's parsers are on (think-tag reasoning, its tool calls)."""
     replies = Path(tmp_path_factory.mktemp("replies")) / "replies.jsonl"
     replies.write_text("\n".join(json.dumps({"match": m, "text": t}, ensure_ascii=False)
-                                 for m, t in (("think first", THINK), ("say the words", SAYS))) + "\n")  # fmt: skip
+                                 for m, t in (("think first", THINK), ("say the words", SAYS),
+                                              ("weather in Paris", CALL))) + "\n")  # fmt: skip
     srv = Server("--workers", "1", "--sim-inter-token-latency-ms", "0", "--sim-replies", str(replies),
                  "--sim-tokens-per-step", "4")  # fmt: skip
     yield srv
@@ -528,3 +531,55 @@ def test_spaces_between_special_tokens_as_vllm(tmp_path):
         assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens", err
     finally:
         srv.stop()
+
+
+# ---- functions / function_call (OpenAI's deprecated forms of tools / tool_choice) ---------------
+
+WEATHER_FN = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"]}}  # fmt: skip
+
+
+def test_functions_answer_in_openais_legacy_shape(scripted):
+    """vLLM 0.32 ignores functions and function_call; tokenmill maps them as OpenAI does and answers
+    with message.function_call and finish_reason "function_call" (streamed: delta.function_call)."""
+    client = scripted.client()
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris"}], "functions": [WEATHER_FN]}
+    out = client.chat.completions.create(**ask)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "function_call" and message.tool_calls is None
+    assert message.function_call.name == "get_weather" and json.loads(message.function_call.arguments) == {"city": "Paris"}
+    assert message.content == "Let me look that up."
+    name, args, finish, content = None, "", None, ""
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        delta = chunk.choices[0].delta
+        assert delta.tool_calls is None
+        content += delta.content or ""
+        if delta.function_call:
+            name = delta.function_call.name or name
+            args += delta.function_call.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, json.loads(args), finish, content) == ("get_weather", {"city": "Paris"}, "function_call", message.content)
+    # function_call "auto" is the default; "none" parses no call; a name forces that function ("stop", as OpenAI)
+    assert client.chat.completions.create(function_call="auto", **ask).choices[0].finish_reason == "function_call"
+    none = client.chat.completions.create(function_call="none", **ask)
+    assert none.choices[0].message.function_call is None and none.choices[0].finish_reason == "stop"
+    named = client.chat.completions.create(function_call={"name": "get_weather"}, **ask)
+    assert named.choices[0].message.function_call.name == "get_weather" and named.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(named.choices[0].message.function_call.arguments), dict)
+    chat = [{"role": "user", "content": "weather in Paris"}]
+    for bad, param in (({"functions": [WEATHER_FN], "tools": [{"type": "function", "function": WEATHER_FN}]}, "functions"),
+                       ({"function_call": "auto"}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": {"name": "nope"}}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": "required"}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
+                       ({"functions": "get_weather"}, "functions"),
+                       ({"functions": [{"parameters": {}}]}, "functions"),
+                       ({"functions": []}, "functions")):
+        status, _, err = http("POST", scripted.url + "/v1/chat/completions", {"model": MODEL, "messages": chat, **bad})
+        assert status == 400 and err["error"]["param"] == param, (bad, err)
+
+
+def test_docs_list_functions_among_the_differences_from_vllm():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "request-fields.md").read_text()
+    differences = doc.split("### Where tokenmill still differs from vLLM 0.32", 1)[1]
+    assert "`functions`" in differences and "`function_call`" in differences and "ignores" in differences

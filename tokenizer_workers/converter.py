@@ -181,6 +181,7 @@ class Converter:
         req: oa.ChatCompletionRequest = oa.parse("chat", body)
         self._check_model(req.model)
         oa.check_sampling(req)
+        functions = _legacy_functions(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         # everything that can be refused is refused before rendering
@@ -210,6 +211,7 @@ class Converter:
             conversion.done.token_ids = False
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
+        conversion.done.functions = functions
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         conversion.done.conversation = _conversation_key(req.messages)
@@ -463,6 +465,36 @@ class _Generation:
 def _wrap_seed(seed: int) -> int:
     """seed + i stays a signed 64-bit integer."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def _legacy_functions(req) -> bool:
+    """OpenAI's deprecated functions and function_call, mapped as OpenAI does: functions are tools of
+    type function, function_call "none", "auto" or {"name": N} the matching tool_choice, and (as
+    OpenAI's legacy answer holds one function_call) at most one call. True when the request used them."""
+    functions, call = req.functions, req.function_call
+    if functions is None:
+        if call is not None:
+            raise oa.InvalidRequest("function_call needs functions: none were given.", "function_call")
+        return False
+    if req.tools is not None:
+        raise oa.InvalidRequest("Give either tools or functions (their deprecated form), not both.", "functions")
+    if not functions or not all(isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] for f in functions):
+        raise oa.InvalidRequest("functions must be a non-empty list of objects, each with a name.", "functions")
+    if call is not None and req.tool_choice is not None:
+        raise oa.InvalidRequest("Give either tool_choice or function_call (its deprecated form), not both.",
+                                "function_call")
+    if call in ("none", "auto"):
+        req.tool_choice = call
+    elif isinstance(call, dict) and set(call) == {"name"}:
+        if call["name"] not in {f["name"] for f in functions}:
+            raise oa.InvalidRequest(f"function_call names {call['name']!r}, which is not among the functions.",
+                                    "function_call")
+        req.tool_choice = {"type": "function", "function": {"name": call["name"]}}
+    elif call is not None:
+        raise oa.InvalidRequest("function_call must be 'none', 'auto' or {'name': ...}.", "function_call")
+    req.tools = [{"type": "function", "function": f} for f in functions]
+    req.parallel_tool_calls = False
+    return True
 
 
 def _chat_echo(req) -> str:

@@ -167,6 +167,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     # a parser is at work and include_reasoning is false)
     prompt_token_ids: list[bytes] | None = None
     token_ids: bool = False
+    functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings

@@ -64,6 +64,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call, as vLLM keeps
+    # OpenAI's deprecated forms of tools and tool_choice (vLLM ignores them; tokenmill maps them as OpenAI)
+    functions: list[Any] | None = None
+    function_call: Any = None
     top_logprobs: int | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)

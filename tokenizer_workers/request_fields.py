@@ -55,8 +55,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
     "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
-    "functions": (_none, "use tools (functions is OpenAI's deprecated form)"),
-    "function_call": (_none, "use tool_choice (function_call is OpenAI's deprecated form)"),
     "prediction": (_none, "predicted outputs are not available"),
     "audio": (_none, "audio output is not available"),
     "modalities": (_text_modalities, "only text output"),
