@@ -244,7 +244,8 @@ class App:
             request_id,
             result.owner,
             [Choice(i, c.request_id, c.prompt_tokens, c.counts_prompt,
-                    calls_finish="stop" if done.forced_calls == "named" else "tool_calls")
+                    calls_finish="stop" if done.forced_calls == "named" else
+                    "function_call" if done.functions else "tool_calls")
              for i, c in enumerate(done.choices)],
             arrival,
         )
@@ -267,8 +268,13 @@ class App:
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
+        prompt_ids = None
+        if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
+            per_prompt = len(done.choices) // len(done.prompt_token_ids)
+            prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
         framer = fmt.Framer(kind, _response_id(scope, prefix, done, request_id), int(time.time()), gw.model_name,
-                            done.include_usage, done.continuous_usage, [c.prompt_tokens for c in gen.choices])
+                            done.include_usage, done.continuous_usage, [c.prompt_tokens for c in gen.choices],
+                            prompt_ids, done.token_ids, done.functions)  # fmt: skip
         try:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
@@ -327,6 +333,9 @@ class App:
                     elif kind == "logprobs":
                         gen.buffered -= len(event[2])
                         parts.append(framer.logprobs_chunk(event[1], event[2], event[3], event[4]))
+                    elif kind == "ids":
+                        gen.buffered -= len(event[3])
+                        parts.append(framer.ids_chunk(*event[1:]))
                     elif kind == "finish":
                         parts.append(framer.finish_chunk(event[1], event[2], event[3]))
                         self.gw.metrics.finished(event[2])
@@ -356,6 +365,7 @@ class App:
                        done=None) -> None:
         texts = [[] for _ in gen.choices]
         logprobs = [[] for _ in gen.choices] if done is not None and done.logprobs else None
+        token_ids = [[] for _ in gen.choices] if done is not None and done.token_ids else None
         reasoning = [[] for _ in gen.choices]
         calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
@@ -373,6 +383,14 @@ class App:
             elif event[0] == "reasoning":
                 reasoning[event[1]].append(event[2])
                 gen.buffered -= len(event[2])
+            elif event[0] == "ids":
+                _, index, kind, text, ids, fragments, _ = event
+                (reasoning if kind == "reasoning" else texts)[index].append(text)
+                gen.buffered -= len(text)
+                if token_ids is not None:
+                    token_ids[index].append(ids)
+                if logprobs is not None and fragments:
+                    logprobs[index].append(fragments)
             elif event[0] == "call":
                 calls[event[1]].append(event[2])
                 gen.buffered -= len(event[2].text)
@@ -386,7 +404,7 @@ class App:
             elif event[0] == "disconnected":
                 return
         body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls,
-                           logprobs, forced_calls=bool(done is not None and done.forced_calls))
+                           logprobs, forced_calls=bool(done is not None and done.forced_calls), token_ids=token_ids)
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:

@@ -58,6 +58,9 @@ class Generation:
 #   ("logprobs", choice_index, text, fragments, tokens) -- text with its tokens' logprobs (tokenizer_workers/logprobs.py)
 #   ("reasoning", choice_index, text, tokens)
 #   ("call", choice_index, OutPiece, tokens)  -- one whole tool call
+#   ("ids", choice_index, kind, text, ids, fragments, tokens) -- vLLM's return_token_ids: one delta's text
+#        ("text", "reasoning", or None for none) with its generated token IDs (``ids``: comma-joined) and
+#        logprob fragments (None without), in one chunk
 #   ("finish", choice_index, finish_reason, tokens)
 #   ("error", ApiError)            -- the whole request failed; nothing follows
 # ``tokens``: the choice's tokens generated up to this event (usage in every chunk, vLLM's
@@ -151,13 +154,26 @@ class Generations:
                 continue
             gen, choice = entry
             tokens = delta.tokens
-            if delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
+            pieces = delta.pieces
+            if delta.token_ids is not None:  # a chunk for every delta that took tokens, with their IDs
+                kind, text = "text", delta.text
+                if pieces:  # parsed: the first content or reasoning piece rides with the IDs, as vLLM's delta
+                    first = pieces[0]
+                    if first.kind == "content" or first.kind == "reasoning":
+                        kind, text, pieces = ("text" if first.kind == "content" else "reasoning"), first.text, pieces[1:]
+                    else:
+                        kind = None  # a call goes in chunks of its own: the IDs come in an empty delta before it
+                if delta.token_ids or text or delta.logprobs:
+                    gen.buffered += len(text)
+                    gen.events.put_nowait(("ids", choice.index, kind, text, delta.token_ids, delta.logprobs or None,
+                                           tokens))  # fmt: skip
+            elif delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
                 gen.buffered += len(delta.text)
                 gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs, tokens))
             elif delta.text:
                 gen.buffered += len(delta.text)
                 gen.events.put_nowait(("text", choice.index, delta.text, tokens))
-            for piece in delta.pieces:
+            for piece in pieces:
                 gen.buffered += len(piece.text)
                 if piece.kind == "call":
                     choice.tool_calls += 1

@@ -43,15 +43,18 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls, forced_calls: bool = False) -> dict:
+def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False) -> dict:
     """A chat.completion message: content null when the model only reasoned or called tools (""
-    when the request forced the calls, as vLLM answers)."""
+    when the request forced the calls, as vLLM answers); with OpenAI's legacy functions, the call
+    is function_call {name, arguments}."""
     empty = "" if forced_calls else None
     out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else empty}
     if reasoning:
         out["reasoning"] = reasoning
         out["reasoning_content"] = reasoning
-    if calls:
+    if calls and functions:
+        out["function_call"] = {"name": calls[0].name, "arguments": calls[0].text}
+    elif calls:
         out["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
                              for c in calls]  # fmt: skip
     return out
@@ -79,7 +82,8 @@ class Framer:
     """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool,
-                 continuous_usage: bool = False, prompt_tokens: list[int] | None = None):
+                 continuous_usage: bool = False, prompt_tokens: list[int] | None = None,
+                 prompt_ids: list[bytes] | None = None, token_ids: bool = False, functions: bool = False):
         self.chat = kind == "chat"
         self.id = request_id
         self.created = created
@@ -90,6 +94,12 @@ class Framer:
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens or []
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        # vLLM's return_token_ids: each choice's prompt token IDs (a JSON array; None when not asked), and
+        # whether its chunks and choices carry their generated token IDs
+        self.prompt_ids = prompt_ids
+        self.functions = functions  # OpenAI's legacy functions: a call is message.function_call / delta.function_call
+        self.token_ids = token_ids
+        self._prompt_ids_due = set(range(len(prompt_ids))) if prompt_ids is not None and not self.chat else set()
         self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
 
     def _template(self, kind: str, index: int) -> list[bytes]:
@@ -123,8 +133,35 @@ class Framer:
         return out
 
     def role_chunk(self, index: int) -> bytes:
-        return sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], self._usage(index, 0)))  # fmt: skip
+        chunk = self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], self._usage(index, 0))  # fmt: skip
+        if self.prompt_ids is not None:  # as vLLM: every choice's role chunk, the first of its stream
+            chunk["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[index])
+        return sse(chunk)
+
+    def _choice_ids(self, choice: dict, index: int, ids: bytes) -> dict:
+        """vLLM's return_token_ids on a streamed choice: completions' first chunk of each choice carries
+        its prompt's IDs; every chunk its generated IDs."""
+        if index in self._prompt_ids_due:
+            self._prompt_ids_due.discard(index)
+            choice["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[index])
+        choice["token_ids"] = msgspec.Raw(b"[" + ids + b"]")
+        return choice
+
+    def ids_chunk(self, index: int, kind: str | None, text: str, ids: bytes, fragments: list[bytes] | None,
+                  tokens: int = 0) -> bytes:
+        """One delta with its generated token IDs (and its logprobs, if asked): ``kind`` "text",
+        "reasoning", or None for an empty delta."""
+        logprobs = None
+        if fragments:
+            logprobs = (chat_logprobs if self.chat else completion_logprobs)([fragments])
+        if self.chat:
+            delta = ({"content": text} if kind == "text" else
+                     {"reasoning": text, "reasoning_content": text} if kind == "reasoning" else {})  # fmt: skip
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return sse(self._chunk([self._choice_ids(choice, index, ids)], self._usage(index, tokens)))
 
     def text_chunk(self, index: int, text: str, tokens: int = 0) -> bytes:
         parts = self._templates.get(("text", index)) or self._template("text", index)
@@ -157,15 +194,20 @@ class Framer:
         return self.text_chunk(index, text, tokens) if kind == "text" else self.reasoning_chunk(index, text, tokens)
 
     def call_chunks(self, index: int, call, tokens: int = 0) -> bytes:
-        """One whole tool call as OpenAI streams it: id, type and name first, then the arguments."""
-        head = {"index": call.index, "id": call.call_id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-        args = {"index": call.index, "function": {"arguments": call.text}}
+        """One whole tool call as OpenAI streams it: id, type and name first, then the arguments
+        (legacy functions: delta.function_call, its name first, then its arguments)."""
+        if self.functions:
+            deltas = ({"function_call": {"name": call.name, "arguments": ""}},
+                      {"function_call": {"arguments": call.text}})  # fmt: skip
+        else:
+            head = {"index": call.index, "id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            args = {"index": call.index, "function": {"arguments": call.text}}
+            deltas = ({"tool_calls": [head]}, {"tool_calls": [args]})
         usage = self._usage(index, tokens)
         return b"".join(
-            sse(self._chunk([{"index": index, "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}],
-                            usage))
-            for item in (head, args)
+            sse(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], usage))
+            for delta in deltas
         )
 
     def logprobs_chunk(self, index: int, text: str, fragments: list[bytes], tokens: int = 0) -> bytes:
@@ -182,6 +224,8 @@ class Framer:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        if self.token_ids:  # its tokens went out with the deltas before it
+            self._choice_ids(choice, index, b"")
         return sse(self._chunk([choice], self._usage(index, tokens)))
 
     def usage_chunk(self, usage_obj: dict) -> bytes:
@@ -189,15 +233,16 @@ class Framer:
                     "choices": [], "usage": usage_obj})
 
     def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None,
-             logprobs=None, forced_calls: bool = False) -> bytes:
-        """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked)."""
+             logprobs=None, forced_calls: bool = False, token_ids=None) -> bytes:
+        """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked);
+        ``token_ids``: per choice, the generated IDs of its deltas (vLLM's return_token_ids)."""
         lps = [None] * len(texts)
         if logprobs is not None:
             lps = [(chat_logprobs if self.chat else completion_logprobs)(f) for f in logprobs]
         if self.chat:
             choices = [
                 {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else (),
-                                                forced_calls),
+                                                forced_calls, self.functions),
                  "logprobs": lps[i], "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]  # fmt: skip
@@ -208,6 +253,14 @@ class Framer:
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]
             obj = "text_completion"
-        return _json.encode(
-            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_obj}
-        )
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+               "usage": usage_obj}
+        if self.prompt_ids is not None:  # vLLM's return_token_ids: chat's prompt once, completions' per choice
+            for i, choice in enumerate(choices):
+                if not self.chat:
+                    choice["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[i])
+                joined = b",".join(f for f in token_ids[i] if f) if token_ids is not None else b""
+                choice["token_ids"] = msgspec.Raw(b"[" + joined + b"]") if self.token_ids else None
+            if self.chat:
+                out["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[0])
+        return _json.encode(out)

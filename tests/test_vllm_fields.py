@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from conftest import http
+from conftest import Server, http
 
 MODEL = "deepseek-v4"
 WORDS = "the mill grinds the grain into fine white flour every single morning"
@@ -327,3 +328,258 @@ def test_chat_echo_repeats_the_last_assistant_message(echo_server):
     status, _, err = http("POST", echo_server.url + "/v1/chat/completions",
                           {"model": MODEL, "messages": user_last, "echo": 3})  # fmt: skip
     assert status == 400 and err["error"]["param"] == "echo", err
+
+
+# ---- return_token_ids ---------------------------------------------------------------------------
+
+
+def test_return_token_ids_on_completions_as_vllm(echo_server, default_tokenizer):
+    """Every choice carries its prompt's IDs (as the engine got them) and its generated IDs, streamed
+    and not; streamed, the prompt's IDs come with each choice's first chunk only, and each chunk's
+    token_ids are the tokens behind it, those whose text is still held back included."""
+    client = echo_server.client()
+    ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    extra = {"return_token_ids": True}
+    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=5, extra_body=extra)
+    with_bos = default_tokenizer.encode(WORDS).ids
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == with_bos and choice["token_ids"] == with_bos[:5]
+    # several prompts, n, truncation: each choice its own prompt's (kept) IDs
+    out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, n=2,
+                                    extra_body={**extra, "truncate_prompt_tokens": 6})  # fmt: skip
+    got = [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in out.choices]
+    assert got == [(ids[-6:], ids[-6:-2])] * 2 + [(ids[:3], (ids[:3] * 2)[:4])] * 2
+    chunks = [c.model_dump() for c in client.completions.create(
+        model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, n=2, stream=True, extra_body={**extra, "truncate_prompt_tokens": 6})]
+    streamed = {i: [] for i in range(4)}
+    for chunk in chunks:
+        (c,) = chunk["choices"]
+        if not streamed[c["index"]]:
+            assert c["prompt_token_ids"] == got[c["index"]][0], c  # the choice's first chunk
+        else:
+            assert "prompt_token_ids" not in c, c
+        streamed[c["index"]].append(c["token_ids"])
+    assert [sum(streamed[i], []) for i in range(4)] == [g[1] for g in got]
+    # a stop string holds text back: the tokens behind it still come, in chunks of their own, as in vLLM
+    text, sent = "", []
+    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["grain into"],
+                                           stream=True, extra_body=extra):  # fmt: skip
+        c = chunk.choices[0]
+        text += c.text
+        sent += c.model_extra["token_ids"]
+        assert default_tokenizer.decode(sent).startswith(text)
+    assert text == "the mill grinds the " and c.finish_reason == "stop"
+    assert sent == ids[: ids.index(default_tokenizer.encode(" into", add_special_tokens=False).ids[0]) + 1]
+    # the request's stop token is the last ID (vLLM keeps it in token_ids)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, extra_body={**extra, "stop_token_ids": [ids[3]]})
+    assert out.choices[0].model_extra["token_ids"] == ids[:4] and out.choices[0].finish_reason == "stop"
+    # echo: vLLM returns the prompt's IDs instead of its text
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True, extra_body=extra)
+    assert out.choices[0].text == default_tokenizer.decode(ids[:2])
+    # not asked: no IDs anywhere
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.choices[0].model_extra
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        status, _, err = http("POST", echo_server.url + path, {"model": MODEL, "return_token_ids": "yes", **body})
+        assert status == 400 and err["error"]["param"] == "return_token_ids", err
+
+
+def test_return_token_ids_on_chat_as_vllm(echo_server, default_tokenizer):
+    """prompt_token_ids at the response's top level (streamed: in every choice's role chunk, and no
+    other), each choice's token_ids (streamed: each chunk's own, the finish chunk's empty)."""
+    client = echo_server.client()
+    chat = [{"role": "user", "content": WORDS}]
+    status, _, rendered = http("POST", echo_server.url + "/tokenize", {"model": MODEL, "messages": chat})
+    prompt = rendered["tokens"]
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, n=2,
+                                         extra_body={"return_token_ids": True})  # fmt: skip
+    assert out.model_extra["prompt_token_ids"] == prompt
+    assert [c.model_extra["token_ids"] for c in out.choices] == [prompt[:6]] * 2
+    events = _sse(echo_server, "/v1/chat/completions", {"messages": chat, "max_tokens": 6, "n": 2, "stream": True,
+                                                        "return_token_ids": True, "logprobs": True})  # fmt: skip
+    ids = {0: [], 1: []}
+    content = {0: "", 1: ""}
+    for event in events:
+        (c,) = event["choices"]
+        if c["delta"].get("role"):
+            assert event["prompt_token_ids"] == prompt and "token_ids" not in c
+            continue
+        assert "prompt_token_ids" not in event
+        ids[c["index"]] += c["token_ids"]
+        content[c["index"]] += c["delta"].get("content") or ""
+        if c["finish_reason"]:
+            assert c["token_ids"] == [] and c["finish_reason"] == "length"
+        else:  # one chunk per token here: its logprobs entry is its token's
+            assert len(c["token_ids"]) == 1 and len(c["logprobs"]["content"]) == 1
+    assert ids == {0: prompt[:6], 1: prompt[:6]}
+    assert content[0] == out.choices[0].message.content
+    assert sum(1 for e in events if "prompt_token_ids" in e) == 2
+
+
+THINK = "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."
+SAYS = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
+CALL = 'Let me look that up.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}' \
+       '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """Scripted replies, four tokens per decode step (as speculative decoding emits them); the embedded
+    model's parsers are on (think-tag reasoning, its tool calls)."""
+    replies = Path(tmp_path_factory.mktemp("replies")) / "replies.jsonl"
+    replies.write_text("\n".join(json.dumps({"match": m, "text": t}, ensure_ascii=False)
+                                 for m, t in (("think first", THINK), ("say the words", SAYS),
+                                              ("weather in Paris", CALL))) + "\n")  # fmt: skip
+    srv = Server("--workers", "1", "--sim-inter-token-latency-ms", "0", "--sim-replies", str(replies),
+                 "--sim-tokens-per-step", "4")  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_return_token_ids_stop_at_the_token_that_completes_a_stop_string(scripted, default_tokenizer):
+    """Four tokens a step: vLLM drops those generated after the one completing the stop string."""
+    words = default_tokenizer.encode(SAYS, add_special_tokens=False).ids
+    gamma = words.index(default_tokenizer.encode(" gamma", add_special_tokens=False).ids[0])
+    client = scripted.client()
+    for stop, include in ((["gam"], False), (["a gamma"], True), (["mma d"], False)):
+        end = gamma + 1 if stop != ["mma d"] else gamma + 2
+        extra = {"return_token_ids": True, "include_stop_str_in_output": include}
+        out = client.completions.create(model=MODEL, prompt="say the words", max_tokens=20, stop=stop, extra_body=extra)
+        assert out.choices[0].model_extra["token_ids"] == words[:end], stop
+        assert out.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(model=MODEL, prompt="say the words", max_tokens=20, stop=stop,
+                                                stream=True, extra_body=extra))  # fmt: skip
+        assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == words[:end]
+        assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_return_token_ids_with_reasoning_as_vllm(scripted, default_tokenizer):
+    """Reasoning deltas carry their IDs; with include_reasoning false vLLM hides the generated IDs
+    (they would tell the reasoning) and still gives the prompt's."""
+    client = scripted.client()
+    chat = [{"role": "user", "content": "think first"}]
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    out = client.chat.completions.create(model=MODEL, messages=chat, extra_body={"return_token_ids": True, **thinking})
+    reply = default_tokenizer.encode(THINK, add_special_tokens=False).ids
+    ids = out.choices[0].model_extra["token_ids"]
+    assert ids[: len(reply)] == reply and len(ids) == out.usage.completion_tokens  # the EOS too
+    assert out.choices[0].message.content == "The answer is 4."
+    assert len(out.model_extra["prompt_token_ids"]) == out.usage.prompt_tokens
+    events = _sse(scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True,
+                                                     **thinking})  # fmt: skip
+    streamed = [e["choices"][0] for e in events[1:]]
+    assert sum((c["token_ids"] for c in streamed), []) == ids
+    assert any(c["delta"].get("reasoning") and c["token_ids"] for c in streamed)
+    assert "".join(c["delta"].get("content") or "" for c in streamed) == "The answer is 4."
+    hidden = client.chat.completions.create(model=MODEL, messages=chat,
+                                            extra_body={"return_token_ids": True, "include_reasoning": False,
+                                                        **thinking})  # fmt: skip
+    assert hidden.choices[0].model_extra["token_ids"] is None and hidden.model_extra["prompt_token_ids"]
+    events = _sse(scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True,
+                                                     "include_reasoning": False, **thinking})  # fmt: skip
+    assert events[0]["prompt_token_ids"] and not any("token_ids" in e["choices"][0] for e in events)
+
+
+# ---- spaces_between_special_tokens --------------------------------------------------------------
+
+
+def _wordpiece_model(directory: Path) -> Path:
+    """A tokenizer whose decoder (WordPiece) puts a space before every token that is not a ##piece,
+    added tokens included: where spaces_between_special_tokens shows."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3, "mill": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True),
+                            AddedToken("</s>", special=True)])  # fmt: skip
+    tok.add_tokens(["plainadd"])  # an added token that is not special: vLLM treats it alike
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"}))  # fmt: skip
+    (directory / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    return directory
+
+
+def test_spaces_between_special_tokens_as_vllm(tmp_path):
+    """vLLM's FastIncrementalDetokenizer: with skip_special_tokens false and spaces_between false, an
+    added token after an added token is its bare content; the rest is the decoder's text. (Its output
+    for these IDs, worked out by running vLLM 0.32's decode_next: 'hello', ' <a>', '<b>', ' world',
+    's', ' <b>', '<a>', 'plainadd', 'plainadd', ' mill'.)"""
+    model = _wordpiece_model(tmp_path / "wordpiece")
+    srv = Server("--workers", "1", "--model", str(model), "--sim-mode", "echo", "--sim-inter-token-latency-ms", "0",
+                 "--tool-call-parser", "none", "--reasoning-parser", "none")  # fmt: skip
+    try:
+        client = srv.client()
+        ids = [1, 5, 6, 2, 3, 6, 5, 8, 8, 4]
+        kept = "hello <a><b> worlds <b><a>plainaddplainadd mill"
+        for extra, expected in (({"skip_special_tokens": False, "spaces_between_special_tokens": False}, kept),
+                                ({"skip_special_tokens": False}, "hello <a> <b> worlds <b> <a> plainadd plainadd mill"),
+                                ({"spaces_between_special_tokens": False}, "hello worlds plainadd plainadd mill")):
+            out = client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), extra_body=extra)
+            assert out.choices[0].text == expected, extra
+            chunks = list(client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), stream=True,
+                                                    extra_body=extra))  # fmt: skip
+            assert "".join(c.choices[0].text for c in chunks) == expected, extra
+        out = client.chat.completions.create(model="wordpiece", messages=[{"role": "user", "content": "<a> <b> mill"}],
+                                             max_tokens=3, extra_body={"skip_special_tokens": False,
+                                                                       "spaces_between_special_tokens": False})  # fmt: skip
+        assert out.choices[0].message.content == "<a><b> mill"
+        status, _, err = http("POST", srv.url + "/v1/completions",
+                              {"model": "wordpiece", "prompt": ids, "spaces_between_special_tokens": "no"})  # fmt: skip
+        assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens", err
+    finally:
+        srv.stop()
+
+
+# ---- functions / function_call (OpenAI's deprecated forms of tools / tool_choice) ---------------
+
+WEATHER_FN = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"]}}  # fmt: skip
+
+
+def test_functions_answer_in_openais_legacy_shape(scripted):
+    """vLLM 0.32 ignores functions and function_call; tokenmill maps them as OpenAI does and answers
+    with message.function_call and finish_reason "function_call" (streamed: delta.function_call)."""
+    client = scripted.client()
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Paris"}], "functions": [WEATHER_FN]}
+    out = client.chat.completions.create(**ask)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "function_call" and message.tool_calls is None
+    assert message.function_call.name == "get_weather" and json.loads(message.function_call.arguments) == {"city": "Paris"}
+    assert message.content == "Let me look that up."
+    name, args, finish, content = None, "", None, ""
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        delta = chunk.choices[0].delta
+        assert delta.tool_calls is None
+        content += delta.content or ""
+        if delta.function_call:
+            name = delta.function_call.name or name
+            args += delta.function_call.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, json.loads(args), finish, content) == ("get_weather", {"city": "Paris"}, "function_call", message.content)
+    # function_call "auto" is the default; "none" parses no call; a name forces that function ("stop", as OpenAI)
+    assert client.chat.completions.create(function_call="auto", **ask).choices[0].finish_reason == "function_call"
+    none = client.chat.completions.create(function_call="none", **ask)
+    assert none.choices[0].message.function_call is None and none.choices[0].finish_reason == "stop"
+    named = client.chat.completions.create(function_call={"name": "get_weather"}, **ask)
+    assert named.choices[0].message.function_call.name == "get_weather" and named.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(named.choices[0].message.function_call.arguments), dict)
+    chat = [{"role": "user", "content": "weather in Paris"}]
+    for bad, param in (({"functions": [WEATHER_FN], "tools": [{"type": "function", "function": WEATHER_FN}]}, "functions"),
+                       ({"function_call": "auto"}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": {"name": "nope"}}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": "required"}, "function_call"),
+                       ({"functions": [WEATHER_FN], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
+                       ({"functions": "get_weather"}, "functions"),
+                       ({"functions": [{"parameters": {}}]}, "functions"),
+                       ({"functions": []}, "functions")):
+        status, _, err = http("POST", scripted.url + "/v1/chat/completions", {"model": MODEL, "messages": chat, **bad})
+        assert status == 400 and err["error"]["param"] == param, (bad, err)
+
+
+def test_docs_list_functions_among_the_differences_from_vllm():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "request-fields.md").read_text()
+    differences = doc.split("### Where tokenmill still differs from vLLM 0.32", 1)[1]
+    assert "`functions`" in differences and "`function_call`" in differences and "ignores" in differences

@@ -66,6 +66,8 @@ class DetokSpec:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     prefix: str = ""  # echo (completions: the prompt; chat: the last message), sent before the first generated text
     chat: bool = True  # logprobs in chat's shape, else in completions'
+    token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
+    spaces_between: bool = True  # vLLM's spaces_between_special_tokens (has effect only without skip_special_tokens)
 
 
 @dataclass
@@ -179,6 +181,7 @@ class Converter:
         req: oa.ChatCompletionRequest = oa.parse("chat", body)
         self._check_model(req.model)
         oa.check_sampling(req)
+        functions = _legacy_functions(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         # everything that can be refused is refused before rendering
@@ -202,8 +205,13 @@ class Converter:
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)
             spec_.prefix = echo
+        if req.return_token_ids and not req.include_reasoning and any(s.parser for s in conversion.detok):
+            for spec_ in conversion.detok:  # as vLLM: with a parser at work and the reasoning left out, the
+                spec_.token_ids = False  # generated IDs are not shown (they would tell the reasoning)
+            conversion.done.token_ids = False
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
+        conversion.done.functions = functions
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         conversion.done.conversation = _conversation_key(req.messages)
@@ -225,7 +233,9 @@ class Converter:
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
         echo = None
-        if req.echo:  # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation
+        # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation;
+        # with return_token_ids vLLM echoes no text (the prompt's IDs are in the response instead)
+        if req.echo and not req.return_token_ids:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
         return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo)
@@ -385,6 +395,7 @@ class Converter:
         seed = params.sampling.seed
         keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
+        prompt_ids = [] if req.return_token_ids else None
         for p, ids in enumerate(id_lists):
             if keep is not None and len(ids) > keep:
                 ids = ids[len(ids) - keep :] if left else ids[:keep]
@@ -402,6 +413,8 @@ class Converter:
             if n == 0:
                 raise oa.InvalidRequest(f"The {what} is empty after tokenization.", what)
             prompt_frame = protocol.ids_to_frame(ids)
+            if prompt_ids is not None:  # the IDs the engine gets (truncated), as vLLM returns them
+                prompt_ids.append(_json.encode(ids.tolist() if hasattr(ids, "tolist") else ids))
             for i in range(params.n):
                 rid = f"{job.request_id}-{len(choices)}"
                 sampling = params.sampling
@@ -424,7 +437,9 @@ class Converter:
                 frames.append(prompt_frame)
                 detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                                       chat=what == "messages", prefix=echo[p] if echo else ""))
+                                       chat=what == "messages", prefix=echo[p] if echo else "",
+                                       token_ids=bool(req.return_token_ids),
+                                       spaces_between=req.spaces_between_special_tokens is not False))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -437,6 +452,8 @@ class Converter:
             render_s=render_s,
             tokenize_s=tokenize_s,
             logprobs=params.logprobs is not None,
+            prompt_token_ids=prompt_ids,
+            token_ids=bool(req.return_token_ids),
         )
         return Conversion(done, frames, detok)
 
@@ -454,6 +471,36 @@ class _Generation:
 def _wrap_seed(seed: int) -> int:
     """seed + i stays a signed 64-bit integer."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def _legacy_functions(req) -> bool:
+    """OpenAI's deprecated functions and function_call, mapped as OpenAI does: functions are tools of
+    type function, function_call "none", "auto" or {"name": N} the matching tool_choice, and (as
+    OpenAI's legacy answer holds one function_call) at most one call. True when the request used them."""
+    functions, call = req.functions, req.function_call
+    if functions is None:
+        if call is not None:
+            raise oa.InvalidRequest("function_call needs functions: none were given.", "function_call")
+        return False
+    if req.tools is not None:
+        raise oa.InvalidRequest("Give either tools or functions (their deprecated form), not both.", "functions")
+    if not functions or not all(isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] for f in functions):
+        raise oa.InvalidRequest("functions must be a non-empty list of objects, each with a name.", "functions")
+    if call is not None and req.tool_choice is not None:
+        raise oa.InvalidRequest("Give either tool_choice or function_call (its deprecated form), not both.",
+                                "function_call")
+    if call in ("none", "auto"):
+        req.tool_choice = call
+    elif isinstance(call, dict) and set(call) == {"name"}:
+        if call["name"] not in {f["name"] for f in functions}:
+            raise oa.InvalidRequest(f"function_call names {call['name']!r}, which is not among the functions.",
+                                    "function_call")
+        req.tool_choice = {"type": "function", "function": {"name": call["name"]}}
+    elif call is not None:
+        raise oa.InvalidRequest("function_call must be 'none', 'auto' or {'name': ...}.", "function_call")
+    req.tools = [{"type": "function", "function": f} for f in functions]
+    req.parallel_tool_calls = False
+    return True
 
 
 def _chat_echo(req) -> str:

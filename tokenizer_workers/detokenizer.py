@@ -14,7 +14,10 @@ The text then goes through the parser, and the delta carries its pieces in order
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
+
+import msgspec
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -25,14 +28,16 @@ from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_list
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
+_json = msgspec.json.Encoder()
+
 
 class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
                  "tail", "tail_len", "tokens_as_ids",
-                 "prefix")  # fmt: skip
+                 "prefix", "show_ids", "stop_end", "added", "last_added", "plain")  # fmt: skip
 
-    def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset()):
+    def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
         self.parser: OutputParser | None = spec.parser
         # with a parser, DecodeStream keeps specials and drop_ids does what skip_special_tokens would
         self.skip_special = spec.skip_special_tokens and self.parser is None
@@ -57,6 +62,14 @@ class _Stream:
         self.chat = spec.chat
         self.text_offset = 0  # completions' logprobs.text_offset so far
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
+        self.show_ids = spec.token_ids  # vLLM's return_token_ids: each delta says its generated token IDs
+        self.stop_end = 0  # where the matched stop string ends, counted from the start of pending
+        # spaces_between_special_tokens false (with skip_special_tokens false): an added token right after
+        # another is its bare content, without the space the decoder may put before it (vLLM's fast
+        # detokenizer); added: added token ID -> content, else None
+        self.added = added
+        self.last_added = False
+        self.plain = ""  # with added: what DecodeStream produced (streamed holds what was sent)
 
 
 class Detokenizer:
@@ -69,9 +82,15 @@ class Detokenizer:
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._drop_ids: dict[tuple, frozenset] = {}
         self._texts: TokenTexts | None = None  # each token's own text, for logprobs (made on first use)
+        self._added: dict[int, str] | None = None  # added token ID -> content (made on first use)
         self.parse_failures: dict[str, int] = {}  # since the last take_failures()
 
     def open(self, spec: DetokSpec) -> None:
+        added = None
+        if not spec.spaces_between and not spec.skip_special_tokens:
+            if self._added is None:
+                self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+            added = self._added or None
         drop = frozenset()
         if spec.parser is not None:
             markers = spec.parser.markers
@@ -79,7 +98,7 @@ class Detokenizer:
             if drop is None:  # special tokens skip_special_tokens drops, less the parser's markers
                 keep = {self.tokenizer.token_to_id(m) for m in markers}
                 drop = self._drop_ids[markers] = self.special_ids - keep
-        self.states[spec.request_id] = _Stream(spec, drop)
+        self.states[spec.request_id] = _Stream(spec, drop, added)
         while len(self.states) > self.max_states:
             self.states.popitem(last=False)
 
@@ -115,10 +134,13 @@ class Detokenizer:
         return out
 
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
-        new_ids = frame_to_ids(frame)
+        raw = new_ids = frame_to_ids(frame)
         state.count += len(new_ids)
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
+        # return_token_ids with stop strings: where each new token's text ends, to tell which token
+        # completed a stop string (vLLM leaves out those generated after it in the same step)
+        ends = [] if state.show_ids and state.stop else None
         state.ids.extend(new_ids)
         for tid in new_ids:
             try:
@@ -126,14 +148,42 @@ class Detokenizer:
             except Exception:  # "Invalid prefix" and friends: rebuild from the full decode below
                 state.stream = DecodeStream(skip_special_tokens=state.skip_special)
                 piece = None
+            if state.added is not None:
+                state.plain += piece or ""
+                content = state.added.get(tid)
+                if content is not None and state.last_added:
+                    piece = content
+                state.last_added = content is not None
             if piece:
                 state.streamed += piece
                 state.pending += piece
+            if ends is not None:
+                ends.append(len(state.streamed))
+        settled = 0  # text the final decode added (the last tokens' held-back bytes)
         if finished:
             full = self.tokenizer.decode(state.ids, skip_special_tokens=state.skip_special)
-            if full.startswith(state.streamed):
-                state.pending += full[len(state.streamed) :]
+            decoded = state.streamed if state.added is None else state.plain
+            if full.startswith(decoded):
+                settled = len(full) - len(decoded)
+                state.pending += full[len(decoded) :]
+        pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
+        shown = None
+        if state.show_ids:
+            if stopped and ends:
+                ends[-1] += settled
+                # keep the tokens up to the one whose text reaches the end of the stop string
+                kept = bisect_left(ends, pending_start + state.stop_end) + 1
+                if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
+                    decoded, cut = 0, len(raw)
+                    for k, tid in enumerate(raw):
+                        decoded += tid not in state.drop_ids
+                        if decoded == kept:
+                            cut = k + 1
+                            break
+                    kept = cut
+                raw = raw[:kept]
+            shown = _json.encode(raw.tolist() if hasattr(raw, "tolist") else raw)[1:-1]
         prefix = ""
         if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
             prefix, state.prefix = state.prefix, ""
@@ -142,11 +192,11 @@ class Detokenizer:
         if stopped or finished:
             del self.states[rid]
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count)
+            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown)
         pieces = self._parse(state, text, stopped or finished)
         if prefix:  # chat's echo is content, ahead of what the parser makes of the output
             pieces.insert(0, OutPiece("content", prefix))
-        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count)
+        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown)
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser
@@ -170,10 +220,11 @@ class Detokenizer:
         if state.include_stop:
             return Detokenizer._cut_after(state, pending)
         if state.stop:
-            hits = [i for i in (pending.find(s) for s in state.stop) if i >= 0]
+            hits = [(i, i + len(s)) for s, i in ((s, pending.find(s)) for s in state.stop) if i >= 0]
             if hits:
                 state.pending = ""
-                return pending[: min(hits)], True
+                start, state.stop_end = min(hits)
+                return pending[:start], True
         if finished or not state.hold:
             state.pending = ""
             return pending, False
@@ -202,6 +253,7 @@ class Detokenizer:
             if i >= 0 and (end < 0 or i + len(s) < end):
                 end = i + len(s)
         if end >= 0:
+            state.stop_end = end - len(state.tail)
             return text[len(state.tail) : end], True
         state.tail = text[-state.tail_len :] if state.tail_len else ""
         return pending, False

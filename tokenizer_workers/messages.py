@@ -162,6 +162,12 @@ class ConvertDone(msgspec.Struct, tag="done"):
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
     forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
+    # vLLM's return_token_ids: each prompt's token IDs as a JSON array (the choices are prompt-major, n per
+    # prompt); None when not asked. token_ids: the choices' generated IDs are shown (vLLM hides them when
+    # a parser is at work and include_reasoning is false)
+    prompt_token_ids: list[bytes] | None = None
+    token_ids: bool = False
+    functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
@@ -190,6 +196,9 @@ class DetokDelta(msgspec.Struct, array_like=True):
     # chat: [content]; completions: [tokens, token_logprobs, top_logprobs, text_offset]
     logprobs: list[bytes] = []
     tokens: int = 0  # the request's tokens the detokenizer has taken so far (usage in every chunk)
+    # vLLM's return_token_ids: this delta's generated token IDs, comma-joined without brackets; None when
+    # the request did not ask for them
+    token_ids: bytes | None = None
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):

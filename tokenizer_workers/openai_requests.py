@@ -37,8 +37,10 @@ class SamplingFields(RefusableFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None  # vLLM's: false joins adjacent added tokens without a space
     logprobs: Any = None  # chat: a bool; completions: the number of top tokens (0-20)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the generated token IDs in the response
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
@@ -67,6 +69,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call, as vLLM keeps
+    # OpenAI's deprecated forms of tools and tool_choice (vLLM ignores them; tokenmill maps them as OpenAI)
+    functions: list[Any] | None = None
+    function_call: Any = None
     top_logprobs: int | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)
