@@ -36,10 +36,6 @@ def _text_modalities(value) -> bool:
     return value is None or value == ["text"]
 
 
-def _true(value) -> bool:
-    return value is None or value is True
-
-
 _STRUCTURED = "use structured_outputs (json, regex, choice, grammar, structural_tag) or response_format"
 
 # field -> (holds its default?, why a non-default value is refused)
