@@ -151,10 +151,10 @@ def test_a_send_to_an_engine_that_does_not_read_fails_at_once_instead_of_waiting
 
     ctx = zmq.Context()
     engine = ctx.socket(zmq.ROUTER)  # binds and never reads, as an engine stuck in a long step
-    engine.setsockopt(zmq.RCVHWM, 1)
+    engine.setsockopt(zmq.RCVHWM, 16)
     engine.bind(f"ipc://{tmp_path}/engine.sock")
     dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.SNDHWM, 1)
+    dealer.setsockopt(zmq.SNDHWM, 16)
     dealer.setsockopt(zmq.IMMEDIATE, 1)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(f"ipc://{tmp_path}/engine.sock")
