@@ -39,6 +39,7 @@ MODEL = "deepseek-v4"
 HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE / "client_requests"
 ROOT = HERE.parent
+KEPT_HEADERS = {"x-request-id", "content-type"}
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -58,9 +59,14 @@ class Recorder:
         self.requests: list[dict] = []
         self.label = ""
 
-    def add(self, method: str, path: str, body) -> None:
+    def add(self, method: str, path: str, body, headers) -> None:
+        entry = {"name": self.label, "method": method, "path": path, "body": body}
+        # the headers a server reads besides the body (not auth, not the SDKs' telemetry)
+        kept = {k.lower(): v for k, v in headers.items() if k.lower() in KEPT_HEADERS}
+        if kept:
+            entry["headers"] = kept
         with self.lock:
-            self.requests.append({"name": self.label, "method": method, "path": path, "body": body})
+            self.requests.append(entry)
 
     def take(self) -> list[dict]:
         with self.lock:
@@ -117,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
-        self.recorder.add("GET", path, None)
+        self.recorder.add("GET", path, None, self.headers)
         if path.endswith("/models"):
             card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "tokenmill", "max_model_len": 8192}
             self._send(200, json.dumps({"object": "list", "data": [card]}).encode())
@@ -133,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError:
             body = {"__raw__": raw.decode("utf-8", "replace")}
-        self.recorder.add("POST", path, body)
+        self.recorder.add("POST", path, body, self.headers)
         if path.endswith("/tokenize"):
             self._send(200, json.dumps({"tokens": [1, 2, 3, 4], "count": 4, "max_model_len": 8192}).encode())
         elif path.endswith("/detokenize"):
@@ -570,10 +576,51 @@ def capture_vllm_bench(cap: CaptureServer) -> dict:
 
 
 def capture_guidellm(cap: CaptureServer) -> dict:
-    """guidellm's OpenAI HTTP backend (run in a venv with guidellm installed)."""
-    from guidellm_capture import run as run_guidellm  # noqa: F401  (see below)
+    """guidellm's OpenAI HTTP backend, as `guidellm benchmark --target URL` drives it (run in a venv
+    with guidellm installed: --guidellm-python): its startup checks, then requests for a synthetic
+    dataset with a fixed output length (max tokens, ignore_eos) and without one (--backend-kwargs max_tokens)."""
+    import asyncio
 
-    raise NotImplementedError
+    from guidellm.backends.openai.http import OpenAIHTTPBackend
+    from guidellm.schemas import GenerationRequest, RequestInfo, UsageMetrics
+    from guidellm.schemas.backends.openai_http import OpenAIHTTPBackendArgs
+
+    async def drive(label: str, request: GenerationRequest, **args) -> None:
+        backend = OpenAIHTTPBackend(OpenAIHTTPBackendArgs(target=cap.url, model=MODEL, **args))
+        await backend.process_startup()
+        try:
+            cap.recorder.label = label + ".validate"
+            await backend.validate()
+            cap.recorder.label = label + ".models"
+            await backend.available_models()
+
+            async def resolve() -> None:
+                async for _ in backend.resolve(request, RequestInfo()):
+                    pass
+
+            await cap.arun(label, resolve())
+        finally:
+            await backend.process_shutdown()
+
+    def synthetic(**kw) -> GenerationRequest:
+        return GenerationRequest(columns={"text_column": ["one two three four five six seven eight"]},
+                                 output_metrics=UsageMetrics(text_tokens=16), **kw)  # fmt: skip
+
+    async def main() -> None:
+        for fmt, name in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
+            await drive(f"{name}.synthetic_stream", synthetic(), request_format=fmt)
+            await drive(f"{name}.synthetic_no_stream", synthetic(), request_format=fmt, stream=False)
+            await drive(f"{name}.dataset_max_tokens", GenerationRequest(columns={"text_column": ["Say hello."]}),
+                        request_format=fmt, max_tokens=16)  # fmt: skip
+        await drive("chat.prefix_column", GenerationRequest(columns={
+            "prefix_column": ["You are terse."], "text_column": ["Say hello."]},
+            output_metrics=UsageMetrics(text_tokens=16)), request_format="/v1/chat/completions")  # fmt: skip
+
+    asyncio.run(main())
+    return {"client": "guidellm", "package": "guidellm", "version": _version("guidellm"),
+            "also": {"httpx": _version("httpx")},
+            "how": "guidellm.backends.openai.http.OpenAIHTTPBackend (guidellm benchmark's openai_http backend), "
+                   "request_format /v1/chat/completions and /v1/completions, streamed (its default) or not"}  # fmt: skip
 
 
 def _has(dist: str) -> bool:
