@@ -347,6 +347,11 @@ def capture_openai_python(cap: CaptureServer) -> dict:
       seed=7, n=1, stop=["</s>"], frequency_penalty=0.1, presence_penalty=0.1, logprobs=True, top_logprobs=1,
       user="u", tools=[WEATHER_TOOL], tool_choice="auto", parallel_tool_calls=True,
       response_format={"type": "text"}, metadata={"k": "v"}, store=False)  # fmt: skip
+    # options the SDK passes on that vLLM's request validation refuses (the replay expects a 400 for them)
+    c("misuse_stream_options_without_stream", stream_options={"include_usage": True})
+    c("misuse_top_logprobs_without_logprobs", top_logprobs=3)
+    c("misuse_tools_empty", tools=[])
+    c("misuse_tool_choice_without_tools", tool_choice="required")
     # conversations as agents send them: list content, a tool round trip, developer role, name
     cap.run("chat.list_content", lambda: chat(model=MODEL, max_tokens=16, messages=[
         {"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
@@ -405,6 +410,7 @@ def capture_openai_python(cap: CaptureServer) -> dict:
     p("stream", stream=True)
     p("stream_include_usage", stream=True, stream_options={"include_usage": True})
     p("stream_continuous_usage", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    p("misuse_stream_options_without_stream", stream_options={"include_usage": True})
     p("extra_body_vllm_sampling", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
                                               "ignore_eos": True, "min_tokens": 2})
     p("extra_body_return_tokens_as_token_ids", logprobs=1, extra_body={"return_tokens_as_token_ids": True})
