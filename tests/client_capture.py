@@ -16,7 +16,13 @@ The clients and where they run (`all`):
   litellm           completion()/text_completion(), streamed or not, models "openai/..." and "hosted_vllm/..."
   vllm-bench        `vllm bench serve`'s own request functions (backends openai-chat, openai) and its
                     /tokenize//detokenize prompt alignment, imported from vLLM (--vllm-python)
-  guidellm          guidellm's OpenAI HTTP backend (--guidellm-python, a venv with `pip install guidellm`)
+  guidellm          guidellm's OpenAI HTTP backend (--guidellm-python, a venv with `pip install guidellm`:
+                    not tokenmill's, since guidellm pulls torch 2.14 with CUDA where scripts/test.sh pins
+                    torch 2.13, so its bodies are replayed but guidellm itself is not run by the suite)
+
+The fixtures were made with: `python tests/client_capture.py all --python .venv/bin/python
+--vllm-python .venv-vllm/bin/python --guidellm-python /tmp/guidevenv/bin/python` (the first with
+the test extras installed, which include langchain-openai and litellm).
 
 Requests keep the client's bytes, parsed as JSON: nothing is normalised, so a replay sends what
 the client sent (the served model name, deepseek-v4, is what each client was told to use).
