@@ -320,7 +320,7 @@ def litellm_module():
     return pytest.importorskip("litellm")
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic on litellm's TypedDicts (ReadOnly items)
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")  # pydantic on litellm's models
 @pytest.mark.parametrize("provider", ["openai", "hosted_vllm"])
 def test_litellm_completion_stream_tools(tm, litellm_module, provider):
     litellm = litellm_module
