@@ -80,16 +80,11 @@ _VLLM_IGNORES = ("vLLM 0.32 has no such field: its OpenAIBaseModel has extra='al
                  "(serve/engine/protocol.py), so it answers 200")  # fmt: skip
 # tokenmill answers 400 where vLLM 0.32 would not: case -> (the param tokenmill names, why vLLM accepts it)
 NOT_YET = {
-    "openai-python:chat.extra_body_return_token_ids": (
-        "return_token_ids", "field return_token_ids not honoured yet (issue 29): vLLM returns prompt_token_ids "
-        "and each choice's token_ids"),
-    "openai-python:completions.extra_body_return_token_ids": (
-        "return_token_ids", "field return_token_ids not honoured yet (issue 29): vLLM returns token IDs"),
     "openai-python:chat.extra_body_priority": (
-        "priority", "field priority not honoured yet (issue 29): vLLM 0.32 takes any priority (under its default "
-        "fcfs policy it has no effect; no check refuses it)"),
+        "priority", "priority refused on purpose by an engine that does not schedule by priority (issue 29's bad "
+        "input; the simulator's default is fcfs): vLLM 0.32 takes it and, under its default fcfs policy, drops it"),
     "openai-python:completions.extra_body_priority": (
-        "priority", "field priority not honoured yet (issue 29): as for chat"),
+        "priority", "priority refused on purpose by an engine that does not schedule by priority: as for chat"),
     "openai-python:completions.echo_logprobs": (
         "echo", "field echo with logprobs not honoured yet (issue 29): vLLM adds the prompt's logprobs "
         "(completion/protocol.py sets prompt_logprobs for echo), the scheduler protocol does not return them"),
@@ -98,10 +93,6 @@ NOT_YET = {
         "(renderers/deepseek_v4.py render_completion_suffix; other models get its 400)"),
     "openai-python:completions.best_of_2": (
         "best_of", f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}"),
-    "openai-python:chat.functions": (
-        "functions", f"field functions refused by tokenmill (OpenAI's deprecated tools); {_VLLM_IGNORES}"),
-    "openai-python:chat.functions_function_call": (
-        "functions", f"field functions/function_call refused by tokenmill; {_VLLM_IGNORES}"),
     "openai-python:chat.modalities_audio": (
         "audio", f"fields audio/modalities ['text', 'audio'] refused by tokenmill (no audio output); {_VLLM_IGNORES}"),
     "openai-python:chat.prediction": ("prediction", f"field prediction refused by tokenmill; {_VLLM_IGNORES}"),
