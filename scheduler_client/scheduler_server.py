@@ -94,6 +94,12 @@ def features_used(gen: Generate) -> list[tuple[str, str]]:
         used.append(("allowed_token_ids", "sampling.allowed_token_ids"))
     if s.bad_words:
         used.append(("bad_words", "sampling.bad_words"))
+    if gen.prompt_logprobs is not None:
+        used.append(("prompt_logprobs", "prompt_logprobs"))
+    if gen.kv_transfer_params is not None:
+        used.append(("kv_transfer_params", "kv_transfer_params"))
+    if gen.extra_args is not None:
+        used.append(("extra_args", "extra_args"))
     return used
 
 
@@ -516,6 +522,8 @@ class SchedulerServer:
             if not seq or any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in seq):
                 raise Rejected("sampling.bad_words must be non-empty sequences of token IDs in the vocabulary",
                                param="sampling.bad_words")
+        if gen.prompt_logprobs is not None and not 0 <= gen.prompt_logprobs <= self.max_logprobs:
+            raise Rejected(f"prompt_logprobs must be in [0, {self.max_logprobs}]", param="prompt_logprobs")
 
     # ------------------------------------------------------------------ stats
 

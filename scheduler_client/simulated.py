@@ -92,6 +92,7 @@ from scheduler_client.protocol import (
     STRUCTURED_FEATURES,
     Generate,
     Outputs,
+    PromptLogprobs,
     RequestOutput,
     Stats,
     Welcome,
@@ -288,6 +289,8 @@ class _Request:
     allowed_set: frozenset[int] | None = None
     bad_words: dict[int, list[tuple[int, ...]]] | None = None  # a banned sequence's last token -> the tokens before it
     history: list[int] | None = None  # generated tokens, kept for bad_words
+    prompt_logprobs: int | None = None  # Generate.prompt_logprobs, until the first output has carried them
+    kv_out: dict | None = None  # what the final output's kv_transfer_params says (kv_transfer_params, extra_args)
     next_token: Callable[[_Request], tuple[int | None, str | None]] | None = None  # set at accept
     state: str = _WAITING
     generated: int = 0
@@ -563,6 +566,11 @@ class SimulatedScheduler(SchedulerServer):
         if gen.logprobs is not None:
             req.logprobs = gen.logprobs
             req.lp_key = _logprob_key(gen, prompt_bytes)
+        req.prompt_logprobs = gen.prompt_logprobs
+        if gen.kv_transfer_params is not None or gen.extra_args is not None:
+            # no KV connector here: the final output's kv_transfer_params shows what the engine was given
+            req.kv_out = {"simulated": True, "kv_transfer_params": gen.kv_transfer_params,
+                          "extra_args": gen.extra_args}  # fmt: skip
         if sampling.allowed_token_ids is not None:
             req.allowed = tuple(dict.fromkeys(sampling.allowed_token_ids))
             req.allowed_set = frozenset(req.allowed)
@@ -959,7 +967,7 @@ class SimulatedScheduler(SchedulerServer):
         return token
 
     def _output(self, req: _Request, token_ids: bytes, reason: str | None) -> RequestOutput:
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,
             finish_reason=reason,
@@ -967,6 +975,59 @@ class SimulatedScheduler(SchedulerServer):
             cached_tokens=req.cached,
             completion_tokens=req.generated,
         )
+        if req.prompt_logprobs is not None and req.state == _DECODING:  # the first output after prefill
+            out.prompt_logprobs = self._prompt_logprobs(req.prompt, req.prompt_logprobs)
+            req.prompt_logprobs = None
+        if reason is not None and req.kv_out is not None:
+            out.kv_transfer_params = req.kv_out
+        return out
+
+    def _prompt_logprobs(self, prompt: Sequence[int], n: int) -> PromptLogprobs:
+        """1.2's prompt logprobs, deterministic from the prompt alone: at each position after the first, a
+        descending run of logprobs (the first in (-3, 0), each next one at most half as likely) of which the
+        prompt token takes place 1, 2 or 3 (a hash of the prompt up to there), the other places going to
+        distinct IDs from the palette (else the vocabulary), as in ``_logprobs``."""
+        lps: list[float] = []
+        ranks: list[int] = []
+        top_ids: list[int] = []
+        top_lps: list[float] = []
+        pool = self._alternatives
+        vocab = self._tokens.vocab_size
+        h = int.from_bytes(hashlib.blake2b(b"prompt_logprobs", digest_size=8).digest(), "little")
+        for i in range(1, len(prompt)):
+            token = prompt[i]
+            h = _mix64(h ^ _mix64(prompt[i - 1] + 1))  # chained: a hash of the prompt up to this position
+            g = _mix64(h ^ token)
+            rank = 1 + g % 3
+            u = (g >> 11) * (1.0 / (1 << 53))
+            values = [-(0.001 + 2.99 * u * u)]
+            p = math.exp(values[0])
+            lp = math.log(min(p, 1.0 - p))
+            for _ in range(max(n, rank) - 1):
+                g = _mix64(g)
+                lp -= _LN2 + 0.7 * ((g >> 11) * (1.0 / (1 << 53)))
+                values.append(lp)
+            lps.append(values[rank - 1])
+            ranks.append(rank)
+            if not n:
+                continue
+            start = g % (len(pool) if pool else vocab)
+            j = 0
+            taken = {token}
+            for place in range(1, n + 1):
+                if place == rank:
+                    other = token
+                else:
+                    while True:  # the next distinct ID: through the palette, then the vocabulary
+                        other = pool[(start + j) % len(pool)] if j < len(pool) else (start + j) % vocab
+                        j += 1
+                        if other not in taken:
+                            break
+                    taken.add(other)
+                top_ids.append(other)
+                top_lps.append(values[place - 1])
+        return PromptLogprobs(floats_to_bytes(lps), ids_to_frame(ranks), ids_to_frame(top_ids) if n else b"",
+                              floats_to_bytes(top_lps) if n else b"")
 
 
 

@@ -48,7 +48,7 @@ from engines import MissingBackend, backend_module
 from conftest import ROOT
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
 from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
-from engines.vllm_backend import VLLMBackend, convert_logprobs, structured_outputs
+from engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
 from scheduler_client.protocol import (
     FEATURES,
     FEATURES_12,
@@ -554,7 +554,14 @@ class FakeAsyncLLM:
                     reason = "length"
                 else:
                     reason = None
-                yield _out([token], reason, logprobs)
+                out = _out([token], reason, logprobs)
+                if len(generated) == 1 and params.get("prompt_logprobs") is not None:  # the first output's
+                    out.prompt_logprobs = vllm_prompt_logprobs(ids, params["prompt_logprobs"],
+                                                               params.get("flat_logprobs", False))  # fmt: skip
+                kv = (params.get("extra_args") or {}).get("kv_transfer_params")
+                if reason and kv:  # a KV connector's answer
+                    out.kv_transfer_params = {"remote_block_ids": [1, 2], "asked": kv}
+                yield out
                 if reason:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -579,6 +586,22 @@ def vllm_logprobs(token: int, n: int, flat: bool, best: int | None = None):
         return SimpleNamespace(start_indices=[0], end_indices=[len(entries)], token_ids=[e[0] for e in entries],
                                logprobs=[e[1] for e in entries], ranks=[e[2] for e in entries])  # fmt: skip
     return [{t: SimpleNamespace(logprob=lp, rank=r, decoded_token=None) for t, lp, r in entries}]
+
+
+def vllm_prompt_logprobs(prompt, n: int, flat: bool):
+    """A prompt's logprobs as vLLM 0.32 returns them: nothing for the first token, then per position the
+    prompt token (rank 1, 2, 3 in turn) and the top n."""
+    positions = [vllm_logprobs(token, n, flat, best=token - (i - 1) % 3) for i, token in enumerate(prompt) if i]
+    if not flat:
+        return [None] + [p[0] for p in positions]
+    out = SimpleNamespace(start_indices=[0], end_indices=[0], token_ids=[], logprobs=[], ranks=[])
+    for p in positions:
+        out.start_indices.append(len(out.token_ids))
+        out.token_ids += p.token_ids
+        out.logprobs += p.logprobs
+        out.ranks += p.ranks
+        out.end_indices.append(len(out.token_ids))
+    return out
 
 
 def _out(tokens: list[int], reason: str | None, logprobs=None):
@@ -650,7 +673,8 @@ def test_vllm_abort_and_early_close():
 def test_vllm_protocol_1_1_params_and_features():
     backend, _ = vllm_backend()
     info = backend.info()
-    assert info.features == set(FEATURES) - {"priority"} and info.max_logprobs == 20  # vLLM's default FCFS
+    # vLLM's default FCFS; no KV connector
+    assert info.features == set(FEATURES) - {"priority", "kv_transfer_params"} and info.max_logprobs == 20
     params = backend.sampling_params(request("p", n=8, min_p=0.05, repetition_penalty=1.3, min_tokens=50,
                                              logit_bias={5: -100.0}, logprobs=2,
                                              structured=STRUCTURED["regex"]))  # fmt: skip
@@ -669,7 +693,7 @@ def test_vllm_protocol_1_1_params_and_features():
     }  # fmt: skip
 
     no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})  # vLLM refuses structured outputs then
-    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority"}
+    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority", "kv_transfer_params"}
     assert no_tokenizer.engine_args["skip_tokenizer_init"] is True
     whole_vocab, _ = vllm_backend(max_logprobs=-1)  # vLLM's -1: as many as the vocabulary has
     assert whole_vocab.info().max_logprobs == 6000
@@ -683,7 +707,7 @@ def test_vllm_protocol_1_2_params_and_features():
     assert "priority" not in fcfs.info().features
     assert {"cache_salt", "allowed_token_ids", "bad_words"} <= fcfs.info().features
     backend, engine = vllm_backend(policy="priority")
-    assert backend.info().features == set(FEATURES)
+    assert backend.info().features == set(FEATURES) - {"kv_transfer_params"}
     params = backend.sampling_params(request("p", allowed_token_ids=[5, 9], bad_words=[[7, 8], [3]]))
     assert params["allowed_token_ids"] == [5, 9] and params["bad_words_token_ids"] == [[7, 8], [3]]
     plain = backend.sampling_params(request("q"))
@@ -1173,7 +1197,8 @@ def test_vllm_errors_name_the_field():
         fe = Frontend(endpoint)
         try:
             welcome = await fe.hello()
-            assert welcome.features == sorted(set(FEATURES) - {"priority"}) and welcome.max_logprobs == 20
+            assert welcome.features == sorted(set(FEATURES) - {"priority", "kv_transfer_params"})
+            assert welcome.max_logprobs == 20
             await fe.generate("many", (1, 2), 3, logprobs=11)  # within Welcome's 20, beyond this vLLM's 10
             await fe.generate("schema", (1, 2), 3, structured=Structured(kind="json_schema", spec="{not json"))
             await fe.generate("ok", (1, 2), 2, logprobs=1, min_p=0.1, min_tokens=1, logit_bias={7: 2.0},
@@ -1238,3 +1263,83 @@ def test_engine_command_reports_a_missing_backend(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'tokenmill[vllm]'" in proc.stderr
+
+
+def test_vllm_prompt_logprobs_kv_transfer_params_and_extra_args():
+    """Protocol 1.2's rest: prompt_logprobs -> SamplingParams.prompt_logprobs, and vLLM's first output's
+    prompt logprobs (flat or dicts) -> the packed arrays of the first RequestOutput; kv_transfer_params
+    and extra_args -> SamplingParams.extra_args as vLLM's server builds it, the finished output's
+    kv_transfer_params -> the final RequestOutput's. kv_transfer_params is listed only with a KV connector."""
+    engine = FakeAsyncLLM()
+    engine.vllm_config.kv_transfer_config = SimpleNamespace(kv_connector="NixlConnector")
+    backend = VLLMBackend(engine=engine, engine_args={"model": "fake/model"},
+                          make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"})
+    backend.prepare()
+    assert {"prompt_logprobs", "kv_transfer_params", "extra_args"} <= backend.info().features
+    assert "kv_transfer_params" not in vllm_backend()[0].info().features  # no connector
+    req = request("p", (4, 5, 6, 7), n=2)
+    req.prompt_logprobs, req.kv_transfer_params, req.extra_args = 2, {"do_remote_decode": True}, {"a": [1, "x"]}
+    params = backend.sampling_params(req)
+    assert params["prompt_logprobs"] == 2
+    assert params["extra_args"] == {"a": [1, "x"], "kv_transfer_params": {"do_remote_decode": True}}
+    assert not {"prompt_logprobs", "extra_args"} & set(backend.sampling_params(request("q")))
+    only_kv = request("k")
+    only_kv.kv_transfer_params = {"x": 1}
+    assert backend.sampling_params(only_kv)["extra_args"] == {"kv_transfer_params": {"x": 1}}
+    # both of vLLM's forms: the prompt token's logprob and rank (1, 2, 3 in turn), then the top 2 in rank order
+    prompt = [40, 50, 60, 70]
+    expected = ([-0.25, -1.25, -2.25], [1, 2, 3], [50, 51, 59, 60, 68, 69], [-0.25, -1.25] * 3)
+    for flat in (True, False):
+        assert convert_prompt_logprobs(vllm_prompt_logprobs(prompt, 2, flat), prompt, 2) == expected
+        assert convert_prompt_logprobs(vllm_prompt_logprobs(prompt, 0, flat), prompt, 0) == (*expected[:2], [], [])
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            await fe.hello()
+            gen = Generate(request_id="r", prompt_token_count=4, max_new_tokens=3, prompt_logprobs=2,
+                           kv_transfer_params={"do_remote_decode": True}, extra_args={"a": 1})  # fmt: skip
+            await fe.sock.send_multipart([encode(gen), ids_to_frame(prompt)])
+            outputs = []
+            while not outputs or outputs[-1].finish_reason is None:
+                message = await fe.recv()
+                assert isinstance(message, Outputs), message
+                outputs += message.outputs
+            first = outputs[0].prompt_logprobs
+            assert first is not None and all(o.prompt_logprobs is None for o in outputs[1:])
+            assert list(bytes_to_floats(first.logprobs)) == expected[0] and list(frame_to_ids(first.ranks)) == [1, 2, 3]
+            assert list(frame_to_ids(first.top_ids)) == expected[2]
+            assert list(bytes_to_floats(first.top_logprobs)) == expected[3]
+            assert outputs[-1].kv_transfer_params == {"remote_block_ids": [1, 2], "asked": {"do_remote_decode": True}}
+            assert all(o.kv_transfer_params is None for o in outputs[:-1])
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_engine_server_checks_prompt_logprobs_against_the_prompt():
+    """A backend whose prompt logprobs do not fit the prompt fails the request, as mismatched logprobs do."""
+
+    async def script(req: EngineRequest):
+        yield Chunk([9], prompt_logprobs=([-1.0], [1], [], []))  # one position; the prompt has two
+        await asyncio.Event().wait()
+
+    backend = ScriptedBackend(script, features={"prompt_logprobs"})
+
+    async def main():
+        server, task, endpoint = await serving(backend)
+        fe = Frontend(endpoint)
+        try:
+            await fe.hello()
+            gen = Generate(request_id="bad", prompt_token_count=3, max_new_tokens=3, prompt_logprobs=0)
+            await fe.sock.send_multipart([encode(gen), ids_to_frame([1, 2, 3])])
+            done = await fe.results(["bad"])
+            assert done["bad"][1] == "error" and "prompt positions" in done["bad"][2].error
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())

@@ -1,5 +1,5 @@
 """vLLM's request fields that need the engine (issue 29, scheduler protocol 1.2): priority, cache_salt,
-allowed_token_ids and bad_words.
+allowed_token_ids, bad_words, prompt_logprobs, kv_transfer_params and vllm_xargs.
 
 A real `tokenmill serve` in front of a real simulated scheduler process (over ZeroMQ), driven with the
 official OpenAI client: the simulator honours each field visibly (its waiting queue ordered by
@@ -194,6 +194,107 @@ def test_bad_words_tokenize_as_vllm(default_tokenizer):
         bad_words_ids([f"w{i}" for i in range(130)], default_tokenizer, vocab)
 
 
+# ---- prompt_logprobs -------------------------------------------------------------------------------
+
+
+def _check_prompt_logprobs(plp, prompt_ids, top_n, tokenizer):
+    """vLLM 0.32's shape: null, then per prompt position a map token ID -> {logprob, rank, decoded_token},
+    the prompt token first (its own rank, its place kept when it is among the top), then the top N at
+    ranks 1..N, descending."""
+    assert plp[0] is None and len(plp) == len(prompt_ids), (len(plp), len(prompt_ids))
+    for tid, entry in zip(prompt_ids[1:], plp[1:]):
+        keys = list(entry)
+        assert keys[0] == str(tid)
+        own = entry[str(tid)]
+        assert set(own) == {"logprob", "rank", "decoded_token"} and own["logprob"] < 0 and own["rank"] >= 1
+        assert own["decoded_token"] == tokenizer.decode([tid], skip_special_tokens=False)
+        tops = sorted((entry[k] for k in keys if not (k == str(tid) and own["rank"] > top_n)), key=lambda t: t["rank"])
+        assert [t["rank"] for t in tops] == list(range(1, top_n + 1)), entry
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert len(entry) == top_n + (own["rank"] > top_n), entry
+
+
+def test_prompt_logprobs_in_vllm_shape(server, default_tokenizer):
+    prompt = "The wheel of the old mill turns"
+    ids = default_tokenizer.encode(prompt, add_special_tokens=True).ids
+    status, _, body = _post(server, {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3, "n": 2,
+                                     "return_token_ids": True}, "/v1/completions")  # fmt: skip
+    assert status == 200, body
+    first, second = body["choices"]
+    assert first["prompt_token_ids"] == ids
+    _check_prompt_logprobs(first["prompt_logprobs"], ids, 3, default_tokenizer)
+    assert second["prompt_logprobs"] == first["prompt_logprobs"]  # one prompt, n choices: the same
+    again = _post(server, {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3}, "/v1/completions")[2]
+    assert again["choices"][0]["prompt_logprobs"] == first["prompt_logprobs"]  # the simulator's are deterministic
+    assert "prompt_logprobs" not in _post(server, {"prompt": prompt, "max_tokens": 1}, "/v1/completions")[2]["choices"][0]
+    # two prompts: each choice its own prompt's; 0: the prompt tokens' own entries only
+    status, _, body = _post(server, {"prompt": [prompt, "Hello there"], "max_tokens": 1, "prompt_logprobs": 0},
+                            "/v1/completions")  # fmt: skip
+    assert status == 200, body
+    for choice, text in zip(body["choices"], [prompt, "Hello there"]):
+        p_ids = default_tokenizer.encode(text, add_special_tokens=True).ids
+        _check_prompt_logprobs(choice["prompt_logprobs"], p_ids, 0, default_tokenizer)
+    # chat: at the top level, for the rendered prompt
+    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1,
+                                     "return_token_ids": True})  # fmt: skip
+    assert status == 200, body
+    _check_prompt_logprobs(body["prompt_logprobs"], body["prompt_token_ids"], 1, default_tokenizer)
+    assert "prompt_logprobs" not in body["choices"][0]
+    # vLLM: chat's echo asks for them with top_logprobs (0 by default)
+    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "echo": True, "return_token_ids": True})
+    assert status == 200, body
+    _check_prompt_logprobs(body["prompt_logprobs"], body["prompt_token_ids"], 0, default_tokenizer)
+
+
+def test_prompt_logprobs_checked_as_vllm(server):
+    for value, path, stream in ((-2, "/v1/completions", False), (-1, "/v1/completions", False),  # -1: the vocabulary
+                                (21, "/v1/chat/completions", False), (1, "/v1/chat/completions", True),
+                                (-1, "/v1/completions", True), ("2", "/v1/completions", False),
+                                (True, "/v1/chat/completions", False)):  # fmt: skip
+        body = {"messages": CHAT} if "chat" in path else {"prompt": "Hello"}
+        status, _, out = _post(server, {**body, "max_tokens": 1, "prompt_logprobs": value, "stream": stream}, path)
+        assert status == 400 and out["error"]["param"] == "prompt_logprobs", (value, path, out)
+    # 0 with stream is allowed, as in vLLM, and shows nothing
+    stream = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+                                                     extra_body={"prompt_logprobs": 0})  # fmt: skip
+    chunks = [c.model_dump() for c in stream]
+    assert chunks and not any("prompt_logprobs" in c for c in chunks)
+
+
+# ---- kv_transfer_params, vllm_xargs ------------------------------------------------------------------
+
+
+def test_kv_transfer_params_and_vllm_xargs_reach_the_engine(server):
+    """The simulator (no KV connector) answers with what it was given, in the final output's
+    kv_transfer_params, which the non-streamed response carries at the top level, as vLLM does."""
+    kv = {"do_remote_decode": True, "remote_host": "10.0.0.2", "nested": {"block_ids": [1, 2]}}
+    xargs = {"a": 1, "b": ["x", 2.5, -3], "flag": True}
+    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "kv_transfer_params": kv,
+                                     "vllm_xargs": xargs})  # fmt: skip
+    assert status == 200, body
+    assert body["kv_transfer_params"] == {"simulated": True, "kv_transfer_params": kv,
+                                          "extra_args": {"a": 1, "b": ["x", 2.5, -3], "flag": 1}}  # fmt: skip
+    status, _, body = _post(server, {"prompt": ["Hello", "Bye"], "max_tokens": 1, "vllm_xargs": {"k": "v"}},
+                            "/v1/completions")  # fmt: skip
+    assert status == 200 and body["kv_transfer_params"] == {"simulated": True, "kv_transfer_params": None,
+                                                            "extra_args": {"k": "v"}}, body  # fmt: skip
+    # empty ones are not passed on (vLLM's `if self.kv_transfer_params`); none: no such key
+    for extra in ({"kv_transfer_params": {}, "vllm_xargs": {}}, {}):
+        status, _, body = _post(server, {"messages": CHAT, "max_tokens": 1, **extra})
+        assert status == 200 and "kv_transfer_params" not in body, body
+    # streamed: vLLM's chunks do not carry it
+    stream = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+                                                     extra_body={"kv_transfer_params": kv})  # fmt: skip
+    assert not any("kv_transfer_params" in c.model_dump() for c in stream)
+    for field, value, param in (("kv_transfer_params", "x", "kv_transfer_params"),
+                                ("kv_transfer_params", [1], "kv_transfer_params"),
+                                ("vllm_xargs", [1], "vllm_xargs"), ("vllm_xargs", {"a": {"b": 1}}, "vllm_xargs.a"),
+                                ("vllm_xargs", {"a": [[1]]}, "vllm_xargs.a"), ("vllm_xargs", {"a": None}, "vllm_xargs.a"),
+                                ("vllm_xargs", {"a": 2**64}, "vllm_xargs.a")):  # fmt: skip
+        status, _, body = _post(server, {"messages": CHAT, "max_tokens": 1, field: value})
+        assert status == 400 and body["error"]["param"] == param, (field, value, body)
+
+
 # ---- an engine without the features -----------------------------------------------------------------
 
 
@@ -224,7 +325,8 @@ def test_a_1_1_scheduler_gets_none_of_the_1_2_fields(tmp_path):
         srv = Server("--workers", "1", "--scheduler", endpoint)
         try:
             for field, value in (("priority", 1), ("cache_salt", "s"), ("allowed_token_ids", [5]),
-                                 ("bad_words", ["the"])):  # fmt: skip
+                                 ("bad_words", ["the"]), ("prompt_logprobs", 0), ("kv_transfer_params", {"a": 1}),
+                                 ("vllm_xargs", {"a": 1})):  # fmt: skip
                 status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, field: value})
                 assert status == 400, (field, body)
                 assert body["error"]["param"] == field and body["error"]["code"] == "unsupported", (field, body)
@@ -234,6 +336,10 @@ def test_a_1_1_scheduler_gets_none_of_the_1_2_fields(tmp_path):
             ok = srv.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True,
                                                       extra_body={"priority": 0, "bad_words": []})  # fmt: skip
             assert len(ok.choices[0].logprobs.content) == 2
+            # chat's echo asks for the prompt's logprobs only of an engine that can give them (vLLM always does)
+            status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, "echo": True,
+                                          "kv_transfer_params": {}, "vllm_xargs": {}})  # fmt: skip
+            assert status == 200 and "prompt_logprobs" not in body and "kv_transfer_params" not in body, body
         finally:
             srv.stop()
     finally:

@@ -18,7 +18,6 @@ NON_DEFAULT = {
     "structural_tag": {"type": "structural_tag"},
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
-    "prompt_logprobs": 1,
     "logits_processors": ["my.module:Proc"],
     "best_of": 2,
     "use_beam_search": True,
@@ -29,15 +28,14 @@ NON_DEFAULT = {
     "modalities": ["text", "audio"],
     "web_search_options": {},
     "verbosity": "low",
-    "kv_transfer_params": {"do_remote_decode": True},
     "mm_processor_kwargs": {"a": 1},
-    "vllm_xargs": {"a": 1},
 }
 # defaults that clients send, which must be accepted
 DEFAULTS = {"response_format": {"type": "text"}, "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0,
             "min_tokens": 0, "best_of": 1, "top_logprobs": 0, "parallel_tool_calls": True, "modalities": ["text"],
             "bad_words": [], "suffix": "", "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
-            "use_beam_search": False, "length_penalty": 1, "priority": 0, "return_token_ids": False}  # fmt: skip
+            "use_beam_search": False, "length_penalty": 1, "priority": 0, "return_token_ids": False,
+            "kv_transfer_params": {}, "vllm_xargs": {}}  # fmt: skip
 
 
 def test_the_table_the_struct_and_the_docs_agree():

@@ -955,3 +955,42 @@ def test_unsupported_and_out_of_range_11_fields(sched):
     # still serving
     rid = client.generate([1, 2], 3, logprobs=2)
     assert client.collect([rid])[rid][-1].finish_reason == "length"
+
+
+def test_prompt_logprobs_and_kv_transfer_params(sched):
+    """1.2: the first output carries the prompt's logprobs (one entry per position after the first: a
+    logprob, its rank 1..3, and with N > 0 the top N, best first and descending, the prompt token among
+    them at its rank), deterministic from the prompt; the final output's kv_transfer_params shows the
+    request's kv_transfer_params and extra_args (the simulator has no KV connector); a larger
+    prompt_logprobs than max_logprobs is refused naming it."""
+    client = sched.client()
+    prompt = [5, 17, 17, 900, 3, 42]
+    firsts = []
+    for _ in range(2):
+        rid = client.generate(prompt, 3, prompt_logprobs=3, kv_transfer_params={"do_remote_decode": True},
+                              extra_args={"a": [1, "b", 2.5]})  # fmt: skip
+        outputs = client.collect([rid])[rid]
+        check_stream(outputs, len(prompt))
+        plp = outputs[0].prompt_logprobs
+        assert plp is not None and all(o.prompt_logprobs is None for o in outputs[1:])
+        assert all(o.kv_transfer_params is None for o in outputs[:-1])
+        assert outputs[-1].kv_transfer_params == {"simulated": True, "kv_transfer_params": {"do_remote_decode": True},
+                                                  "extra_args": {"a": [1, "b", 2.5]}}  # fmt: skip
+        firsts.append(plp)
+    assert firsts[0] == firsts[1]  # deterministic from the prompt
+    plp = firsts[0]
+    lps, ranks = list(bytes_to_floats(plp.logprobs)), list(frame_to_ids(plp.ranks))
+    top_ids, top_lps = list(frame_to_ids(plp.top_ids)), list(bytes_to_floats(plp.top_logprobs))
+    assert len(lps) == len(ranks) == len(prompt) - 1 and len(top_ids) == len(top_lps) == 3 * (len(prompt) - 1)
+    for i, token in enumerate(prompt[1:]):
+        assert 1 <= ranks[i] <= 3 and lps[i] < 0 and (ranks[i] > 1 or lps[i] > -3)
+        ids, values = top_ids[3 * i : 3 * i + 3], top_lps[3 * i : 3 * i + 3]
+        assert ids[ranks[i] - 1] == token and values[ranks[i] - 1] == lps[i] and len(set(ids)) == 3
+        assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1.0001
+    rid = client.generate(prompt, 2, prompt_logprobs=0)
+    outputs = client.collect([rid])[rid]
+    plp0 = outputs[0].prompt_logprobs
+    assert list(bytes_to_floats(plp0.logprobs)) == lps and plp0.top_ids == plp0.top_logprobs == b""
+    client.generate(prompt, 2, request_id="too-many", prompt_logprobs=21)
+    error = client.recv_not_stats()
+    assert isinstance(error, Error) and error.param == "prompt_logprobs" and error.request_id == "too-many", error

@@ -68,6 +68,10 @@ class DetokSpec:
     chat: bool = True  # logprobs in chat's shape, else in completions'
     token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
     spaces_between: bool = True  # vLLM's spaces_between_special_tokens (has effect only without skip_special_tokens)
+    # vLLM's prompt_logprobs: how many top tokens per prompt position (None: not asked), and the prompt's
+    # token IDs (the engine's prompt), whose own entries head each position's
+    prompt_logprobs: int | None = None
+    prompt_ids: Any = None
 
 
 @dataclass
@@ -223,9 +227,8 @@ class Converter:
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
         if req.echo and req.logprobs is not None:
-            raise oa.InvalidRequest("echo with logprobs is not supported by this server: it needs the prompt's "
-                                    "logprobs, and the scheduler protocol returns those of generated tokens only.",
-                                    "echo")
+            raise oa.InvalidRequest("echo with logprobs is not supported by this server: the prompt's tokens and "
+                                    "logprobs ahead of the generated ones are not built.", "echo")
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
@@ -282,7 +285,9 @@ class Converter:
         sampling = gp.sampling(req, self.engine, self.vocab_size, max_tokens)
         gp.token_masks(req, self.engine, self.tokenizer, self.vocab_size, sampling)
         return _Generation(sampling, spec, gp.logprobs(req, chat, self.engine), req.n,
-                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine))
+                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine),
+                           gp.prompt_logprobs(req, chat, self.engine, self.vocab_size),
+                           gp.kv_transfer_params(req, self.engine), gp.extra_args(req, self.engine))
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
@@ -431,6 +436,10 @@ class Converter:
                     structured=params.structured,
                     priority=params.priority,
                     cache_salt=params.cache_salt,
+                    # the prompt's logprobs once per prompt: its other choices show the first one's
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    kv_transfer_params=params.kv_transfer_params,
+                    extra_args=params.extra_args,
                 )
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
@@ -439,7 +448,9 @@ class Converter:
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                        chat=what == "messages", prefix=echo[p] if echo else "",
                                        token_ids=bool(req.return_token_ids),
-                                       spaces_between=req.spaces_between_special_tokens is not False))
+                                       spaces_between=req.spaces_between_special_tokens is not False,
+                                       prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                                       prompt_ids=ids if i == 0 and params.prompt_logprobs is not None else None))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -454,6 +465,8 @@ class Converter:
             logprobs=params.logprobs is not None,
             prompt_token_ids=prompt_ids,
             token_ids=bool(req.return_token_ids),
+            prompt_logprobs=params.prompt_logprobs is not None,
+            kv_transfer_params=params.kv_transfer_params is not None,
         )
         return Conversion(done, frames, detok)
 
@@ -466,6 +479,9 @@ class _Generation:
     n: int
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    kv_transfer_params: dict | None = None
+    extra_args: dict | None = None
 
 
 def _wrap_seed(seed: int) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
+from scheduler_client.protocol import PromptLogprobs
+
 # ---- gateway -> worker ------------------------------------------------------------
 
 
@@ -31,6 +33,7 @@ class DetokItem(msgspec.Struct, array_like=True):
     logprobs: bytes = b""
     top_ids: bytes = b""
     top_logprobs: bytes = b""
+    prompt_logprobs: PromptLogprobs | None = None  # RequestOutput's (the first output of a request that asked)
 
 
 class DetokBatch(msgspec.Struct, tag="detok"):
@@ -168,6 +171,11 @@ class ConvertDone(msgspec.Struct, tag="done"):
     prompt_token_ids: list[bytes] | None = None
     token_ids: bool = False
     functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
+    # vLLM's prompt_logprobs (non-streamed): the response carries them (chat: at the top, completions: per
+    # choice), null where the engine sent none; kv_transfer_params: the request passed some to the engine,
+    # so the response carries what the engine returned (null if nothing)
+    prompt_logprobs: bool = False
+    kv_transfer_params: bool = False
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
@@ -199,6 +207,8 @@ class DetokDelta(msgspec.Struct, array_like=True):
     # vLLM's return_token_ids: this delta's generated token IDs, comma-joined without brackets; None when
     # the request did not ask for them
     token_ids: bytes | None = None
+    # vLLM's prompt_logprobs: the JSON array of the prompt's logprobs (null first), with the request's first delta
+    prompt_logprobs: bytes | None = None
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):
