@@ -1,6 +1,6 @@
 """The part of ``tokenmill engine`` every backend shares: protocol in, engine calls out.
 
-:class:`EngineServer` is a :class:`~scheduler_client.scheduler_server.SchedulerServer`
+:class:`EngineServer` is a :class:`~engines.scheduler_server.SchedulerServer`
 (sockets, sessions, handshake, validation) whose engine is a :class:`Backend`. For every
 accepted ``generate`` it starts one task that iterates ``backend.generate(request)`` and
 turns the engine's chunks into RequestOutputs:
@@ -64,7 +64,7 @@ from scheduler_client.protocol import (
     floats_to_bytes,
     ids_to_frame,
 )
-from scheduler_client.scheduler_server import (
+from engines.scheduler_server import (
     ERR_BAD_REQUEST,
     Rejected,
     SchedulerServer,
@@ -631,7 +631,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _sd_notify(state: str) -> None:
     """Tell systemd (Type=notify) about a state change; nothing when not under systemd."""
     try:
-        from tokenmill.systemd_notify import notify
+        from tokenmill.process.systemd_notify import notify
     except ImportError:  # pragma: no cover - a minimal stand-in
         path = os.environ.get("NOTIFY_SOCKET")
         if not path:
@@ -688,7 +688,7 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from tokenmill.procutil import set_process_name, take_descendants_along
+        from tokenmill.process.procutil import set_process_name, take_descendants_along
 
         set_process_name("tm-engine")
         take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine

@@ -48,9 +48,9 @@ import zmq.asyncio
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.worker import SETTINGS_ENV
-from tokenmill.loop_socket import LoopSocket
-from tokenmill.pipe_link import LinkDown, PipeLink
-from tokenmill.procutil import child_env
+from tokenmill.transport.loop_socket import LoopSocket
+from tokenmill.transport.pipe_link import LinkDown, PipeLink
+from tokenmill.process.procutil import child_env
 
 log = logging.getLogger("tokenmill.pool")
 

@@ -44,7 +44,7 @@ def _named(parent: int, name: str) -> list[int]:
 def _simulator(server: Server) -> int:
     for pid in server.children():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"scheduler_client.simulated" in f.read():
+            if b"engines.simulated" in f.read():
                 return pid
     raise AssertionError("no simulated scheduler among the gateway's children")
 
@@ -147,7 +147,7 @@ def test_a_send_to_an_engine_that_does_not_read_fails_at_once_instead_of_waiting
 
     import zmq
 
-    from tokenmill.loop_socket import LoopSocket
+    from tokenmill.transport.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     engine = ctx.socket(zmq.ROUTER)  # binds and never reads, as an engine stuck in a long step

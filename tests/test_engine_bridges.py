@@ -69,7 +69,7 @@ from scheduler_client.protocol import (
     frame_to_ids,
     ids_to_frame,
 )
-from scheduler_client.scheduler_server import Rejected
+from engines.scheduler_server import Rejected
 
 WAIT = 10.0
 IN_FLIGHT_GOAL = 8

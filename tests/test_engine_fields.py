@@ -29,7 +29,7 @@ CHAT = [{"role": "user", "content": "Tell me about the mill."}]
 def prio(tmp_path_factory):
     """A simulator that schedules by priority, runs one request at a time and models a prefix cache."""
     endpoint = f"ipc://{tmp_path_factory.mktemp('sched')}/sim.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler_client.simulated", "--bind", endpoint, "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "engines.simulated", "--bind", endpoint, "--model",
                              "default", "--scheduling", "priority", "--max-running", "1", "--inter-token-latency-ms",
                              "2", "--prefix-cache-tokens", "65536", "--stats-interval-s", "0.05"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -300,7 +300,7 @@ def test_kv_transfer_params_and_vllm_xargs_reach_the_engine(server):
 
 _OLD = """
 import asyncio, sys
-from scheduler_client.simulated import SimulatedScheduler
+from engines.simulated import SimulatedScheduler
 from scheduler_client import protocol
 
 class Old(SimulatedScheduler):

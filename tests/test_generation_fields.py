@@ -336,8 +336,8 @@ def test_sampling_fields_reach_the_engine_and_are_checked(srv):
 
 _SCHEDULER = textwrap.dedent("""
     import asyncio, sys
-    from scheduler_client.simulated import SimulatedScheduler
-    from scheduler_client.scheduler_server import Rejected, ERR_UNSUPPORTED
+    from engines.simulated import SimulatedScheduler
+    from engines.scheduler_server import Rejected, ERR_UNSUPPORTED
     from scheduler_client import protocol
 
     class Old(SimulatedScheduler):

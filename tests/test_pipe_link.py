@@ -1,4 +1,4 @@
-"""The gateway-worker socket pair (tokenmill/pipe_link.py): framing, large messages, a closed end."""
+"""The gateway-worker socket pair (tokenmill/transport/pipe_link.py): framing, large messages, a closed end."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from tokenmill.pipe_link import FrameReader, LinkDown, PipeLink, pack_header
+from tokenmill.transport.pipe_link import FrameReader, LinkDown, PipeLink, pack_header
 
 messages = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), min_size=1, max_size=8)
 
@@ -77,7 +77,7 @@ def test_a_huge_claimed_size_is_not_allocated_up_front():
 # A worker-like process: echoes every message back with its frames reversed, through its PipePeer.
 ECHO = """
 import select, sys
-from tokenmill.pipe_link import PipePeer
+from tokenmill.transport.pipe_link import PipePeer
 peer = PipePeer(int(sys.argv[1]))
 while True:
     select.select([peer.fileno()], [], [])
@@ -125,7 +125,7 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
     from tokenizer_workers import messages as m
     from tokenizer_workers.converter import ConverterSettings
     from tokenizer_workers.worker import SETTINGS_ENV
-    from tokenmill.procutil import child_env
+    from tokenmill.process.procutil import child_env
 
     body = b'{"model": "deepseek-v4", "max_tokens": 1, "messages": [{"role": "user", "content": "Hello there"}]}'
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 ENGINE_LIKE = textwrap.dedent("""
     import subprocess, sys, time
-    from tokenmill.procutil import take_descendants_along
+    from tokenmill.process.procutil import take_descendants_along
     take_descendants_along(0.2)
     # like an engine library's worker: its own session, nobody asked the kernel to kill it with us
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)

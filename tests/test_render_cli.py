@@ -1,4 +1,4 @@
-"""``tokenmill render``: tokenmill.render_command.run driven through its argparse arguments."""
+"""``tokenmill render``: tokenmill.commands.render.run driven through its argparse arguments."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class Sim:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_client.simulated", "--bind", self.endpoint, "--model", "default",
+            [sys.executable, "-m", "engines.simulated", "--bind", self.endpoint, "--model", "default",
              "--inter-token-latency-ms", "1", "--prefix-cache-tokens", "1000000", *self.args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 

@@ -1,6 +1,6 @@
 """The simulated scheduler, driven over a real ZeroMQ DEALER as a front end would.
 
-Each scheduler runs in its own process (``python -m scheduler_client.simulated``) bound to
+Each scheduler runs in its own process (``python -m engines.simulated``) bound to
 an ipc:// endpoint in a temporary directory. Every wait is bounded; nothing asserts
 wall-clock durations, only the order of events.
 """
@@ -60,7 +60,7 @@ class Scheduler:
         self.log_path = self.dir / "scheduler.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_client.simulated", "--bind", self.endpoint, *options],
+            [sys.executable, "-m", "engines.simulated", "--bind", self.endpoint, *options],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -618,7 +618,7 @@ def test_sigterm_exits_cleanly_and_removes_socket():
 
 def test_bad_arguments_fail_fast():
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler_client.simulated", "--bind", "ipc:///tmp/x", "--max-running", "0"],
+        [sys.executable, "-m", "engines.simulated", "--bind", "ipc:///tmp/x", "--max-running", "0"],
         cwd=ROOT,
         capture_output=True,
         timeout=STARTUP_TIMEOUT,
@@ -645,7 +645,7 @@ def test_in_process_api():
 
     import zmq.asyncio
 
-    from scheduler_client.simulated import SimulatedScheduler
+    from engines.simulated import SimulatedScheduler
 
     async def main():
         scheduler = SimulatedScheduler(inter_token_latency_s=0.0, mode="echo", max_running=4)

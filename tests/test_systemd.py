@@ -25,7 +25,7 @@ import pytest
 
 from conftest import ROOT, Server, http
 from tokenmill import settings as settings_mod
-from tokenmill import systemd_notify
+from tokenmill.process import systemd_notify
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
 UNITS = sorted(UNITS_DIR.glob("*.service"))
@@ -240,7 +240,7 @@ def test_scheduler_unit_matches_its_endpoint():
     service = {k: v[-1] for k, v in unit["Service"].items()}
     argv = shlex.split(service["ExecStart"])
     assert argv[:2] == [INSTALLED_EXE, "simulate-scheduler"]
-    from scheduler_client import simulated
+    from engines import simulated
 
     parser = argparse.ArgumentParser()
     simulated.add_arguments(parser)

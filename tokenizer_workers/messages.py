@@ -1,6 +1,6 @@
 """Messages between the gateway and its tokenizer workers (an internal protocol).
 
-A gateway reaches the workers it spawned over socket pairs (tokenmill/pipe_link.py) and
+A gateway reaches the workers it spawned over socket pairs (tokenmill/transport/pipe_link.py) and
 workers on other hosts, or shared with the node's other gateways, over a ZeroMQ ROUTER; the
 messages are the same. Frames after the first (the msgpack header) are opaque to the gateway:
 raw request bodies going in, ready-made scheduler ``Generate`` headers and uint32 token

@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.bench import corpus, free_port, pct
-from tokenmill.procutil import die_with_parent
+from tokenmill.process.procutil import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("affinity", "round_robin", "least_loaded")
 LATE_FROM = 3  # turns counted as late: from the fourth on
-SIM_BLOCK = 16  # scheduler_client.simulated.PrefixCache.BLOCK
+SIM_BLOCK = 16  # engines.simulated.PrefixCache.BLOCK
 VLLM_BLOCK = 128  # vLLM's default block size on the CPU (set explicitly below)
 SIM_PREFILL_TOKENS_PER_S = 20_000
 SIM_ITL_MS = 10

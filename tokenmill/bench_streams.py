@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from tokenmill.bench import _Server, pct
-from tokenmill.procutil import _descendants
+from tokenmill.process.procutil import _descendants
 
 WORD = b" elephant"  # one token with the embedded model's tokenizer
 SLOW_STALL_S = 6.0  # slow readers read nothing at first

@@ -9,12 +9,12 @@ import sys
 
 # name -> (module with add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
-    "serve": ("tokenmill.serve_command", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
-    "simulate-scheduler": ("scheduler_client.simulated", "Run the simulated GPU scheduler on its own."),
+    "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
+    "simulate-scheduler": ("engines.simulated", "Run the simulated GPU scheduler on its own."),
     "engine": ("engines.server", "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol."),
-    "render": ("tokenmill.render_command", "Render conversations with a model's chat template and tokenize them."),
-    "worker": ("tokenmill.worker_command", "Run a tokenizer worker that joins a gateway's pool from another host."),
-    "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
+    "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),
+    "worker": ("tokenmill.commands.worker", "Run a tokenizer worker that joins a gateway's pool from another host."),
+    "curve-keys": ("tokenmill.commands.curve_keys", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
     "bench": ("tokenmill.bench", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways."),
 }
 

@@ -55,7 +55,7 @@ Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_toke
   complete a banned sequence (its last token after the others as the latest generated tokens).
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
-``python -m scheduler_client.simulated --bind ENDPOINT``.
+``python -m engines.simulated --bind ENDPOINT``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from pathlib import Path
 import zmq
 
 from scheduler_client import structured
-from scheduler_client.busy_cores import BusyCores
+from engines.busy_cores import BusyCores
 from scheduler_client.protocol import (
     FEATURE_PRIORITY,
     FEATURES,
@@ -100,7 +100,7 @@ from scheduler_client.protocol import (
     floats_to_bytes,
     ids_to_frame,
 )
-from scheduler_client.scheduler_server import (
+from engines.scheduler_server import (
     ERR_BAD_REQUEST,
     ERR_DUPLICATE,
     ERR_UNKNOWN_MESSAGE,
@@ -356,7 +356,7 @@ class SimulatedScheduler(SchedulerServer):
     ``await serve(endpoint)`` binds and runs until ``await close()`` (or cancellation).
     After binding, ``endpoint`` holds the bound address (useful with ``tcp://127.0.0.1:0``)
     and ``await wait_ready()`` returns. Sockets, sessions and validation come from
-    :class:`scheduler_client.scheduler_server.SchedulerServer`.
+    :class:`engines.scheduler_server.SchedulerServer`.
     """
 
     log = log
@@ -1151,7 +1151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _set_process_name() -> None:
     try:
-        from tokenmill.procutil import die_with_supervisor, set_process_name
+        from tokenmill.process.procutil import die_with_supervisor, set_process_name
     except ImportError:  # pragma: no cover
         return
     die_with_supervisor()  # when started by a gateway: die with it, even after its kill -9
@@ -1225,7 +1225,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m scheduler_client.simulated", description="A simulated GPU scheduler (simulate-scheduler)."
+        prog="python -m engines.simulated", description="A simulated GPU scheduler (simulate-scheduler)."
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

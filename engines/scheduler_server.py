@@ -16,7 +16,7 @@ A subclass supplies the engine through a few hooks: :meth:`accept` (a validated 
 :meth:`abort`, :meth:`drop_session`, :meth:`has_request`, :meth:`welcome`, :meth:`stats`,
 and optionally :meth:`check` (extra validation), :meth:`background` (engine coroutines run
 while serving) and :meth:`on_teardown`. The simulated scheduler
-(``scheduler_client/simulated.py``) and the real engines (``engines/``) are both built on it.
+(``engines/simulated.py``) and the real engines (``engines/``) are both built on it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tokenmill.loop_socket import LoopSocket
+from tokenmill.transport.loop_socket import LoopSocket
 from scheduler_client.protocol import (
     PROTOCOL_VERSION,
     STRUCTURED_KINDS,

@@ -18,7 +18,7 @@ _SPIN_S = 0.005  # how long a spinner spins before it looks at the flag again
 
 
 def _spin(busy, parent: int) -> None:
-    from tokenmill.procutil import die_with_parent, set_process_name
+    from tokenmill.process.procutil import die_with_parent, set_process_name
 
     die_with_parent(parent)
     set_process_name("tm-sim-busy")

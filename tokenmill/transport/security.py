@@ -3,7 +3,7 @@
 - ipc:// sockets live in a runtime directory of mode 0700, so only the service user
   can connect to them.
 - The workers a gateway spawns need none of this: each holds one end of a socket pair
-  (tokenmill/pipe_link.py), which nobody else can open.
+  (tokenmill/transport/pipe_link.py), which nobody else can open.
 - A tcp:// scheduler needs keys made with ``tokenmill curve-keys DIR``: the gateway
   authenticates the scheduler by its public key and presents its own client key.
 - Remote workers (``--remote-workers``) need keys made with ``tokenmill curve-keys DIR

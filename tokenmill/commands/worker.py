@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from tokenmill.transport_security import require_secure
+from tokenmill.transport.security import require_secure
 
 
 def add_arguments(parser) -> None:
@@ -37,7 +37,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tokenizer_workers.remote_link import RemoteWorkerLink
     from tokenizer_workers.worker import Worker
-    from tokenmill.procutil import limit_memory, set_process_name
+    from tokenmill.process.procutil import limit_memory, set_process_name
 
     require_secure(args.connect, "The gateway's worker", args.insecure_tcp, bool(args.keys))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s remote tokenizer worker %(levelname)s %(message)s")

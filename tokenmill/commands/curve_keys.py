@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tokenmill.transport_security import make_keys, make_worker_keys
+    from tokenmill.transport.security import make_keys, make_worker_keys
 
     if args.worker:
         for name in args.worker:
