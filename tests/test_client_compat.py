@@ -88,9 +88,6 @@ NOT_YET = {
     "openai-python:completions.echo_logprobs": (
         "echo", "field echo with logprobs not honoured yet (issue 29): vLLM adds the prompt's logprobs "
         "(completion/protocol.py sets prompt_logprobs for echo), the scheduler protocol does not return them"),
-    "openai-python:completions.suffix": (
-        "suffix", "field suffix not honoured yet (issue 29): vLLM renders fill-in-the-middle for DeepSeek-V4 "
-        "(renderers/deepseek_v4.py render_completion_suffix; other models get its 400)"),
     "openai-python:completions.best_of_2": (
         "best_of", f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}"),
     "openai-python:chat.modalities_audio": (

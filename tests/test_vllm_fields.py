@@ -583,3 +583,29 @@ def test_docs_list_functions_among_the_differences_from_vllm():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "request-fields.md").read_text()
     differences = doc.split("### Where tokenmill still differs from vLLM 0.32", 1)[1]
     assert "`functions`" in differences and "`function_call`" in differences and "ignores" in differences
+
+
+def test_suffix_fills_in_the_middle_as_vllm_renders_it_for_deepseek():
+    """vLLM 0.32 renders a completions suffix as DeepSeek's FIM prompt (renderers/deepseek_v4.py):
+    begin, prompt, hole, suffix, end; the default model's vocabulary has those markers."""
+    from conftest import Server, http
+
+    server = Server("--sim-mode", "echo", "--sim-inter-token-latency-ms", "1")
+    try:
+        url = server.url + "/v1/completions"
+        fim = "<｜fim▁begin｜>def add(a, b):<｜fim▁hole｜>    return c<｜fim▁end｜>"
+        status, _, plain = http("POST", server.url + "/tokenize", {"model": "deepseek-v4", "prompt": fim})
+        assert status == 200, plain
+        status, _, body = http("POST", url, {"model": "deepseek-v4", "prompt": "def add(a, b):", "suffix": "    return c",
+                                             "max_tokens": 1})  # fmt: skip
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == plain["count"]
+        status, _, body = http("POST", url, {"model": "deepseek-v4", "prompt": "x", "suffix": "", "max_tokens": 200,
+                                             "return_token_ids": True})  # fmt: skip
+        assert status == 200 and body["choices"][0]["prompt_token_ids"][-1] == 128802  # <｜fim▁end｜>
+        for extra, words in (({"echo": True}, "Echo is unsupported"), ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+                             ({"prompt": [1, 2, 3]}, "text prompt")):  # fmt: skip
+            status, _, err = http("POST", url, {"model": "deepseek-v4", "prompt": "x", "suffix": "y", "max_tokens": 1, **extra})
+            assert status == 400 and err["error"]["param"] == "suffix" and words in err["error"]["message"], err
+    finally:
+        server.stop()

@@ -113,6 +113,9 @@ class EncodeCpu:
             return self.share - started
 
 
+FIM_MARKERS = ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")  # DeepSeek's fill-in-the-middle tokens
+
+
 class Converter:
 
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
@@ -123,6 +126,9 @@ class Converter:
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
         self.engine = gp.Engine()  # what the scheduler honours, from its Welcome (limit_context)
+        # completions' suffix (fill in the middle) in DeepSeek's form, where the vocabulary has its markers,
+        # as vLLM renders it for DeepSeek-V4; other models have no FIM rendering there either
+        self.fim = all(self.tokenizer.token_to_id(marker) is not None for marker in FIM_MARKERS)
         self.templates = ChatTemplates(
             self.model.templates, self.model.special_tokens, settings.default_chat_template_kwargs
         )
@@ -232,6 +238,8 @@ class Converter:
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
+        if req.suffix is not None:
+            prompts = self._fill_in_the_middle(req, prompts)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
@@ -366,6 +374,19 @@ class Converter:
         raise oa.InvalidRequest(
             "prompt must be a string, a list of strings, a list of token IDs, or a list of token-ID lists.", "prompt"
         )
+
+    def _fill_in_the_middle(self, req, prompts: list) -> list[str]:
+        """vLLM's completions suffix: each text prompt becomes begin, prompt, hole, suffix, end."""
+        if req.echo:
+            raise oa.InvalidRequest("Echo is unsupported with suffix.", "suffix")
+        if req.truncate_prompt_tokens is not None:
+            raise oa.InvalidRequest("suffix is not supported with truncate_prompt_tokens", "suffix")
+        if not all(isinstance(p, str) for p in prompts):
+            raise oa.InvalidRequest("suffix requires text prompt input for FIM completion rendering", "suffix")
+        if not self.fim:
+            raise oa.InvalidRequest("suffix is only supported for models with FIM completion rendering", "suffix")
+        begin, hole, end = FIM_MARKERS
+        return [f"{begin}{p}{hole}{req.suffix}{end}" for p in prompts]
 
     def _truncation(self, req) -> tuple[int | None, bool]:
         """vLLM's truncate_prompt_tokens: (how many prompt tokens to keep, or None; keep the last ones?).

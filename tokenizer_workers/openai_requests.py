@@ -90,6 +90,7 @@ class CompletionRequest(SamplingFields):
     # a string, a list of strings, a list of token IDs, or a list of lists of token IDs
     prompt: str | list[Any] | None = None
     echo: bool | None = False  # the prompt's text before the completion's (as vLLM: the prompt as given)
+    suffix: str | None = None  # fill in the middle: the text after the completion (models with FIM markers)
 
 
 class TokenizeRequest(msgspec.Struct):

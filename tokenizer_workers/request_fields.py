@@ -47,7 +47,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_equals(1), "only one sequence per choice is generated"),
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
-    "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
     "prediction": (_none, "predicted outputs are not available"),
     "audio": (_none, "audio output is not available"),
     "modalities": (_text_modalities, "only text output"),
