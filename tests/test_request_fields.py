@@ -22,7 +22,6 @@ NON_DEFAULT = {
     "best_of": 2,
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "suffix": "the end",
     "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
