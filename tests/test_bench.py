@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import run_bench
-from tokenmill.bench import summarize
+from tokenmill.bench.frontloop import summarize
 
 MODE_KEYS = {"health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
              "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s"}  # fmt: skip
@@ -50,7 +50,7 @@ def test_the_load_client_counts_answers_and_keeps_what_went_wrong(server):
     connections; a refusal is an error with its status and body, never a latency."""
     import json
 
-    from tokenmill.load_client import post_many
+    from tokenmill.bench.load_client import post_many
 
     model = server.client().models.list().data[0].id
     chat = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello there."}]}
@@ -67,7 +67,7 @@ def test_the_load_client_reports_a_server_that_hangs_up_instead_of_waiting():
     import socket
     import threading
 
-    from tokenmill.load_client import post_many
+    from tokenmill.bench.load_client import post_many
 
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(30)

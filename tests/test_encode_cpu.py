@@ -9,7 +9,7 @@ import time
 
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings, EncodeCpu
-from tokenmill.bench import corpus
+from tokenmill.bench.common import corpus
 
 
 def test_overlapping_encodings_share_the_process_cpu():

@@ -7,7 +7,8 @@ import argparse
 import importlib
 import sys
 
-# name -> (module with add_arguments(parser) and run(args), one-line help)
+# name -> (module with add_arguments(parser) and run(args), one-line help); a module may also have
+# prepare_args(the arguments after the command) -> the arguments its parser reads (bench: the scenario first)
 COMMANDS = {
     "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
     "simulate-scheduler": ("engines.simulated", "Run the simulated GPU scheduler on its own."),
@@ -15,7 +16,7 @@ COMMANDS = {
     "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),
     "worker": ("tokenmill.commands.worker", "Run a tokenizer worker that joins a gateway's pool from another host."),
     "curve-keys": ("tokenmill.commands.curve_keys", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
-    "bench": ("tokenmill.bench", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways."),
+    "bench": ("tokenmill.bench.command", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways, busy."),
 }
 
 
@@ -34,6 +35,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in COMMANDS:
+        prepare = getattr(importlib.import_module(COMMANDS[command][0]), "prepare_args", None)
+        if prepare is not None:
+            at = argv.index(command) + 1
+            argv = [*argv[:at], *prepare(argv[at:])]
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return args.func(args) or 0
 

@@ -1,4 +1,4 @@
-"""``tokenmill bench``: does the front loop stay responsive under long-context load?
+"""``tokenmill bench`` (``frontloop``, the default scenario): does the front loop stay responsive under long-context load?
 
 One run, three conversion modes through the same gateway code, each against a fresh
 ``tokenmill serve`` with the simulated scheduler (all three up at once, taking turns round by
@@ -20,12 +20,14 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import sysconfig
 import threading
 import time
-from pathlib import Path
+
+from tokenmill.bench.common import (add_common_options, add_long_prompt_options, add_server_options, corpus,
+                                    health_prober, long_bodies, pct, ratio_text, rnd, stream_gaps,
+                                    write_json)
+from tokenmill.bench.servers import ServeProcess
 
 MODES = ("inline", "thread", "pool")
 KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
@@ -33,140 +35,20 @@ KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_m
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("scenario", nargs="?", default="frontloop", choices=("frontloop", "multiturn", "parsers", "vllm", "streams", "dp", "gateways", "busy"),
-                        help="frontloop (default): long-context responsiveness; multiturn: the tokenization cache; "
-                             "parsers: tool-call and reasoning parsing cost per token; vllm: side by side with "
-                             "vLLM's own server on the same engine; streams: hundreds of concurrent streams; "
-                             "dp: data-parallel routing policies and the engines' prefix caches; gateways: "
-                             "what a second gateway process buys and costs; busy: long prompts while the engine "
-                             "keeps cores busy and short chats keep arriving.")
-    parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
-    parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
-    parser.add_argument("--requests", type=int, help="Long requests sent together per round (default 8; quick 4).")
-    parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 80000).")
-    parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
-    parser.add_argument("--passes", type=int, default=2,
-                        help="Runs of the long-request load per mode, the order reversed each time (default 2).")
+    add_common_options(parser)
+    add_server_options(parser, MODES)
+    add_long_prompt_options(parser, requests=(8, 4), tokens=(250_000, 80_000))
     parser.add_argument("--small-requests", type=int,
                         help="Small requests per mode at each concurrency (default 4000; quick 800).")
-    parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers in pool mode (default: as serve).")
-    parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of inline,thread,pool.")
-    parser.add_argument("--conversations", type=int, help="multiturn: conversations replayed at once (default 16; quick 4).")
-    parser.add_argument("--turns", type=int, help="multiturn: turns per conversation (default 30; quick 10).")
-    parser.add_argument("--append-tokens", metavar="LO-HI",
-                        help="multiturn: tokens of tool output appended per turn (default 2000-8000; quick 1000-3000).")
-    from tokenmill import bench_parsers  # stdlib imports only
-
-    bench_parsers.add_arguments(parser)
-    from tokenmill import bench_vllm
-
-    bench_vllm.add_arguments(parser)
-    from tokenmill import bench_streams
-
-    bench_streams.add_arguments(parser)
-    from tokenmill import bench_dp
-
-    bench_dp.add_arguments(parser)
-    from tokenmill import bench_gateways
-
-    bench_gateways.add_arguments(parser)
-    from tokenmill import bench_busy
-
-    bench_busy.add_arguments(parser)
-
-
-# ---- percentiles ---------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
-def _r(x: float | None, digits: int = 1):
-    return None if x is None else round(x, digits)
-
-
-# ---- the workload --------------------------------------------------------------------------
-
-
-def corpus(chars: int) -> str:
-    """Deterministic text: Python's standard-library sources, in sorted order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        parts.append(text)
-        total += len(text)
-        if total >= chars:
-            break
-    text = "".join(parts)
-    while len(text) < chars:
-        text += text
-    return text[:chars]
-
-
-def long_bodies(count: int, tokens: int, model: str) -> list[bytes]:
-    chars = int(tokens * 4.1)  # ~4.1 characters per token for Python source with this tokenizer
-    text = corpus(chars * count + 1)
-    bodies = []
-    for i in range(count):
-        chunk = text[i * chars : (i + 1) * chars]
-        messages = [
-            {"role": "system", "content": "You are a coding agent. Review the repository below."},
-            {"role": "user", "content": chunk},
-        ]
-        bodies.append(json.dumps({"model": model, "messages": messages, "max_tokens": 1}).encode())
-    return bodies
 
 
 # ---- client processes ------------------------------------------------------------------------
 
 
-def _probe_health(port: int, stop, out) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    latencies = []
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-            latencies.append((time.perf_counter() - t0) * 1000)
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        time.sleep(0.010)
-    out.put(("health", latencies))
-
-
-def _stream(port: int, model: str, started, stop, out) -> None:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Stream to me."}],
+def stream_body(model: str) -> str:
+    """The unrelated stream: as long as the simulated scheduler lets it be."""
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "Stream to me."}],
                        "max_tokens": 1_000_000 - 100, "stream": True, "ignore_eos": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    gaps, last, events = [], None, 0
-    started.set()
-    while not stop.is_set():
-        line = resp.readline()
-        if not line:
-            break
-        if not line.startswith(b"data:"):
-            continue
-        now = time.perf_counter()
-        if last is not None:
-            gaps.append((now - last) * 1000)
-        last = now
-        events += 1
-    conn.close()
-    out.put(("stream", gaps))
 
 
 def _send_long(port: int, rounds_of_bodies: list[list[bytes]], out) -> None:
@@ -213,69 +95,9 @@ def medium_body(model: str) -> bytes:
 
 
 def _short_requests(port: int, body: bytes, count: int, concurrency: int, out) -> None:
-    from tokenmill.load_client import post_many
+    from tokenmill.bench.load_client import post_many
 
     out.put(("short", post_many(port, "/v1/chat/completions", body, count, concurrency)))
-
-
-# ---- servers ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on right now (for the servers a benchmark starts)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    def __init__(self, mode: str, workers: int | None, itl_ms: float, extra: tuple = ()):
-        self.port = free_port()
-        args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--conversion-mode", mode,
-                "--sim-inter-token-latency-ms", str(itl_ms), "--sim-prefill-tokens-per-s", "1e12",
-                "--log-level", "warning", "--max-queued-conversions", "100000"]  # fmt: skip
-        if workers and mode == "pool":
-            args += ["--workers", str(workers)]
-        args += list(extra)
-        import tempfile
-
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenmill serve ({mode}) exited: {self._log_tail()}")
-            if self.get("/ready")[0] == 200:
-                self.model = self.get("/v1/models")[1]["data"][0]["id"]
-                return
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError(f"tokenmill serve ({mode}) did not become ready: {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def get(self, path: str):
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
-            return resp.status, json.loads(data) if data.startswith(b"{") else data
-        except (OSError, http.client.HTTPException):
-            return None, None
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # ---- one mode ------------------------------------------------------------------------------
@@ -287,10 +109,10 @@ def run_pass(modes: list[str], rounds_of_bodies: list[list[bytes]], workers: int
     is set). This machine's speed drifts by tens of percent within a minute; a mode's rounds are
     then seconds apart from the other modes' same rounds, not a whole pass. Returns each mode's
     raw samples over the pass (summarize() them); an idle server costs well under 1% of a core."""
-    servers: dict[str, _Server] = {}
+    servers: dict[str, ServeProcess] = {}
     try:
         for mode in modes:
-            servers[mode] = _Server(mode, workers, itl_ms=20)
+            servers[mode] = ServeProcess(mode, workers, itl_ms=20)
         samples = {mode: {"long": {"elapsed": 0.0, "prompt_tokens": [], "errors": []}, "health": [], "gaps": [],
                           "lag": {}} for mode in modes}  # fmt: skip
         for r, bodies in enumerate(rounds_of_bodies):
@@ -310,7 +132,7 @@ def run_pass(modes: list[str], rounds_of_bodies: list[list[bytes]], workers: int
             server.close()
 
 
-def measure_round(server: "_Server", bodies: list[bytes]) -> dict:
+def measure_round(server: ServeProcess, bodies: list[bytes]) -> dict:
     """One round of long chats sent together to a running server, while a stream runs and a prober
     GETs /health, each in a client process of its own: the raw samples."""
     ctx = mp.get_context("spawn")
@@ -319,11 +141,11 @@ def measure_round(server: "_Server", bodies: list[bytes]) -> dict:
     started = ctx.Event()
     procs = []
     try:
-        stream = ctx.Process(target=_stream, args=(server.port, server.model, started, stop, out))
+        stream = ctx.Process(target=stream_gaps, args=(server.port, stream_body(server.model), started, stop, out))
         stream.start()
         procs.append(stream)
         started.wait(30)
-        prober = ctx.Process(target=_probe_health, args=(server.port, stop, out))
+        prober = ctx.Process(target=health_prober, args=(server.port, stop, out))
         prober.start()
         procs.append(prober)
         time.sleep(0.3)
@@ -355,13 +177,13 @@ def summarize(passes: list[dict]) -> dict:
             "errors": [x for p in passes for x in p["long"]["errors"]]}  # fmt: skip
     elapsed = sum(p["long"]["elapsed"] for p in passes)
     return {
-        "health_p50_ms": _r(pct(health, 0.5), 2),
-        "health_p99_ms": _r(pct(health, 0.99), 2),
-        "health_max_ms": _r(max(health, default=None), 2),
-        "stream_gap_p99_ms": _r(pct(gaps, 0.99)),
-        "stream_gap_max_ms": _r(max(gaps, default=None)),
-        "loop_lag_p99_ms": _r(lag.get("p99_ms"), 2),
-        "loop_lag_max_ms": _r(lag.get("max_ms"), 2),
+        "health_p50_ms": rnd(pct(health, 0.5), 2),
+        "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_max_ms": rnd(max(health, default=None), 2),
+        "stream_gap_p99_ms": rnd(pct(gaps, 0.99)),
+        "stream_gap_max_ms": rnd(max(gaps, default=None)),
+        "loop_lag_p99_ms": rnd(lag.get("p99_ms"), 2),
+        "loop_lag_max_ms": rnd(lag.get("max_ms"), 2),
         "requests_per_s": round(len(long["prompt_tokens"]) / elapsed, 3),
         "prompt_tokens_per_s": round(sum(long["prompt_tokens"]) / elapsed),
         "long_requests": len(long["prompt_tokens"]),
@@ -384,7 +206,7 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
     servers = {}
     try:
         for mode in modes:
-            servers[mode] = _Server(mode, workers, itl_ms=0)
+            servers[mode] = ServeProcess(mode, workers, itl_ms=0)
         for server in servers.values():
             _short_run(server, 50, 2)  # warm: first requests load caches and code paths
         per_round = max(1, count // rounds)
@@ -402,7 +224,7 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
             server.close()
 
 
-def _short_run(server: "_Server", count: int, clients: int, body: bytes | None = None) -> dict:
+def _short_run(server: ServeProcess, count: int, clients: int, body: bytes | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     body = small_body(server.model) if body is None else body
@@ -418,15 +240,15 @@ def _short_row(runs: list[dict]) -> dict:
     errors = [e for run in runs for e in run["errors"]]
     return {
         "requests_per_s": round(len(latencies) / sum(run["elapsed"] for run in runs), 1),
-        "latency_p50_ms": _r(pct(latencies, 0.5), 2),
+        "latency_p50_ms": rnd(pct(latencies, 0.5), 2),
         "errors": len(errors),
         "error_samples": errors[:3],
         # the load client's own CPU per answer: it shares the machine with the server it measures
-        "client_cpu_us": _r(sum(run["cpu_s"] for run in runs) / max(1, len(latencies) + len(errors)) * 1e6, 0),
+        "client_cpu_us": rnd(sum(run["cpu_s"] for run in runs) / max(1, len(latencies) + len(errors)) * 1e6, 0),
     }
 
 
-def short_rows(server: "_Server", count: int, concurrencies: tuple) -> dict:
+def short_rows(server: ServeProcess, count: int, concurrencies: tuple) -> dict:
     """Small chats through a running server at each concurrency: {clients: {requests_per_s, latency_p50_ms, errors}}."""
     _short_run(server, 50, 2)  # warm
     return {str(clients): _short_row([_short_run(server, count, clients)]) for clients in concurrencies}
@@ -495,7 +317,7 @@ def print_report(report: dict) -> None:
         print("  ".join([mode.rjust(width[0])] + [_fmt(row.get(c)).rjust(w) for c, w in zip(cols, width[1:])]))
     for base in ("inline", "thread"):
         if base in modes and "pool" in modes:
-            ratios = [_ratio(modes["pool"].get(c), modes[base].get(c)) for c in cols]
+            ratios = [ratio_text(modes["pool"].get(c), modes[base].get(c)) for c in cols]
             print("  ".join([f"pool/{base}".rjust(width[0])] + [r.rjust(w) for r, w in zip(ratios, width[1:])]))
     for mode, row in modes.items():
         if row.get("errors"):
@@ -517,45 +339,11 @@ def print_report(report: dict) -> None:
         if "medium" in report:
             ratios.append((MEDIUM_KEY, report["medium"]))
         for level, row in ratios:
-            print(f"  pool/inline at {level}: {_ratio(row['pool_req_s'], row['inline_req_s'])} req/s, "
+            print(f"  pool/inline at {level}: {ratio_text(row['pool_req_s'], row['inline_req_s'])} req/s, "
                   f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms")  # fmt: skip
 
 
-def _ratio(a, b) -> str:
-    if a is None or not b:
-        return "-"
-    return f"{a / b:.2f}x"
-
-
 def run(args) -> int:
-    if args.scenario == "multiturn":
-        from tokenmill import bench_multiturn
-
-        return bench_multiturn.run(args)
-    if args.scenario == "parsers":
-        from tokenmill import bench_parsers
-
-        return bench_parsers.run(args)
-    if args.scenario == "vllm":
-        from tokenmill import bench_vllm
-
-        return bench_vllm.run(args)
-    if args.scenario == "streams":
-        from tokenmill import bench_streams
-
-        return bench_streams.run(args)
-    if args.scenario == "dp":
-        from tokenmill import bench_dp
-
-        return bench_dp.run(args)
-    if args.scenario == "gateways":
-        from tokenmill import bench_gateways
-
-        return bench_gateways.run(args)
-    if args.scenario == "busy":
-        from tokenmill import bench_busy
-
-        return bench_busy.run(args)
     quick = args.quick
     count = args.requests or (4 if quick else 8)
     tokens = args.tokens or (80_000 if quick else 250_000)
@@ -596,6 +384,5 @@ def run(args) -> int:
         report["medium"] = {"clients": MEDIUM_CLIENTS, "body_bytes": len(medium_body("deepseek-v4")),
                             **report["small"].pop(MEDIUM_KEY)}  # fmt: skip
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0

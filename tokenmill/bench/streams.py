@@ -32,24 +32,32 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
-from tokenmill.bench import _Server, pct
-from tokenmill.process.procutil import _descendants
+from tokenmill.bench.common import (add_common_options, add_server_options, cpu_seconds, pct, probe_health,
+                                    process_role, process_tree, rnd, write_json)
+from tokenmill.bench.servers import ServeProcess
 
 WORD = b" elephant"  # one token with the embedded model's tokenizer
 SLOW_STALL_S = 6.0  # slow readers read nothing at first
 EMISSION_MS = 20.0
 
 
+def add_level_options(parser, levels: str, window: str) -> None:
+    """--levels and --window: the stream counts and the seconds measured at each (also bench gateways')."""
+    parser.add_argument("--levels", default=None, help=f"Comma-separated concurrent stream counts (default {levels}).")
+    parser.add_argument("--window", type=float, default=None, help=f"Seconds measured per level (default {window}).")
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--levels", default=None, help="streams: comma-separated concurrent stream counts (default 64,256,1024).")
-    parser.add_argument("--window", type=float, default=None, help="streams: seconds measured per level (default 10; quick 3).")
+    add_common_options(parser)
+    add_server_options(parser, ("inline", "pool"))
+    add_level_options(parser, "64,256,1024", "10; quick 3")
     parser.add_argument("--slow-stall", type=float, default=SLOW_STALL_S,
-                        help=f"streams: seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).")
+                        help=f"Seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).")
 
 
-def _word_id() -> int:
+def echo_word_id() -> int:
+    """The token id of WORD, which the echo scheduler repeats."""
     from tokenizer_workers.model import load_model
 
     ids = load_model().tokenizer.encode(WORD.decode(), add_special_tokens=False).ids
@@ -123,37 +131,6 @@ def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_r
     out.put({"streams": results, "cpu_s": time.process_time() - t0})
 
 
-# ---- process CPU -------------------------------------------------------------------------
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return 0.0
-
-
-def _children(pid: int) -> dict[int, str]:
-    """The server's process tree: pid -> name (tm-gateway, tm-worker-N, tm-scheduler)."""
-    names = {}
-    for p in [pid, *_descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                names[p] = f.read().strip()
-        except OSError:
-            pass
-    return names
-
-
-def process_role(name: str) -> str:
-    """gateway, workers or scheduler, from a process name of the server's tree (``_children``)."""
-    if name.startswith("tm-worker"):
-        return "workers"
-    return "scheduler" if name == "tm-scheduler" else "gateway"
-
-
 def _counters(port: int) -> tuple[float, float]:
     """(generated tokens, coalesced deltas) from /metrics, read with a patient client: at saturation
     /metrics answers late too."""
@@ -173,28 +150,10 @@ def _counters(port: int) -> tuple[float, float]:
     return values["tokenmill_generation_tokens_total"], values["tokenmill_stream_coalesced_deltas_total"]
 
 
-def _probe_health(port: int, stop: threading.Event, latencies: list) -> None:
-    """GET /health every 10 ms; a failed probe counts as taking until it failed."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-            latencies.append((time.perf_counter() - t0) * 1000)
-        except (OSError, http.client.HTTPException):
-            latencies.append((time.perf_counter() - t0) * 1000)
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        time.sleep(0.01)
-
-
 # ---- one level -----------------------------------------------------------------------------
 
 
-def run_level(server: _Server, streams: int, window: float, tokens_per_step: int, word_id: int,
+def run_level(server: ServeProcess, streams: int, window: float, tokens_per_step: int, word_id: int,
               slow_read_s: float = 0.0, stall_s: float = SLOW_STALL_S) -> dict:  # fmt: skip
     ramp = min(2.0, 0.002 * streams)
     # past the ramp and the first tokens of every stream; slow readers: until their sockets have backed up
@@ -216,19 +175,20 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
         p = ctx.Process(target=_client, args=(server.port, share, body, ramp, stop_at, slow_read_s, stall_s, out))
         p.start()
         procs.append(p)
-    tree = _children(server.proc.pid)
+    tree = process_tree(server.proc.pid)
     time.sleep(max(0.0, t0 - time.time()))
     health: list[float] = []
     stop = threading.Event()
-    prober = threading.Thread(target=_probe_health, args=(server.port, stop, health), daemon=True)
+    prober = threading.Thread(target=probe_health, args=(server.port, stop, health),
+                              kwargs={"count_failures": True, "timeout": 30}, daemon=True)  # fmt: skip
     prober.start()
     # the window runs between the two readings of the gateway's token counter (taken as the
     # midpoint of each request: under overload /metrics answers late), CPU read right after each
     asked = time.time()
     emitted0, _ = _counters(server.port)
     t0 = (asked + time.time()) / 2
-    cpu0 = {p: _cpu_s(p) for p in tree}
-    client_cpu0 = sum(_cpu_s(p.pid) for p in procs)
+    cpu0 = {p: cpu_seconds(p) for p in tree}
+    client_cpu0 = sum(cpu_seconds(p.pid) for p in procs)
     time.sleep(max(0.0, t0 + window - time.time()))
     asked = time.time()
     emitted_after, coalesced_after = _counters(server.port)
@@ -236,8 +196,8 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
     # over the level's whole life, so deltas merged now from text held back earlier count against their tokens
     coalesced_share = (coalesced_after - coalesced_before) / max(1.0, emitted_after - emitted_before)
     t1 = (asked + time.time()) / 2
-    cpu1 = {p: _cpu_s(p) for p in tree}
-    client_cpu1 = sum(_cpu_s(p.pid) for p in procs)
+    cpu1 = {p: cpu_seconds(p) for p in tree}
+    client_cpu1 = sum(cpu_seconds(p.pid) for p in procs)
     window = t1 - t0
     stop.set()
     prober.join(5)
@@ -270,8 +230,8 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
         "delivered_tokens_per_s": round(delivered / window),
         "emitted_ratio": round(emitted / ideal, 3) if ideal else None,
         "delivered_ratio": round(delivered / emitted, 3) if emitted else None,
-        "gap_p50_ms": _r(pct(gaps, 0.5)),
-        "gap_p99_ms": _r(pct(gaps, 0.99)),
+        "gap_p50_ms": rnd(pct(gaps, 0.5)),
+        "gap_p99_ms": rnd(pct(gaps, 0.99)),
         "events_per_token": round(events / max(1, sum(sum(r[1]) for r in results)), 3),
         "coalesced_share": round(coalesced_share, 3),
         "cpu_ms_per_1k_tokens": round(1e6 * front_cpu / delivered, 1) if delivered else None,
@@ -279,13 +239,9 @@ def run_level(server: _Server, streams: int, window: float, tokens_per_step: int
         "workers_cpu_share": round(cpu["workers"] / window, 2),
         "scheduler_cpu_share": round(cpu["scheduler"] / window, 2),
         "client_cpu_share": round((client_cpu1 - client_cpu0) / window, 2),
-        "health_p99_ms": _r(pct(health, 0.99), 2),
+        "health_p99_ms": rnd(pct(health, 0.99), 2),
         "errors": errors[:3],
     }
-
-
-def _r(x, digits: int = 1):
-    return None if x is None else round(x, digits)
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -304,27 +260,26 @@ def run(args) -> int:
     levels = [int(x) for x in (args.levels or "64,256,1024").split(",") if x]
     window = args.window or (3.0 if quick else 10.0)
     modes = [m for m in args.modes.split(",") if m in ("pool", "inline")] or ["pool", "inline"]
-    word_id = _word_id()
+    wid = echo_word_id()
     report = {"emission_ms": EMISSION_MS, "window_s": window, "cores": os.cpu_count(), "levels": []}
     sim = serve_args(max(levels))
     for tokens_per_step in (1, 4):
         for mode in modes:
-            server = _Server(mode, args.workers, itl_ms=EMISSION_MS, extra=(*sim, "--sim-tokens-per-step", str(tokens_per_step)))
+            server = ServeProcess(mode, args.workers, itl_ms=EMISSION_MS, extra=(*sim, "--sim-tokens-per-step", str(tokens_per_step)))
             try:
                 runs = levels if tokens_per_step == 1 else [256 if 256 in levels else levels[0]]
                 for streams in runs:
                     print(f"streams: {mode}, {streams} streams, {tokens_per_step} token(s) per step ...", file=sys.stderr, flush=True)
-                    row = run_level(server, streams, window, tokens_per_step, word_id)
+                    row = run_level(server, streams, window, tokens_per_step, wid)
                     report["levels"].append({"mode": mode, **row})
                 if tokens_per_step == 1:
                     print(f"streams: {mode}, 64 slow readers ...", file=sys.stderr, flush=True)
-                    row = run_level(server, 64, window, 1, word_id, slow_read_s=0.1, stall_s=args.slow_stall)
+                    row = run_level(server, 64, window, 1, wid, slow_read_s=0.1, stall_s=args.slow_stall)
                     report["levels"].append({"mode": mode, **row})
             finally:
                 server.close()
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

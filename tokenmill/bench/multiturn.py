@@ -16,11 +16,12 @@ import json
 import multiprocessing as mp
 import re
 import statistics
+import sys
 import threading
 import time
-from pathlib import Path
 
-from tokenmill.bench import _Server, corpus, pct
+from tokenmill.bench.common import add_common_options, add_conversation_options, corpus, pct, write_json
+from tokenmill.bench.servers import ServeProcess
 
 CONFIGS = {
     "cache_off": ("--tokenize-cache-bytes", "0"),
@@ -29,6 +30,12 @@ CONFIGS = {
     "verify": ("--verify-tokenize-cache",),
 }
 _TIMING = re.compile(r"([\w-]+);dur=([\d.]+)")
+
+
+def add_arguments(parser) -> None:
+    add_common_options(parser)
+    add_conversation_options(parser, "16 conversations x 30 turns, 2000-8000 tokens appended per turn; "
+                                     "quick 4 x 10, 1000-3000")  # fmt: skip
 
 
 def conversations(count: int, turns: int, min_tokens: int, max_tokens: int) -> list[list[dict]]:
@@ -86,7 +93,7 @@ def _client(port: int, model: str, transcripts: list, out) -> None:
 
 
 def run_config(name: str, transcripts: list, turns: int) -> dict:
-    server = _Server("pool", 2, itl_ms=0, extra=CONFIGS[name])
+    server = ServeProcess("pool", 2, itl_ms=0, extra=CONFIGS[name])
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     try:
@@ -128,7 +135,7 @@ def run(args) -> int:
     transcripts = conversations(count, turns, lo, hi)
     report = {"workload": f"{count} conversations x {turns} turns, {lo}-{hi} tokens appended per turn, 2 workers", "configs": {}}
     for name in CONFIGS:
-        print(f"running {name} ...", flush=True, file=__import__("sys").stderr)
+        print(f"running {name} ...", flush=True, file=sys.stderr)
         report["configs"][name] = run_config(name, transcripts, turns)
     off, on = report["configs"]["cache_off"], report["configs"]["cache_on"]
     report.update({
@@ -142,8 +149,7 @@ def run(args) -> int:
         "mismatches": report["configs"]["verify"]["mismatches"],
     })  # fmt: skip
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

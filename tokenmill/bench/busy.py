@@ -14,7 +14,8 @@ computes on all of them), and new requests arrive all the time. Here, for each c
   short chats' time to first content token (p50/p99) and errors.
 
 ``tokenmill bench vllm`` runs the same measurement (:func:`measure_busy`) against vLLM's own
-server and tokenmill in front of the same vLLM engine (scenario ``busy_engine``).
+server and tokenmill in front of the same vLLM engine (scenario ``busy_engine``), with the same
+``--busy-rate`` and ``--busy-chat-tokens`` (:func:`add_busy_load_options`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-from tokenmill.bench import _probe_health, _r, _ratio, _Server, long_bodies, pct
+from tokenmill.bench.common import (add_common_options, add_long_prompt_options, add_server_options, health_prober,
+                                    long_bodies, pct, ratio_text, rnd, write_json)
+from tokenmill.bench.servers import ServeProcess
 
 MODES = ("inline", "thread", "pool")
 FIGURES = ("health_p50_ms", "health_p99_ms", "health_max_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
@@ -37,17 +39,23 @@ FIGURES = ("health_p50_ms", "health_p99_ms", "health_max_ms", "loop_lag_p99_ms",
 ARRIVAL_LIMIT = 5000  # short chats started at most per measurement, whatever the rate and time
 
 
+def add_busy_load_options(parser) -> None:
+    """--busy-rate and --busy-chat-tokens: the short chats that keep the engine busy (also bench vllm's)."""
+    parser.add_argument("--busy-rate", type=float, default=8.0,
+                        help="Short streaming chats started per second while the long prompts go (default 8).")
+    parser.add_argument("--busy-chat-tokens", type=int, default=64, help="Tokens each short chat generates (default 64).")
+
+
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("busy (tokenmill bench busy; also bench vllm's busy_engine)")
-    group.add_argument("--busy-rate", type=float, default=8.0,
-                       help="busy: short streaming chats started per second (default 8).")
-    group.add_argument("--busy-cores", type=int, default=None,
-                       help="busy: cores the simulated engine keeps busy while it has work (default: all).")
-    group.add_argument("--busy-chat-tokens", type=int, default=64,
-                       help="busy: tokens each short chat generates (default 64).")
-    group.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
-                       help="busy: a `tokenmill serve` flag for every server, e.g. --serve-arg=--conversion-nice=10 "
-                            "(repeatable).")
+    add_common_options(parser)
+    add_server_options(parser, MODES)
+    add_long_prompt_options(parser, requests=(4, 2), tokens=(250_000, 60_000))
+    add_busy_load_options(parser)
+    parser.add_argument("--busy-cores", type=int, default=None,
+                        help="Cores the simulated engine keeps busy while it has work (default: all).")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="A `tokenmill serve` flag for every server, e.g. --serve-arg=--conversion-nice=10 "
+                             "(repeatable).")  # fmt: skip
 
 
 # ---- client processes ------------------------------------------------------------------------
@@ -150,7 +158,7 @@ def measure_busy(port: int, model: str, sender, rounds: list[list[bytes]], rate:
         chats.start()
         procs.append(chats)
         time.sleep(warm_s)  # the engine fills with chats before the long prompts come
-        prober = ctx.Process(target=_probe_health, args=(port, stop, out))
+        prober = ctx.Process(target=health_prober, args=(port, stop, out))
         prober.start()
         procs.append(prober)
         time.sleep(0.3)
@@ -171,12 +179,12 @@ def measure_busy(port: int, model: str, sender, rounds: list[list[bytes]], rate:
                 p.kill()
     health, chats, long = got["health"], got["chats"], got["long"]
     return {
-        "health_p50_ms": _r(pct(health, 0.5), 2), "health_p99_ms": _r(pct(health, 0.99), 2),
-        "health_max_ms": _r(max(health, default=None), 2),
-        "loop_lag_p99_ms": _r(lag.get("p99_ms"), 2), "loop_lag_max_ms": _r(lag.get("max_ms"), 2),
+        "health_p50_ms": rnd(pct(health, 0.5), 2), "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_max_ms": rnd(max(health, default=None), 2),
+        "loop_lag_p99_ms": rnd(lag.get("p99_ms"), 2), "loop_lag_max_ms": rnd(lag.get("max_ms"), 2),
         "conversion_wall_s": round(statistics.mean(long["walls"]), 3) if long["walls"] else None,
-        "chat_ttft_p50_ms": _r(pct(chats["ttft"], 0.5)), "chat_ttft_p99_ms": _r(pct(chats["ttft"], 0.99)),
-        "chat_e2e_p99_ms": _r(pct(chats["e2e"], 0.99)), "chats": len(chats["ttft"]),
+        "chat_ttft_p50_ms": rnd(pct(chats["ttft"], 0.5)), "chat_ttft_p99_ms": rnd(pct(chats["ttft"], 0.99)),
+        "chat_e2e_p99_ms": rnd(pct(chats["e2e"], 0.99)), "chats": len(chats["ttft"]),
         "errors": (long["errors"] + chats["errors"])[:5],
     }  # fmt: skip
 
@@ -219,7 +227,7 @@ def run(args) -> int:
         servers = {}
         try:
             for mode in modes:
-                servers[mode] = _Server(mode, args.workers, itl_ms=20, extra=("--sim-busy-cores", str(cores), *args.serve_arg))
+                servers[mode] = ServeProcess(mode, args.workers, itl_ms=20, extra=("--sim-busy-cores", str(cores), *args.serve_arg))
             for mode in modes if p % 2 == 0 else modes[::-1]:
                 server = servers[mode]
                 print(f"  {mode}, pass {p + 1} of {passes} ...", file=sys.stderr, flush=True)
@@ -232,8 +240,7 @@ def run(args) -> int:
     report["modes"] = {mode: median_rows(r) for mode, r in rows.items()}
     report["runs"] = rows
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 
@@ -248,7 +255,7 @@ def print_report(report: dict) -> None:
         print(f"{mode:>12} " + " ".join(f"{row.get(f)!s:>18}" for f in FIGURES))
     for base in ("inline", "thread"):
         if base in modes and "pool" in modes:
-            print(f"{'pool/' + base:>12} " + " ".join(f"{_ratio(modes['pool'].get(f), modes[base].get(f)):>18}"
+            print(f"{'pool/' + base:>12} " + " ".join(f"{ratio_text(modes['pool'].get(f), modes[base].get(f)):>18}"
                                                      for f in FIGURES))  # fmt: skip
     for mode, row in modes.items():
         if row.get("errors"):

@@ -48,10 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.bench import corpus, free_port, pct
+from tokenmill.bench.common import (add_common_options, add_conversation_options, add_vllm_options, corpus, free_port,
+                                    pct, ratio_text, request, vllm_venv_default, write_json)
+from tokenmill.bench.servers import ROOT, ProcessHandle
 from tokenmill.process.procutil import die_with_parent
 
-ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("affinity", "round_robin", "least_loaded")
 LATE_FROM = 3  # turns counted as late: from the fourth on
 SIM_BLOCK = 16  # engines.simulated.PrefixCache.BLOCK
@@ -63,11 +64,14 @@ VLLM_MAX_MODEL_LEN = 16384
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("dp (tokenmill bench dp; also --conversations, --turns, --append-tokens)")
-    group.add_argument("--engine", choices=("vllm", "sim"), default=None,
-                       help="dp: two real vLLM engines (default where .venv-vllm is usable) or two simulated schedulers.")  # fmt: skip
-    group.add_argument("--policies", default=",".join(POLICIES), help="dp: the --dp-policy values compared, in order.")
-    group.add_argument("--concurrency", type=int, help="dp: requests in flight at once (default 3; 4 for a full sim run).")
+    add_common_options(parser)
+    parser.add_argument("--engine", choices=("vllm", "sim"), default=None,
+                        help="Two real vLLM engines (default where .venv-vllm is usable) or two simulated schedulers.")  # fmt: skip
+    parser.add_argument("--policies", default=",".join(POLICIES), help="The --dp-policy values compared, in order.")
+    parser.add_argument("--concurrency", type=int, help="Requests in flight at once (default 3; 4 for a full sim run).")
+    add_conversation_options(parser, "sim: 9 conversations x 16 turns, 1500-3000 tokens appended per turn, quick 5 x 8, "
+                                     "800-1600; vllm: 7 x 12, 400-800, quick 5 x 8, 150-300")  # fmt: skip
+    add_vllm_options(parser)
 
 
 # ---- the workload ----------------------------------------------------------------------------
@@ -152,50 +156,15 @@ def _die_with_the_bench() -> None:
     die_with_parent(sig=signal.SIGTERM)
 
 
-class Proc:
-    """A subprocess in its own process group, logging to a file; stop() ends the whole group."""
+class Proc(ProcessHandle):
+    """A subprocess in its own process group, logging to a file, SIGTERMed if the bench dies; stop()
+    ends the whole group (vLLM's engine core, an orphaned worker)."""
 
     def __init__(self, name: str, args: list[str], log: Path, env: dict | None = None) -> None:
-        self.name, self.log_path = name, log
-        self._log = open(log, "ab")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_the_bench)  # fmt: skip
+        super().__init__(name, args, log=log, env=env or {}, cwd=ROOT, new_session=True, preexec_fn=_die_with_the_bench)
 
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever is left of the group (vLLM's engine core, an orphaned worker)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self._log.close()
-
-
-def _request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body, {"Content-Type": "application/json"} if body else {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+    def stop(self, timeout: float = 60.0) -> int | None:
+        return super().stop(timeout, leftovers=True)
 
 
 class Ranks:
@@ -231,9 +200,9 @@ class Ranks:
         while pending:
             for p in pending:
                 p.check_alive()
-            pending = [p for p in pending if "listening on" not in p.log()]
+            pending = [p for p in pending if "listening on" not in p.output()]
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"{pending[0].name} not ready after {timeout:.0f} s:\n{pending[0].log()[-4000:]}")
+                raise RuntimeError(f"{pending[0].name} not ready after {timeout:.0f} s:\n{pending[0].tail()}")
             time.sleep(0.3)
 
     def check_alive(self) -> None:
@@ -263,24 +232,19 @@ class Front:
         self.model = VLLM_NAME if ranks.model else None
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.proc.check_alive()
-            try:
-                status, data = _request(self.port, "GET", "/ready", timeout=2)
-                state = json.loads(data)
-                if status == 200 and not state.get("missing_ranks"):
-                    if self.model is None:
-                        self.model = json.loads(_request(self.port, "GET", "/v1/models")[1])["data"][0]["id"]
-                    return
-            except (OSError, ValueError, http.client.HTTPException):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"tokenmill serve did not become ready with both ranks:\n{self.proc.log()[-4000:]}")
+        def ready() -> bool:
+            status, data = request(self.port, "GET", "/ready", timeout=2)
+            if status != 200 or json.loads(data).get("missing_ranks"):
+                return False
+            if self.model is None:
+                self.model = json.loads(request(self.port, "GET", "/v1/models")[1])["data"][0]["id"]
+            return True
+
+        self.proc.wait_until(ready, timeout)
 
     def rank_counters(self) -> dict[str, list[float]]:
         """tokenmill_rank_*_total per rank, from /metrics."""
-        _, data = _request(self.port, "GET", "/metrics")
+        _, data = request(self.port, "GET", "/metrics")
         out: dict[str, list[float]] = {}
         for line in data.decode().splitlines():
             for name in ("requests", "prompt_tokens", "cached_prompt_tokens"):
@@ -359,7 +323,7 @@ def tokenized(front: Front, run: int, scripts: list, w: Workload) -> list[list[l
         prompts = []
         for turn in range(w.turns):
             body = json.dumps({"model": front.model, "messages": history(run, c, script, turn)}).encode()
-            status, data = _request(front.port, "POST", "/tokenize", body, timeout=120)
+            status, data = request(front.port, "POST", "/tokenize", body, timeout=120)
             if status != 200:
                 raise RuntimeError(f"/tokenize: {status}: {data[:300]!r}")
             prompts.append(json.loads(data)["tokens"])
@@ -402,7 +366,7 @@ def summarize(results: list[list[dict]], prompts: list[list[list[int]]], block: 
 
 
 def _vllm_python(args) -> Path | None:
-    venv = Path(getattr(args, "vllm_venv", None) or os.environ.get("TOKENMILL_VLLM_VENV", ROOT / ".venv-vllm"))
+    venv = Path(args.vllm_venv or vllm_venv_default())
     python = venv / "bin" / "python"
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not python.exists():
         return None
@@ -438,7 +402,7 @@ def run(args) -> int:
     try:
         model = None
         if engine == "vllm":
-            model = getattr(args, "vllm_model", None)
+            model = args.vllm_model
             if model is None:
                 model = str(workdir / "tiny-model")
                 subprocess.run([str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True,
@@ -473,8 +437,7 @@ def run(args) -> int:
         if engine == "sim":
             report["workload"]["sim_prefill_tokens_per_s"] = SIM_PREFILL_TOKENS_PER_S
         print_table(report, policies)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
         failed = any(report[p]["errors"] for p in policies)
         return 1 if failed else 0
     except KeyboardInterrupt:
@@ -488,12 +451,6 @@ def run(args) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _ratio(a, b) -> str:
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
-        return "-"
-    return f"{a / b:.2f}x"
 
 
 def print_table(report: dict, policies: list[str]) -> None:
@@ -512,9 +469,9 @@ def print_table(report: dict, policies: list[str]) -> None:
     base = report.get("affinity", {})
     for p in policies:
         r = report[p]
-        cells = [p, f"{r['cached_share']:.3f}", _ratio(r["cached_share"], ideal),
-                 _ratio(r["cached_share"], base.get("cached_share")),
-                 str(r["late_ttft_p50_ms"]), _ratio(r["late_ttft_p50_ms"], base.get("late_ttft_p50_ms")),
+        cells = [p, f"{r['cached_share']:.3f}", ratio_text(r["cached_share"], ideal),
+                 ratio_text(r["cached_share"], base.get("cached_share")),
+                 str(r["late_ttft_p50_ms"]), ratio_text(r["late_ttft_p50_ms"], base.get("late_ttft_p50_ms")),
                  str(r["late_ttft_p99_ms"]), f"{r['missed_turns']}/{r['turns'] - w['conversations']}",
                  "/".join(str(x) for x in r["requests_per_rank"])]  # fmt: skip
         print("  ".join(c.rjust(13) for c in cells))

@@ -16,7 +16,7 @@ the start of every long message, so no cache of either side can serve it):
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
   (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
   instead of one long stream: the engine decodes on the same cores and new requests keep
-  arriving, as on a serving node (``tokenmill.bench_busy.measure_busy``).
+  arriving, as on a serving node (``tokenmill.bench.busy.measure_busy``).
 """
 
 from __future__ import annotations
@@ -35,119 +35,74 @@ import threading
 import time
 from pathlib import Path
 
-from tokenmill.bench import _probe_health, _r, corpus, free_port, pct
-from tokenmill.bench_busy import measure_busy
+from tokenmill.bench.busy import add_busy_load_options, measure_busy
+from tokenmill.bench.common import (add_common_options, add_vllm_options, corpus, free_port, health_prober, pct,
+                                    ratio, request, rnd, stream_gaps, try_get, write_json)
+from tokenmill.bench.servers import ROOT, ProcessHandle
 
-ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench"
 MAX_MODEL_LEN = 65536
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("vllm (tokenmill bench vllm)")
-    group.add_argument("--vllm-venv", default=os.environ.get("TOKENMILL_VLLM_VENV", str(ROOT / ".venv-vllm")),
-                       help="vllm: the virtual environment with vLLM (default: .venv-vllm, built by ./scripts/test.sh).")
-    group.add_argument("--vllm-model", metavar="DIR",
-                       help="vllm: the model both stacks serve (default: a tiny random model made for the run).")
-    group.add_argument("--repeat", type=int, help="vllm: runs of each scenario on each stack, alternating (default 2; quick 1).")
-    group.add_argument("--short-seconds", type=float, help="vllm: length of the short-chat load (default 20; quick 8).")
+    add_common_options(parser)
+    add_vllm_options(parser)
+    parser.add_argument("--repeat", type=int, help="Runs of each scenario on each stack, alternating (default 2; quick 1).")
+    parser.add_argument("--short-seconds", type=float, help="Length of the short-chat load (default 20; quick 8).")
+    parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 60000).")
+    add_busy_load_options(parser)
 
 
 # ---- the two stacks ----------------------------------------------------------------------------
-
-
-def _get(port: int, path: str, timeout: float = 5):
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        return resp.status, data
-    except (OSError, http.client.HTTPException):
-        return None, b""
 
 
 class Stacks:
     """vLLM's API server, and tokenmill serve in front of tokenmill engine --backend vllm."""
 
     def __init__(self, vllm_python: str, model: str, workdir: str):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        self.procs: list[subprocess.Popen] = []
-        self.logs: dict[str, Path] = {}
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        self.procs: list[ProcessHandle] = []
         self.vllm_port, self.tokenmill_port = free_port(), free_port()
         engine = f"ipc://{workdir}/engine.sock"
-        self._start("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                             "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
-                             "--host", "127.0.0.1", "--port", str(self.vllm_port)], env, workdir)  # fmt: skip
-        self._start("engine", [vllm_python, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", model,
-                               "--max-model-len", str(MAX_MODEL_LEN), "--bind", engine], env, workdir)  # fmt: skip
-        self._start("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", "--model", model, "--scheduler", engine,
-                                  "--served-model-name", NAME, "--port", str(self.tokenmill_port),
-                                  "--log-level", "warning", "--max-queued-conversions", "100000"], env, workdir)  # fmt: skip
+        start = [("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                           "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+                           "--host", "127.0.0.1", "--port", str(self.vllm_port)]),
+                 ("engine", [vllm_python, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", model,
+                             "--max-model-len", str(MAX_MODEL_LEN), "--bind", engine]),
+                 ("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", "--model", model, "--scheduler", engine,
+                                "--served-model-name", NAME, "--port", str(self.tokenmill_port),
+                                "--log-level", "warning", "--max-queued-conversions", "100000"])]  # fmt: skip
+        for name, args in start:
+            self.procs.append(ProcessHandle(name, args, log=Path(workdir) / f"{name}.log", env=env, cwd=ROOT))
 
-    def _start(self, name: str, args: list[str], env: dict, workdir: str) -> None:
-        log = Path(workdir) / f"{name}.log"
-        self.logs[name] = log
-        with open(log, "w") as f:
-            self.procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+    def ready(self) -> bool:
+        for proc in self.procs:
+            proc.check_alive()
+        return try_get(self.vllm_port, "/health", 5)[0] == 200 and try_get(self.tokenmill_port, "/ready", 5)[0] == 200
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for proc, name in zip(self.procs, self.logs):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}: {self.logs[name].read_text()[-3000:]}")
-            if _get(self.vllm_port, "/health")[0] == 200 and _get(self.tokenmill_port, "/ready")[0] == 200:
+            if self.ready():
                 return
             time.sleep(1)
         raise RuntimeError("the servers did not become ready in time")
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc.proc.poll() is None:
+                proc.proc.terminate()  # all at once: each shuts down while the others do
         for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.stop(30)
 
 
 # ---- client processes ----------------------------------------------------------------------------
 
 
-def _post(port: int, path: str, body: bytes, timeout: float = 600) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def _stream(port: int, started, stop, out) -> None:
-    """An unrelated stream: the engine's tokens, one SSE event each; the gaps between them."""
-    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Stream to me."}], "stream": True,
+def stream_body() -> str:
+    """An unrelated stream: the engine's tokens, one SSE event each, for as long as the model allows."""
+    return json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Stream to me."}], "stream": True,
                        "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "temperature": 0})  # fmt: skip
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    gaps, last = [], None
-    started.set()
-    while not stop.is_set():
-        line = resp.readline()
-        if not line:
-            break
-        if line.startswith(b"data:"):
-            now = time.perf_counter()
-            if last is not None:
-                gaps.append((now - last) * 1000)
-            last = now
-    conn.close()
-    out.put(("stream", gaps))
 
 
 class Texts:
@@ -177,7 +132,7 @@ def _send_rounds(port: int, rounds: list[list[bytes]], out) -> None:
     walls, tokens, errors = [], [], []
 
     def one(body: bytes) -> None:
-        status, data = _post(port, "/tokenize", body)
+        status, data = request(port, "POST", "/tokenize", body, timeout=600)
         if status == 200:
             tokens.append(json.loads(data)["count"])
         else:
@@ -198,10 +153,10 @@ def long_context(port: int, bodies: list[list[bytes]]) -> dict:
     """``bodies``: rounds of long /tokenize requests, each round sent together."""
     ctx = mp.get_context("spawn")
     out, stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
-    stream = ctx.Process(target=_stream, args=(port, started, stop, out))
+    stream = ctx.Process(target=stream_gaps, args=(port, stream_body(), started, stop, out))
     stream.start()
     started.wait(60)
-    prober = ctx.Process(target=_probe_health, args=(port, stop, out))
+    prober = ctx.Process(target=health_prober, args=(port, stop, out))
     prober.start()
     time.sleep(1.0)
     sender = ctx.Process(target=_send_rounds, args=(port, bodies, out))
@@ -213,10 +168,10 @@ def long_context(port: int, bodies: list[list[bytes]]) -> dict:
         p.join(30)
     health, gaps, long = got["health"], got["stream"], got["long"]
     return {
-        "health_p50_ms": _r(pct(health, 0.5), 2), "health_p99_ms": _r(pct(health, 0.99), 2),
-        "health_max_ms": _r(max(health, default=None), 2),
-        "stream_gap_p50_ms": _r(pct(gaps, 0.5)), "stream_gap_p99_ms": _r(pct(gaps, 0.99)),
-        "stream_gap_max_ms": _r(max(gaps, default=None)),
+        "health_p50_ms": rnd(pct(health, 0.5), 2), "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_max_ms": rnd(max(health, default=None), 2),
+        "stream_gap_p50_ms": rnd(pct(gaps, 0.5)), "stream_gap_p99_ms": rnd(pct(gaps, 0.99)),
+        "stream_gap_max_ms": rnd(max(gaps, default=None)),
         "conversion_wall_s": round(statistics.mean(long["walls"]), 3),
         "mean_prompt_tokens": round(statistics.mean(long["tokens"])) if long["tokens"] else 0,
         "errors": long["errors"][:3],
@@ -242,15 +197,16 @@ def agent_replay(port: int, tag: str, pieces: list[list[str]]) -> dict:
             history += [{"role": "assistant", "content": f"Reading part {turn}."},
                         {"role": "user", "content": piece}]  # fmt: skip
             t0 = time.perf_counter()
-            status, data = _post(port, "/tokenize", json.dumps({"model": NAME, "messages": history}).encode())
+            status, data = request(port, "POST", "/tokenize", json.dumps({"model": NAME, "messages": history}).encode(),
+                                   timeout=600)
             times[turn].append((time.perf_counter() - t0) * 1000)
             if status == 200:
                 tokens.append(json.loads(data)["count"])
             else:
                 errors.append(f"{status}: {data[:200]!r}")
     late = [t for turn_times in times[-3:] for t in turn_times]
-    return {"late_turn_p50_ms": _r(pct(late, 0.5), 2), "late_turn_max_ms": _r(max(late, default=None), 2),
-            "first_turn_p50_ms": _r(pct(times[0], 0.5), 2), "final_prompt_tokens": max(tokens, default=0),
+    return {"late_turn_p50_ms": rnd(pct(late, 0.5), 2), "late_turn_max_ms": rnd(max(late, default=None), 2),
+            "first_turn_p50_ms": rnd(pct(times[0], 0.5), 2), "final_prompt_tokens": max(tokens, default=0),
             "errors": errors[:3]}  # fmt: skip
 
 
@@ -312,8 +268,8 @@ def short_chats(port: int, concurrency: int, seconds: float) -> dict:
     elapsed = res["elapsed"]
     return {"requests_per_s": round(len(res["e2e"]) / elapsed, 2),
             "output_tokens_per_s": round(sum(res["tokens"]) / elapsed, 1),
-            "ttft_p50_ms": _r(pct(res["ttft"], 0.5)), "ttft_p99_ms": _r(pct(res["ttft"], 0.99)),
-            "e2e_p50_ms": _r(pct(res["e2e"], 0.5)), "e2e_p99_ms": _r(pct(res["e2e"], 0.99)),
+            "ttft_p50_ms": rnd(pct(res["ttft"], 0.5)), "ttft_p99_ms": rnd(pct(res["ttft"], 0.99)),
+            "e2e_p50_ms": rnd(pct(res["e2e"], 0.5)), "e2e_p99_ms": rnd(pct(res["e2e"], 0.99)),
             "errors": res["errors"]}  # fmt: skip
 
 
@@ -383,8 +339,7 @@ def run(args) -> int:
                             for s, figs in FIGURES.items()}  # fmt: skip
         report["versions"] = _versions(python)
         print_table(report, repeat)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
         return 0
     finally:
         if stacks is not None:
@@ -392,10 +347,9 @@ def run(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _ratio(ours, theirs):
-    if not isinstance(ours, (int, float)) or not isinstance(theirs, (int, float)) or not theirs:
-        return None
-    return round(ours / theirs, 3)
+def _ratio(ours, theirs) -> float | None:
+    r = ratio(ours, theirs)
+    return None if r is None else round(r, 3)
 
 
 def _versions(python: Path) -> dict:
@@ -421,9 +375,9 @@ def print_table(report: dict, repeat: int) -> None:
     for scenario, figures in FIGURES.items():
         for figure in figures:
             a, b = report["vllm"][scenario].get(figure), report["tokenmill"][scenario].get(figure)
-            ratio = report["ratios"][scenario][figure]
+            r = report["ratios"][scenario][figure]
             spread = [_spread(report["runs"][side][scenario], figure) for side in ("vllm", "tokenmill")]
-            print(f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if ratio is None else f'{ratio:.2f}x':>8}"
+            print(f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if r is None else f'{r:.2f}x':>8}"
                   f"   {spread[0]:>17} {spread[1]:>17}")
     for side in ("vllm", "tokenmill"):
         errors = [e for s in FIGURES for e in report[side][s].get("errors") or []]

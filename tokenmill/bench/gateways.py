@@ -22,46 +22,38 @@ connections checks that every gateway is up before a load starts. Ratios are 2 g
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from tokenmill import bench_streams
-from tokenmill.bench import SMALL_CLIENTS, _Server, _r, short_rows
+from tokenmill.bench import streams as bench_streams
+from tokenmill.bench.common import (add_common_options, cpu_seconds, process_role, process_tree, pss_kib, rnd,
+                                    write_json)
+from tokenmill.bench.frontloop import SMALL_CLIENTS, short_rows
+from tokenmill.bench.servers import ServeProcess
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--gateway-counts", default="1,2", help="gateways: comma-separated --gateways values to compare (default 1,2).")
+    add_common_options(parser)
+    parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers (default: as serve).")
+    bench_streams.add_level_options(parser, "1024,2048; quick 2048", "8; quick 3")
+    parser.add_argument("--gateway-counts", default="1,2", help="Comma-separated --gateways values to compare (default 1,2).")
 
 
 # ---- the node's processes ----------------------------------------------------------------------
 
 
-def _pss_kib(pid: int) -> int:
-    """Proportional set size: a page shared by k processes counts 1/k in each."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def idle_cost(server: _Server, seconds: float) -> dict:
-    tree = bench_streams._children(server.proc.pid)
+def idle_cost(server: ServeProcess, seconds: float) -> dict:
+    tree = process_tree(server.proc.pid)
     time.sleep(1.0)  # start-up work (imports, first scrapes) out of the way
-    cpu0 = {p: bench_streams._cpu_s(p) for p in tree}
+    cpu0 = {p: cpu_seconds(p) for p in tree}
     time.sleep(seconds)
-    cpu = sum(bench_streams._cpu_s(p) - cpu0[p] for p in tree)
+    cpu = sum(cpu_seconds(p) - cpu0[p] for p in tree)
     pss = {}
     for pid, name in tree.items():
-        role = bench_streams.process_role(name)
-        pss[role] = pss.get(role, 0) + _pss_kib(pid)
+        role = process_role(name)
+        pss[role] = pss.get(role, 0) + pss_kib(pid)
     scrapes = []
     for _ in range(20):  # a new connection each: reaches any gateway, as Prometheus' would
         t0 = time.perf_counter()
@@ -73,11 +65,11 @@ def idle_cost(server: _Server, seconds: float) -> dict:
         "pss_mib": round(sum(pss.values()) / 1024, 1),
         "gateways_pss_mib": round(pss.get("gateway", 0) / 1024, 1),
         "idle_cpu_share": round(cpu / seconds, 3),
-        "metrics_scrape_p50_ms": _r(statistics.median(scrapes), 2) if scrapes else None,
+        "metrics_scrape_p50_ms": rnd(statistics.median(scrapes), 2) if scrapes else None,
     }
 
 
-def gateway_pids(server: _Server, expected: int, timeout: float = 60.0) -> set[int]:
+def gateway_pids(server: ServeProcess, expected: int, timeout: float = 60.0) -> set[int]:
     """Ask /debug/state on new connections until every gateway process has answered."""
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -99,7 +91,7 @@ def run_node(gateways: int, args, levels: list[int], window: float, small_count:
     workers = args.workers
     started = time.monotonic()
     # small requests: the zero-latency scheduler, as tokenmill bench
-    server = _Server("pool", workers, itl_ms=0, extra=("--gateways", str(gateways)))
+    server = ServeProcess("pool", workers, itl_ms=0, extra=("--gateways", str(gateways)))
     try:
         pids = gateway_pids(server, gateways)
         ready_s = time.monotonic() - started
@@ -110,7 +102,7 @@ def run_node(gateways: int, args, levels: list[int], window: float, small_count:
     finally:
         server.close()
     # streams: the echo scheduler at 20 ms, as tokenmill bench streams
-    server = _Server("pool", workers, itl_ms=bench_streams.EMISSION_MS,
+    server = ServeProcess("pool", workers, itl_ms=bench_streams.EMISSION_MS,
                      extra=("--gateways", str(gateways), *bench_streams.serve_args(max(levels))))  # fmt: skip
     try:
         gateway_pids(server, gateways)
@@ -131,14 +123,13 @@ def run(args) -> int:
     levels = [int(x) for x in (args.levels or ("2048" if args.quick else "1024,2048")).split(",") if x]
     window = args.window or (3.0 if args.quick else 8.0)
     small_count = 300 if args.quick else 3000
-    word_id = bench_streams._word_id()
+    word_id = bench_streams.echo_word_id()
     report = {"cores": os.cpu_count(), "emission_ms": bench_streams.EMISSION_MS, "window_s": window,
               "small_requests_per_level": small_count, "nodes": []}  # fmt: skip
     for gateways in counts:
         report["nodes"].append(run_node(gateways, args, levels, window, small_count, word_id))
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

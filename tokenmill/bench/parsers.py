@@ -10,7 +10,7 @@ hold a long string (an agent writing a file; for reasoning formats, N tokens of 
 a short answer). The text is cut into one piece per token of the embedded DeepSeek-V4
 tokenizer and fed piece by piece, as the tokenizer workers feed their parsers; ``feed`` for
 every piece plus ``finish`` is timed, best of 3 runs. vLLM's parsers run in the vLLM venv
-(``bench_parsers_vllm.py``) on the same texts, one token per ``parse_delta``; there each
+(``parsers_vllm.py``) on the same texts, one token per ``parse_delta``; there each
 format's markers are single tokens (gpt-oss: Harmony's own encoding), so a text is a few
 tokens shorter, and each side's figure is per token of its own tokenization.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,11 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from tokenmill.bench.common import add_common_options, corpus, vllm_venv_default, write_json
+from tokenmill.bench.servers import ROOT
+
 SIZES = (1000, 4000, 16000)
 QUICK_SIZES = (1000, 4000)
 RUNS = 3
 VLLM_CAP_S = 60.0  # a vLLM format whose run takes longer skips its larger sizes
-VLLM_VENV = Path(os.environ.get("TOKENMILL_VLLM_VENV", Path(__file__).resolve().parent.parent / ".venv-vllm"))
+VLLM_VENV = Path(vllm_venv_default())
 
 WRITE_FILE = {"type": "function", "function": {
     "name": "write_file", "description": "Write a file in the workspace.",
@@ -45,10 +47,10 @@ NO_LEAD = {"llama3_json"}  # Llama 3 writes its calls alone (vLLM reads no calls
 
 
 def add_arguments(parser) -> None:
-    """The options of ``bench parsers`` beyond bench's own --quick and --json."""
-    parser.add_argument("--sizes", help="parsers: output lengths in tokens (default 1000,4000,16000; quick 1000,4000).")
-    parser.add_argument("--formats", help="parsers: comma-separated format names (default: every registered one).")
-    parser.add_argument("--no-vllm", action="store_true", help="parsers: skip vLLM's parsers.")
+    add_common_options(parser)
+    parser.add_argument("--sizes", help="Output lengths in tokens (default 1000,4000,16000; quick 1000,4000).")
+    parser.add_argument("--formats", help="Comma-separated format names (default: every registered one).")
+    parser.add_argument("--no-vllm", action="store_true", help="Skip vLLM's parsers.")
 
 
 # ---- the outputs, one generator per format --------------------------------------------------
@@ -164,7 +166,6 @@ def sized(build: Callable[[int], str], tokens: int, tokenizer) -> tuple[int, str
 def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
     from tokenizer_workers.model import load_model
     from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
-    from tokenmill.bench import corpus
 
     tokenizer = load_model(None).tokenizer
     source = corpus(max(sizes) * 8 + 10_000)  # Python source: what an agent writes, and thinks about
@@ -239,7 +240,7 @@ def time_tokenmill(w: Workload) -> float:
 
 
 def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
-    """vLLM's version and {(kind, name, size): result} from bench_parsers_vllm.py in the vLLM venv,
+    """vLLM's version and {(kind, name, size): result} from parsers_vllm.py in the vLLM venv,
     or (None, {}) where there is no vLLM venv."""
     from tokenizer_workers.output_parsers import reasoning_parser_class, tool_parser_class
 
@@ -252,9 +253,11 @@ def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
         cls = tool_parser_class(w.name) if w.kind == "tool" else reasoning_parser_class(w.name)
         cases.append({"kind": w.kind, "name": w.name, "size": w.size, "text": w.text, "prompt": w.prompt,
                       "markers": list(cls.markers), "chat_template_kwargs": w.kwargs})
-    script = Path(__file__).with_name("bench_parsers_vllm.py")
     payload = json.dumps({"tools": TOOLS, "cases": cases, "cap_s": VLLM_CAP_S, "runs": RUNS}, ensure_ascii=False)
-    proc = subprocess.run([str(python), str(script)], input=payload, stdout=subprocess.PIPE, text=True)
+    # as a module from the checkout: run as a file, its folder would come first on sys.path and this
+    # package's vllm.py would shadow vLLM
+    proc = subprocess.run([str(python), "-m", "tokenmill.bench.parsers_vllm"], input=payload, stdout=subprocess.PIPE,
+                          text=True, cwd=ROOT)  # fmt: skip
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines or "version" not in lines[0]:
         print(f"vLLM's side did not start (exit {proc.returncode}): tokenmill only", file=sys.stderr)
@@ -322,6 +325,5 @@ def run(args) -> int:
                 notes.append(f"vLLM {w.kind} {w.name} at {w.size}: {why}")
     print_table(report, notes)
     print(f"({time.perf_counter() - started:.0f} s in all)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0

@@ -1,10 +1,12 @@
-"""vLLM's side of ``tokenmill bench parsers``: run as a file with the vLLM venv's Python.
+"""vLLM's side of ``tokenmill bench parsers``: run with the vLLM venv's Python, ``-m tokenmill.bench.parsers_vllm``
+from the checkout (as a file, this folder's vllm.py would shadow vLLM).
 
 Reads JSON on stdin: ``{"tools": [...], "cases": [{"kind": "tool"|"reasoning", "name", "size",
 "text", "prompt", "markers", "chat_template_kwargs"}], "cap_s": 60, "runs": 3}``, and writes JSON lines:
 ``{"version": vLLM's}`` first, then one per case with ``us_per_token`` (None where it did not
 run, with ``error`` or ``skipped`` saying why). Everything vLLM is imported inside functions,
-so the main venv can import this module.
+so the main venv can import this module; it imports nothing of tokenmill (``tokenmill.bench``
+imports nothing either), so the vLLM venv needs only vLLM.
 
 vLLM's streaming path is timed as its server drives it: ``ParserManager.get_parser`` composes
 the parser, and ``parse_delta`` gets one token's text and id at a time, with the prompt's token ids (without
