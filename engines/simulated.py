@@ -22,7 +22,7 @@ reply's ``match`` generates that reply's text, then the model's EOS (docs/schedu
 Protocol 1.1 (``Welcome.features`` lists everything in ``protocol.FEATURES``; without a
 tokenizer, all but the ``structured.*`` ones):
 
-* ``structured``: at accept, :func:`scheduler_client.structured.example` writes a text the
+* ``structured``: at accept, :func:`scheduler_client.structured.generate.example` writes a text the
   spec accepts (drawn with the request's generator, so deterministic for (seed, prompt));
   tokenized with the served tokenizer it becomes the output, one token per step like a
   scripted reply, then the first stop token with ``"stop"``; ``max_new_tokens`` still cuts it
@@ -81,6 +81,7 @@ from pathlib import Path
 import zmq
 
 from scheduler_client import structured
+from scheduler_client.structured import generate as structured_generate
 from engines.busy_cores import BusyCores
 from scheduler_client.protocol import (
     FEATURE_PRIORITY,
@@ -602,7 +603,7 @@ class SimulatedScheduler(SchedulerServer):
         best: list[int] | None = None
         for _ in range(8 if req.min_tokens else 1):
             try:
-                text = structured.example(gen.structured, req.rng)
+                text = structured_generate.example(gen.structured, req.rng)
             except structured.StructuredError as exc:
                 raise Rejected(f"cannot write an instance: {exc}", param="structured") from None
             ids = self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -41,11 +41,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from engines import MissingBackend, backend_module
 from conftest import ROOT
+from protocol_client import AsyncProtocolClient
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
 from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
 from engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
@@ -64,10 +63,7 @@ from scheduler_client.protocol import (
     Structured,
     Welcome,
     bytes_to_floats,
-    decode_from_scheduler,
-    encode,
     frame_to_ids,
-    ids_to_frame,
 )
 from engines.scheduler_server import Rejected
 
@@ -788,32 +784,15 @@ def test_vllm_validation_error_is_a_rejection():
 # ---------------------------------------------------------------------------- the engine server
 
 
-class Frontend:
+class Frontend(AsyncProtocolClient):
     """A DEALER talking the protocol to an in-process EngineServer."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    async def hello(self) -> Welcome:
-        await self.sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))
-        return await self.recv(Welcome)
-
-    async def recv(self, kind=None):
-        while True:
-            message = decode_from_scheduler(await asyncio.wait_for(self.sock.recv(), WAIT))
-            if kind is None and not isinstance(message, Stats) or kind is not None and isinstance(message, kind):
-                return message
 
     async def generate(self, rid: str, prompt, n: int, stop=(), ignore_eos=False, logprobs=None, structured=None,
                        **sampling) -> None:  # fmt: skip
-        message = Generate(
-            request_id=rid, prompt_token_count=len(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
-            stop_token_ids=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
+        await self.send_generate(
+            rid, prompt, max_new_tokens=n, sampling=SamplingParams(**sampling), stop_token_ids=list(stop),
+            ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
         )  # fmt: skip
-        await self.sock.send_multipart([encode(message), ids_to_frame(list(prompt))])
 
     async def results(self, rids) -> dict[str, tuple[list[int], str, object]]:
         """rid -> (tokens, finish reason or "rejected", final output or Error); each request's logprobs
@@ -837,10 +816,6 @@ class Frontend:
                 if out.finish_reason:
                     done[out.request_id] = (tokens[out.request_id], out.finish_reason, out)
         return done
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 async def serving(backend):
@@ -899,7 +874,7 @@ def test_engine_server_with_sglang_end_to_end():
             await fe.generate("long", (9, 9), 100_000)
             first = await fe.recv(Outputs)
             assert first.outputs[0].request_id == "long" and first.outputs[0].finish_reason is None
-            await fe.sock.send(encode(Abort(request_ids=["long", "unknown"])))
+            await fe.send(Abort(request_ids=["long", "unknown"]))
             got = first.outputs[0].completion_tokens
             while True:
                 message = await fe.recv(Outputs)
@@ -1225,7 +1200,7 @@ def test_a_vanished_front_end_frees_its_requests_in_the_engine():
             await fe.hello()
             await fe.generate("a", (1, 2), 100_000)
             await fe.recv(Outputs)
-            await fe.sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))  # a new session: "a" is stale
+            await fe.send(Hello(protocol_version=PROTOCOL_VERSION))  # a new session: "a" is stale
             await fe.recv(Welcome)
             for _ in range(200):
                 if engine.aborted:

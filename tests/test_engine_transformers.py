@@ -33,24 +33,18 @@ pytest.importorskip(
 )
 
 import openai  # noqa: E402
-import zmq  # noqa: E402
 
 from conftest import ROOT, Server  # noqa: E402
+from protocol_client import ProtocolClient  # noqa: E402
 from scheduler_client.protocol import (  # noqa: E402
-    PROTOCOL_VERSION,
     Error,
-    Generate,
-    Hello,
     Outputs,
     SamplingParams,
     Stats,
     Structured,
     Welcome,
     bytes_to_floats,
-    decode_from_scheduler,
-    encode,
     frame_to_ids,
-    ids_to_frame,
 )
 
 STARTUP_TIMEOUT = 90.0
@@ -86,32 +80,27 @@ class Engine:
         return self.proc.returncode
 
 
-class Probe:
+class Probe(ProtocolClient):
     """A front end of our own on the engine: direct Generate, and the engine's Stats."""
 
     def __init__(self, engine: Engine) -> None:
+        super().__init__(engine.endpoint, log=engine.log)
         self.engine = engine
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(engine.endpoint)
         self.stats: list[Stats] = []
         self.welcome: Welcome | None = None
-        self.sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="test-probe")))
+        self.hello("test-probe")
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while self.welcome is None:
             if self.engine.proc.poll() is not None:
                 raise AssertionError(f"the engine exited with {self.engine.proc.returncode}:\n{self.engine.log()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"the engine did not answer Hello:\n{self.engine.log()}")
-            message = self.recv(0.2)
+            message = self.poll(0.2)
             if isinstance(message, Welcome):
                 self.welcome = message
 
-    def recv(self, timeout: float):
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        message = decode_from_scheduler(self.sock.recv())
+    def poll(self, timeout: float):
+        message = super().poll(timeout)
         if isinstance(message, Stats):
             self.stats.append(message)
         return message
@@ -122,19 +111,16 @@ class Probe:
         deadline = time.monotonic() + timeout
         while len(self.stats) == seen:
             assert time.monotonic() < deadline, "no Stats from the engine"
-            self.recv(0.1)
+            self.poll(0.1)
         return self.stats[-1]
 
     def generate(self, rid: str, prompt: list[int], max_new_tokens: int, stop=(), **sampling) -> tuple[list[int], str]:
-        message = Generate(
-            request_id=rid, prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(**sampling), stop_token_ids=list(stop),
-        )  # fmt: skip
-        self.sock.send_multipart([encode(message), ids_to_frame(prompt)])
+        self.send_generate(rid, prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(**sampling),
+                           stop_token_ids=list(stop))
         tokens: list[int] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            message = self.recv(0.5)
+            message = self.poll(0.5)
             if isinstance(message, Error):
                 raise AssertionError(f"rejected: {message}")
             if not isinstance(message, Outputs):
@@ -146,10 +132,6 @@ class Probe:
                 if out.finish_reason:
                     return tokens, out.finish_reason
         raise AssertionError(f"{rid} did not finish:\n{self.engine.log()}")
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +212,11 @@ def test_1_1_fields_are_refused_as_unsupported(probe):
         "logit_bias": ({"sampling": SamplingParams(logit_bias={5: -100.0})}, "sampling.logit_bias"),
     }
     for rid, (fields, param) in cases.items():
-        message = Generate(request_id=rid, prompt_token_count=2, max_new_tokens=2, **fields)
-        probe.sock.send_multipart([encode(message), ids_to_frame([11, 12])])
+        probe.send_generate(rid, [11, 12], max_new_tokens=2, **fields)
         deadline = time.monotonic() + 10
         error = None
         while error is None and time.monotonic() < deadline:
-            message = probe.recv(0.5)
+            message = probe.poll(0.5)
             if isinstance(message, Error):
                 error = message
         assert error is not None and error.request_id == rid, f"{rid}: no error"
@@ -263,13 +244,12 @@ def generate_together(probe, requests: dict[str, tuple[list[int], dict]]) -> tup
     for rid, (prompt, fields) in requests.items():
         fields = dict(fields)
         sampling = SamplingParams(**fields.pop("sampling", {}))
-        message = Generate(request_id=rid, prompt_token_count=len(prompt), sampling=sampling, **fields)
-        probe.sock.send_multipart([encode(message), ids_to_frame(prompt)])
+        probe.send_generate(rid, prompt, sampling=sampling, **fields)
         got[rid] = {"tokens": [], "finish": None, "logprobs": [], "top_ids": [], "top_logprobs": []}
     deadline = time.monotonic() + 60
     while any(g["finish"] is None for g in got.values()):
         assert time.monotonic() < deadline, f"not finished: {got}\n{probe.engine.log()}"
-        message = probe.recv(0.5)
+        message = probe.poll(0.5)
         if isinstance(message, Error):
             raise AssertionError(f"rejected: {message}")
         if not isinstance(message, Outputs):
@@ -465,7 +445,7 @@ def test_concurrent_requests_are_batched(front, probe):
         running = []
         while not task.done():
             loop.run_until_complete(asyncio.sleep(0.05))
-            while (message := probe.recv(0)) is not None:
+            while (message := probe.poll(0)) is not None:
                 if isinstance(message, Stats):
                     running.append(message.num_running)
         results = task.result()

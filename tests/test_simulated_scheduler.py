@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import zmq
 
+from protocol_client import AsyncProtocolClient, ProtocolClient
 from scheduler_client.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -38,8 +39,6 @@ from scheduler_client.protocol import (
     Structured,
     Welcome,
     bytes_to_floats,
-    decode_from_scheduler,
-    encode,
     frame_to_ids,
     ids_to_frame,
 )
@@ -82,13 +81,14 @@ class Scheduler:
         """Handshake once, allowing for interpreter startup."""
         probe = Client(self)
         try:
-            probe.send(Hello(protocol_version=PROTOCOL_VERSION))
+            probe.hello()
             deadline = time.monotonic() + STARTUP_TIMEOUT
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"the scheduler exited with {self.proc.returncode}:\n{self.log()}")
-                if probe.sock.poll(100):
-                    assert isinstance(probe.decode(probe.sock.recv_multipart()), Welcome)
+                message = probe.poll(0.1)
+                if message is not None:
+                    assert isinstance(message, Welcome)
                     return
             raise AssertionError(f"the scheduler did not answer Hello in {STARTUP_TIMEOUT}s:\n{self.log()}")
         finally:
@@ -112,81 +112,17 @@ class Scheduler:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class Client:
-    """A front end's DEALER, synchronous, with bounded waits."""
+class Client(ProtocolClient):
+    """A front end's DEALER on the simulated scheduler."""
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self.sock = scheduler.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(scheduler.endpoint)
+        super().__init__(scheduler.endpoint, ctx=scheduler.ctx, log=scheduler.log)
         self.scheduler = scheduler
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-    def send(self, message: msgspec.Struct, *extra: bytes) -> None:
-        self.sock.send_multipart([encode(message), *extra])
 
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str | None = None, **fields) -> str:
         request_id = request_id or f"req-{next(_ids)}"
-        message = Generate(
-            request_id=request_id, prompt_token_count=len(prompt), max_new_tokens=max_new_tokens, **fields
-        )
-        self.send(message, ids_to_frame(prompt))
+        self.send_generate(request_id, prompt, max_new_tokens=max_new_tokens, **fields)
         return request_id
-
-    @staticmethod
-    def decode(frames: list[bytes]):
-        assert len(frames) == 1, f"scheduler messages are one frame, got {len(frames)}"
-        return decode_from_scheduler(frames[0])
-
-    def recv(self, timeout: float = WAIT):
-        if not self.sock.poll(int(timeout * 1000)):
-            raise AssertionError(f"nothing from the scheduler in {timeout}s:\n{self.scheduler.log()}")
-        return self.decode(self.sock.recv_multipart())
-
-    def recv_not_stats(self, timeout: float = WAIT):
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self.recv(max(0.01, deadline - time.monotonic()))
-            if not isinstance(message, Stats):
-                return message
-
-    def handshake(self) -> Welcome:
-        self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name="test"))
-        welcome = self.recv_not_stats()
-        assert isinstance(welcome, Welcome), welcome
-        return welcome
-
-    def collect(self, request_ids, timeout: float = WAIT, on_message=None) -> dict[str, list]:
-        """RequestOutputs per request until all of request_ids finished."""
-        pending = set(request_ids)
-        outputs: dict[str, list] = {rid: [] for rid in pending}
-        while pending:
-            message = self.recv(timeout)
-            if on_message is not None:
-                on_message(message)
-            if isinstance(message, Stats):
-                continue
-            assert isinstance(message, Outputs), message
-            for out in message.outputs:
-                assert out.request_id in outputs, f"output for an unexpected request: {out}"
-                assert out.request_id in pending, f"output after the final one: {out}"
-                outputs[out.request_id].append(out)
-                if out.finish_reason is not None:
-                    pending.discard(out.request_id)
-        return outputs
-
-    def quiet(self, seconds: float) -> list:
-        """Everything but Stats that arrives within ``seconds``."""
-        got = []
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.sock.poll(int(left * 1000) + 1):
-                message = self.decode(self.sock.recv_multipart())
-                if not isinstance(message, Stats):
-                    got.append(message)
-        return got
 
 
 def tokens_of(outputs) -> list[int]:
@@ -643,8 +579,6 @@ def test_in_process_api():
     """SimulatedScheduler served inside an event loop, on a tcp port chosen by the OS."""
     import asyncio
 
-    import zmq.asyncio
-
     from engines.simulated import SimulatedScheduler
 
     async def main():
@@ -652,18 +586,15 @@ def test_in_process_api():
         serving = asyncio.create_task(scheduler.serve("tcp://127.0.0.1:0"))
         endpoint = await asyncio.wait_for(scheduler.wait_ready(), WAIT)
         assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(endpoint)
+        front = AsyncProtocolClient(endpoint)
         try:
-            await sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))
-            welcome = decode_from_scheduler(await asyncio.wait_for(sock.recv(), WAIT))
+            await front.send(Hello(protocol_version=PROTOCOL_VERSION))
+            welcome = await front.next()
             assert isinstance(welcome, Welcome) and welcome.max_running_requests == 4
-            message = Generate(request_id="a", prompt_token_count=2, max_new_tokens=5)
-            await sock.send_multipart([encode(message), ids_to_frame([3, 4])])
+            await front.send_generate("a", [3, 4], max_new_tokens=5)
             tokens = []
             while True:
-                reply = decode_from_scheduler(await asyncio.wait_for(sock.recv(), WAIT))
+                reply = await front.next()
                 if isinstance(reply, Stats):
                     continue
                 assert isinstance(reply, Outputs)
@@ -672,8 +603,7 @@ def test_in_process_api():
                     break
             assert tokens == [3, 4, 3, 4, 3]
         finally:
-            sock.close(linger=0)
-            ctx.term()
+            front.close()
             await asyncio.wait_for(scheduler.close(), WAIT)
             await asyncio.wait_for(serving, WAIT)
         await scheduler.close()  # idempotent

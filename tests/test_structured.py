@@ -15,7 +15,8 @@ import pytest
 
 from scheduler_client import structured
 from scheduler_client.protocol import Structured
-from scheduler_client.structured import StructuredError, check, example
+from scheduler_client.structured import StructuredError, check
+from scheduler_client.structured.generate import example
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -205,10 +206,10 @@ def test_good_specs_pass_and_are_memoized():
     ]
     for s in specs:
         check(s)
-    before = structured._compile.cache_info().hits
+    before = structured.compile_spec.cache_info().hits
     for s in specs:
         check(s)
-    assert structured._compile.cache_info().hits >= before + len(specs) - 1  # choice is not cached
+    assert structured.compile_spec.cache_info().hits >= before + len(specs) - 1  # choice is not cached
 
 
 # =========================================================================== example: JSON schema

@@ -48,24 +48,20 @@ if _why:
     pytest.skip(_why, allow_module_level=True)
 
 import openai  # noqa: E402
-import zmq  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from conftest import ROOT, Server, free_port, http  # noqa: E402
+from protocol_client import ProtocolClient  # noqa: E402
 from scheduler_client.protocol import (  # noqa: E402
     FEATURES,
-    PROTOCOL_VERSION,
     Error,
     Generate,
-    Hello,
     Outputs,
     SamplingParams,
     Stats,
     Structured,
     Welcome,
     bytes_to_floats,
-    decode_from_scheduler,
-    encode,
     frame_to_ids,
     ids_to_frame,
 )
@@ -746,31 +742,19 @@ def test_vllm_validation_errors_reach_the_client(stack):
 
 @contextlib.contextmanager
 def engine_session(endpoint: str, name: str):
-    """A DEALER that has said Hello to the engine over the scheduler protocol, closed afterwards."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+    """A front end that has said Hello to the engine over the scheduler protocol, closed afterwards."""
+    front = ProtocolClient(endpoint)
     try:
-        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name=name)))
-        yield sock
+        front.hello(name)
+        yield front
     finally:
-        sock.close(linger=0)
-        ctx.term()
-
-
-def engine_messages(sock, seconds: float):
-    """The engine's messages on this session, decoded, until the time is up."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if sock.poll(200):
-            yield decode_from_scheduler(sock.recv())
+        front.close()
 
 
 def engine_cancelled_total(endpoint: str) -> int:
     """The engine's cancelled_total, from the Stats it sends a new session (every 0.2 s here)."""
-    with engine_session(endpoint, "test-stats") as sock:
-        for message in engine_messages(sock, 10):
+    with engine_session(endpoint, "test-stats") as front:
+        for message in front.messages(10):
             if isinstance(message, Stats):
                 return message.cancelled_total
     raise AssertionError("no Stats from the engine")
@@ -778,13 +762,13 @@ def engine_cancelled_total(endpoint: str) -> int:
 
 def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, stop_token_ids: list[int] | None = None):
     """One request straight to the engine over the scheduler protocol: the Error, or the final output."""
-    with engine_session(endpoint, "test-vllm") as sock:
+    with engine_session(endpoint, "test-vllm") as front:
         sent = False
-        for message in engine_messages(sock, 30):
+        for message in front.messages(30):
             if isinstance(message, Welcome) and not sent:
                 gen = Generate(request_id="oov", prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
                                sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS, *(stop_token_ids or [])])  # fmt: skip
-                sock.send_multipart([encode(gen), ids_to_frame(prompt)])
+                front.send(gen, ids_to_frame(prompt))
                 sent = True
             elif isinstance(message, Error):
                 return message
@@ -810,8 +794,8 @@ def engine_run(endpoint: str, requests: dict[str, tuple[list[int], dict]], timeo
     """Requests on one session straight to the engine, one after another: request_id -> Result, or the
     Error. Each value is (prompt IDs, Generate keywords; "sampling" a dict of SamplingParams fields)."""
     results: dict = {}
-    with engine_session(endpoint, "test-1.1") as sock:
-        messages = engine_messages(sock, timeout)
+    with engine_session(endpoint, "test-1.1") as front:
+        messages = front.messages(timeout)
         welcome = next(m for m in messages if isinstance(m, Welcome))
         results["welcome"] = welcome
         for rid, (prompt, fields) in requests.items():
@@ -819,7 +803,7 @@ def engine_run(endpoint: str, requests: dict[str, tuple[list[int], dict]], timeo
             sampling = SamplingParams(**fields.pop("sampling", {}))
             fields.setdefault("stop_token_ids", [EOS])
             gen = Generate(request_id=rid, prompt_token_count=len(prompt), sampling=sampling, **fields)
-            sock.send_multipart([encode(gen), ids_to_frame(prompt)])
+            front.send(gen, ids_to_frame(prompt))
             got = Result([], "", None, [], [], [])
             for message in messages:
                 if isinstance(message, Error):
@@ -867,8 +851,8 @@ RIVER = [671, 12334, 21928, 13257]  # "The river wound slowly"
 
 
 def test_engine_announces_every_1_1_feature(stack):
-    with engine_session(stack.engine.endpoint, "test-welcome") as sock:
-        welcome = next(m for m in engine_messages(sock, 10) if isinstance(m, Welcome))
+    with engine_session(stack.engine.endpoint, "test-welcome") as front:
+        welcome = next(m for m in front.messages(10) if isinstance(m, Welcome))
     assert welcome.features == sorted(FEATURES)
     assert welcome.max_logprobs == 20  # vLLM's max_logprobs default
 
