@@ -188,7 +188,8 @@ def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
     sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids)))
     detok = Detokenizer(tokenizer)
     parser = make_parser(case)
-    detok.open(DetokSpec("r", [], True, parser, True, case.tool_parser or ""))
+    detok.open(DetokSpec("r", [], skip_special_tokens=True, parser=parser, include_reasoning=True,
+                                  tool_parser_name=case.tool_parser or ""))
     pieces, start = [], 0
     for size in sizes:
         if start >= len(ids):

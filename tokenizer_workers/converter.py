@@ -14,7 +14,7 @@ import threading
 import time
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import msgspec
@@ -57,6 +57,7 @@ class DetokSpec:
 
     request_id: str
     stop: list[str] = field(default_factory=list)
+    _: KW_ONLY  # the rest by name: a field added in the middle must not shift the others' meaning
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
     skip_special_tokens: bool = True
     parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
@@ -465,8 +466,8 @@ class Converter:
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
-                                       logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                detok.append(DetokSpec(rid, stops, include_stop=bool(req.include_stop_str_in_output),
+                                       skip_special_tokens=req.skip_special_tokens, logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                        chat=what == "messages", prefix=echo[p] if echo else "",
                                        token_ids=bool(req.return_token_ids),
                                        spaces_between=req.spaces_between_special_tokens is not False,
