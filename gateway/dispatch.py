@@ -3,7 +3,7 @@
 No sockets, processes or event loop here: the pool (worker_pool.py) tells a Dispatcher what
 happens (a job submitted, a worker ready, a conversion finished, a worker lost) and the
 Dispatcher hands jobs out through the ``deliver`` function it was given, and asks through ``wake``
-to be run again later. The same calls drive it in tests (tests/test_dispatch_policy.py).
+to be run again later. The same calls drive it in tests (tests/unit/test_dispatch_policy.py).
 
 Dispatch is pull-based: each worker converts as many requests at once as it has conversion
 threads (two by default; WorkerReady says how many) and the next queued request goes to whichever

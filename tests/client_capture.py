@@ -4,7 +4,7 @@ A throwaway loopback HTTP server plays an OpenAI-compatible model well enough fo
 finish its call (chat and completions, streamed or not, a tool call when tools are offered,
 /v1/models, vLLM's /tokenize and /detokenize) and records every request it gets. Each client is
 pointed at it and driven through the options it exposes; what it sent goes to
-tests/client_requests/CLIENT.json with the client's name and version. tests/test_client_compat.py
+tests/client_requests/CLIENT.json with the client's name and version. tests/serving/test_client_compat.py
 replays those bodies against a real tokenmill.
 
     python tests/client_capture.py openai-python     # in the interpreter that has the client

@@ -20,6 +20,18 @@ SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures"
 
 
+KINDS = ("unit", "serving", "bench", "engines")  # the folders under tests/, one marker each
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test is marked with its folder's kind: unit (no process that serves), serving (tokenmill with
+    the simulated scheduler), bench (benchmarks run end to end), engines (real engines, vLLM's oracles)."""
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
+
+
 def pytest_collection_finish(session) -> None:
     """Test modules with something slow to start (test_output_parsers: vLLM's parsers;
     test_vllm_engine: two vLLMs) start it now, so it loads while the tests before them run."""

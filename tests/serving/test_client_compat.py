@@ -31,7 +31,7 @@ import vllm_env
 from conftest import Server, http
 
 MODEL = "deepseek-v4"
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where client_requests/ is
 REQUESTS = HERE / "client_requests"
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

@@ -58,7 +58,7 @@ def test_every_refused_field_is_a_400_naming_it(server, endpoint):
         assert body["error"]["param"] == name and name in body["error"]["message"], body
         assert body["error"]["type"] == "BadRequestError"
     status, _, body = http("POST", server.url + endpoint, {**base, "stream_options": {"continuous_usage_stats": True}})
-    assert status == 200, body  # honoured (tests/test_vllm_fields.py)
+    assert status == 200, body  # honoured (tests/serving/test_vllm_fields.py)
     status, _, body = http("POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}})
     assert status == 200, body  # every default (or null) at once is fine
     status, _, body = http("POST", server.url + endpoint, {**base, **{k: "x" for k in IGNORED if k != "metadata"},

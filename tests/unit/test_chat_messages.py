@@ -13,7 +13,7 @@ from tokenizer_workers import chat_template as chat_template_module
 from tokenizer_workers.chat_messages import to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation
 
-DEFAULT_TEMPLATE = (Path(__file__).resolve().parents[1] / "tokenmill" / "default_model" / "chat_template.jinja").read_text(
+DEFAULT_TEMPLATE = (Path(__file__).resolve().parents[2] / "tokenmill" / "default_model" / "chat_template.jinja").read_text(
     encoding="utf-8"
 )
 PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

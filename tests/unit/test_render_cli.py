@@ -10,9 +10,9 @@ import pytest
 
 from tokenizer_workers.chat_template import ChatTemplates, render_conversation
 from tokenizer_workers.model import load_model
-from tokenmill import render_command
+from tokenmill.commands import render as render_command
 
-CONVERSATIONS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "conversations"
+CONVERSATIONS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "conversations"
 
 
 def run_render(argv: list[str], capsys) -> tuple[int, list[dict]]:

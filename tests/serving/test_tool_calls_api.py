@@ -170,7 +170,7 @@ def test_no_tools_or_tool_choice_none_leave_the_text_alone(scripted):
 
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "launch_rockets"}}, "sometimes", 3])
 def test_a_tool_choice_that_is_no_choice_is_a_400(scripted, choice):
-    """required and named functions are honoured (tests/test_generation_fields.py); these are mistakes."""
+    """required and named functions are honoured (tests/serving/test_generation_fields.py); these are mistakes."""
     status, _, body = http("POST", scripted.url + "/v1/chat/completions", ask("hi", tools=TOOLS, tool_choice=choice))
     assert status == 400 and body["error"]["param"] == "tool_choice", body
 

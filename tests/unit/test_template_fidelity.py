@@ -19,10 +19,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 TEMPLATES_DIR = SHARED / "fixtures" / "chat_templates"
 CONVERSATIONS_DIR = SHARED / "fixtures" / "conversations"
-DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "tokenmill" / "default_model" / "chat_template.jinja"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "tokenmill" / "default_model" / "chat_template.jinja"
 
 if not (TEMPLATES_DIR / "manifest.json").is_file() or not CONVERSATIONS_DIR.is_dir():
     pytest.skip(f"the shared fixtures are absent ({SHARED}); CI provides them", allow_module_level=True)

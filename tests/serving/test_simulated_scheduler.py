@@ -43,7 +43,7 @@ from scheduler_client.protocol import (
     ids_to_frame,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 30.0  # a cold interpreter on a busy 2-core machine
 WAIT = 10.0  # any single expected message
 _ids = itertools.count()
