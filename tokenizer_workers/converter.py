@@ -72,6 +72,9 @@ class DetokSpec:
     # token IDs (the engine's prompt), whose own entries head each position's
     prompt_logprobs: int | None = None
     prompt_ids: Any = None
+    # completions' echo with logprobs: the prompt's top count the engine returns (None: no echo logprobs);
+    # the legacy logprobs then start with the prompt's tokens (the first one without a logprob)
+    echo_logprobs: int | None = None
 
 
 @dataclass
@@ -252,13 +255,8 @@ class Converter:
         self._check_model(req.model)
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
-        if req.echo and req.logprobs is not None:
-            raise oa.InvalidRequest(
-                "echo with logprobs is not supported by this server: the prompt's tokens and "
-                "logprobs ahead of the generated ones are not built.",
-                "echo",
-            )
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
+        echo_logprobs = gp.echo_prompt_logprobs(req, self.engine, self.vocab_size)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
         if req.suffix is not None:
@@ -274,7 +272,7 @@ class Converter:
         if req.echo and not req.return_token_ids:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
-        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo)
+        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo, echo_logprobs)
 
     def _convert_tokenize(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.TokenizeRequest = oa.parse("tokenize", body)
@@ -460,9 +458,13 @@ class Converter:
         tokenize_s,
         params: "_Generation",
         echo: list[str] | None = None,
+        echo_logprobs: int | None = None,
     ) -> Conversion:
         """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
-        choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does."""
+        choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does.
+        The prompt's logprobs are asked once per prompt (its other choices show the first one's), but of
+        every choice with echo_logprobs (completions' echo with logprobs: each choice's legacy logprobs
+        start with the prompt's, which must arrive with its own first output)."""
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
@@ -492,6 +494,7 @@ class Converter:
                 prompt_ids.append(_json.encode(ids.tolist() if hasattr(ids, "tolist") else ids))
             for i in range(params.n):
                 rid = f"{job.request_id}-{len(choices)}"
+                shown = params.prompt_logprobs if i == 0 else None  # the response's prompt_logprobs
                 sampling = params.sampling
                 if i and seed is not None:
                     sampling = msgspec.structs.replace(sampling, seed=_wrap_seed(seed + i))
@@ -506,8 +509,7 @@ class Converter:
                     structured=params.structured,
                     priority=params.priority,
                     cache_salt=params.cache_salt,
-                    # the prompt's logprobs once per prompt: its other choices show the first one's
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    prompt_logprobs=echo_logprobs if echo_logprobs is not None else shown,
                     kv_transfer_params=params.kv_transfer_params,
                     extra_args=params.extra_args,
                 )
@@ -526,8 +528,9 @@ class Converter:
                         prefix=echo[p] if echo else "",
                         token_ids=bool(req.return_token_ids),
                         spaces_between=req.spaces_between_special_tokens is not False,
-                        prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                        prompt_ids=ids if i == 0 and params.prompt_logprobs is not None else None,
+                        prompt_logprobs=shown,
+                        prompt_ids=ids if shown is not None or echo_logprobs is not None else None,
+                        echo_logprobs=echo_logprobs,
                     )
                 )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

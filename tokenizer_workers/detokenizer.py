@@ -23,7 +23,15 @@ from tokenizers.decoders import DecodeStream
 
 from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers.converter import DetokSpec
-from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists, prompt_logprobs, token_id_name
+from tokenizer_workers.logprobs import (
+    TokenTexts,
+    chat_entries,
+    completion_lists,
+    echo_completion_lists,
+    join_lists,
+    prompt_logprobs,
+    token_id_name,
+)
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
@@ -59,6 +67,8 @@ class _Stream:
         "plain",
         "prompt_top_n",
         "prompt_ids",
+        "show_prompt",
+        "echo_top_n",
     )
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
@@ -94,9 +104,13 @@ class _Stream:
         self.added = added
         self.last_added = False
         self.plain = ""  # with added: what DecodeStream produced (streamed holds what was sent)
-        # vLLM's prompt_logprobs: the prompt's IDs until the first output has brought their logprobs
+        # vLLM's prompt_logprobs (show_prompt: the response shows them) and completions' echo with logprobs
+        # (echo_top_n: the prompt's top count the engine returns; the legacy logprobs start with the
+        # prompt's): the prompt's IDs until the first output has brought their logprobs
         self.prompt_top_n = spec.prompt_logprobs or 0
-        self.prompt_ids = spec.prompt_ids if spec.prompt_logprobs is not None else None
+        self.show_prompt = spec.prompt_logprobs is not None
+        self.echo_top_n = spec.echo_logprobs if spec.logprobs is not None else None
+        self.prompt_ids = spec.prompt_ids if self.show_prompt or self.echo_top_n is not None else None
 
 
 class Detokenizer:
@@ -141,14 +155,19 @@ class Detokenizer:
                 out.append(DetokDelta(item.request_id, "", False, True))
                 continue
             delta = self._advance(item.request_id, state, item.token_ids, item.finished)
+            prompt = item.prompt_logprobs if state.prompt_ids is not None else None
+            if prompt is not None and self._texts is None:
+                self._texts = TokenTexts(self.tokenizer)
+            echoed = None  # with echo: the prompt's legacy logprobs, ahead of the first output's
+            if prompt is not None and state.echo_top_n is not None:
+                echoed = self._echo_logprobs(state, prompt)
             if state.top_n is not None and item.logprobs:
                 delta.logprobs = self._logprobs(state, item)
-            if state.prompt_ids is not None and item.prompt_logprobs is not None:
-                if self._texts is None:
-                    self._texts = TokenTexts(self.tokenizer)
-                delta.prompt_logprobs = prompt_logprobs(
-                    self._texts, state.prompt_top_n, state.prompt_ids, item.prompt_logprobs
-                )
+            if echoed is not None:
+                delta.logprobs = join_lists(echoed, delta.logprobs)
+            if prompt is not None:
+                if state.show_prompt:
+                    delta.prompt_logprobs = prompt_logprobs(self._texts, state.prompt_top_n, state.prompt_ids, prompt)
                 state.prompt_ids = None
             out.append(delta)
         return out
@@ -161,6 +180,19 @@ class Detokenizer:
         if state.chat:
             return [chat_entries(self._texts, state.top_n, *arrays, names=names)]
         parts, state.text_offset = completion_lists(names or self._texts, state.top_n, state.text_offset, *arrays)
+        return parts
+
+    def _echo_logprobs(self, state: _Stream, packed) -> list[bytes]:
+        """The prompt's tokens in the legacy object, as vLLM's echo puts them: the first one named as
+        vLLM names a token without logprobs (decoded alone, or its token_id name)."""
+        first_id = int(state.prompt_ids[0])
+        if state.tokens_as_ids:
+            names, first = token_id_name, token_id_name(first_id)
+        else:
+            names, first = self._texts, self.tokenizer.decode([first_id], skip_special_tokens=False)
+        parts, state.text_offset = echo_completion_lists(
+            names, first, state.top_n, state.text_offset, state.prompt_ids, state.echo_top_n, packed
+        )
         return parts
 
     def take_failures(self) -> dict[str, int]:

@@ -236,6 +236,18 @@ def prompt_logprobs(req, chat: bool, engine: Engine, vocab_size: int) -> int | N
     return count
 
 
+def echo_prompt_logprobs(req, engine: Engine, vocab_size: int) -> int | None:
+    """Completions' echo with logprobs: the prompt's logprobs the engine must return for the legacy object,
+    which shows the prompt's tokens ahead of the generated ones (vLLM sets prompt_logprobs from logprobs
+    when the request has none). Asked of every choice, streamed or not; an engine without the feature
+    cannot give them, so the request is refused there, naming echo."""
+    if not req.echo or req.logprobs is None:
+        return None
+    value = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
+    engine.require(protocol.FEATURE_PROMPT_LOGPROBS, "echo", "echo with logprobs (the prompt's logprobs)")
+    return vocab_size if value == -1 else value
+
+
 def kv_transfer_params(req, engine: Engine) -> dict | None:
     """vLLM's kv_transfer_params (protocol 1.2): any JSON object, for the engine's KV connector; an empty
     one is not passed on (vLLM's ``if self.kv_transfer_params``)."""

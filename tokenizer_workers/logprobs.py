@@ -117,8 +117,20 @@ def completion_lists(
 ) -> tuple[list[bytes], int]:
     """[text_offset, token_logprobs, tokens, top_logprobs] fragments of these tokens, and the
     text offset after them (offsets count the tokens' own texts, as vLLM's do)."""
+    return _legacy_lists(texts, top_n, offset, _steps(token_ids, logprobs, top_ids, top_logprobs))
+
+
+def _legacy_lists(texts, top_n: int, offset: int, steps, first: str | None = None) -> tuple[list[bytes], int]:
+    """The legacy object's four fragments of these steps; ``first``: a token without logprobs ahead of
+    them (the prompt's first, with echo), null in token_logprobs and top_logprobs as vLLM has it."""
     offsets, lps, tokens, tops = [], [], [], []
-    for tid, lp, ranked in _steps(token_ids, logprobs, top_ids, top_logprobs):
+    if first is not None:
+        offsets.append(offset)
+        offset += len(first)
+        lps.append(None)
+        tokens.append(first)
+        tops.append(None)
+    for tid, lp, ranked in steps:
         text = texts(tid)
         offsets.append(offset)
         offset += len(text)
@@ -126,6 +138,40 @@ def completion_lists(
         tokens.append(text)
         tops.append({texts(other): max(other_lp, _FLOOR) for other, other_lp in list(ranked.items())[: top_n + 1]})
     return [_json.encode(part)[1:-1] for part in (offsets, lps, tokens, tops)], offset
+
+
+def _prompt_steps(prompt_ids, top_n: int, packed):
+    """(prompt token ID, its logprob, {ID: logprob} of it then the top N) per prompt position after the
+    first, as vLLM's prompt logprob maps hold them (the prompt token first, keeping its place when it
+    is among the top)."""
+    lps = bytes_to_floats(packed.logprobs)
+    tops = frame_to_ids(packed.top_ids)
+    top_lps = bytes_to_floats(packed.top_logprobs)
+    positions = min(len(lps), max(len(prompt_ids) - 1, 0))
+    per = top_n if top_n and len(tops) >= positions * top_n and len(top_lps) >= positions * top_n else 0
+    for i in range(positions):
+        tid = int(prompt_ids[i + 1])
+        ranked = {tid: lps[i]}
+        for k in range(i * per, (i + 1) * per):
+            ranked[tops[k]] = top_lps[k]
+        yield tid, ranked[tid], ranked
+
+
+def echo_completion_lists(
+    texts, first: str, top_n: int, offset: int, prompt_ids, prompt_top_n: int, packed
+) -> tuple[list[bytes], int]:
+    """Completions' echo with logprobs: the legacy object's fragments of the prompt's tokens (vLLM puts
+    them ahead of the generated ones): ``first`` (the first prompt token's name) with null logprobs,
+    then each later prompt token with its logprob and the top ``top_n`` + 1 of its position's map, whose
+    ``prompt_top_n`` entries came from the engine (``packed``, PromptLogprobs); and the offset after."""
+    return _legacy_lists(texts, top_n, offset, _prompt_steps(prompt_ids, prompt_top_n, packed), first)
+
+
+def join_lists(first: list[bytes], then: list[bytes] | None) -> list[bytes]:
+    """Two runs of legacy fragments as one (comma-joined where both have items)."""
+    if not then:
+        return first
+    return [a + b"," + b if a and b else a or b for a, b in zip(first, then)]
 
 
 def prompt_logprobs(texts: TokenTexts, top_n: int, prompt_ids, packed) -> bytes:

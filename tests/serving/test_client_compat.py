@@ -103,11 +103,6 @@ NOT_YET = {
         "priority",
         "priority refused on purpose by an engine that does not schedule by priority: as for chat",
     ),
-    "openai-python:completions.echo_logprobs": (
-        "echo",
-        "field echo with logprobs not honoured yet (issue 29): vLLM adds the prompt's logprobs "
-        "(completion/protocol.py sets prompt_logprobs for echo), the scheduler protocol does not return them",
-    ),
     "openai-python:completions.best_of_2": (
         "best_of",
         f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}",

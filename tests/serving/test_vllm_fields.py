@@ -9,11 +9,13 @@ and, where the exact bytes matter, plain HTTP.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import Server, http
+from conftest import ROOT, Server, http
 
 MODEL = "deepseek-v4"
 WORDS = "the mill grinds the grain into fine white flour every single morning"
@@ -410,9 +412,152 @@ def test_completions_echo_puts_the_prompt_first(echo_server, default_tokenizer):
         model=MODEL, prompt=ids, max_tokens=2, echo=True, extra_body={"truncate_prompt_tokens": 3}
     )
     assert out.choices[0].text == WORDS + default_tokenizer.decode(ids[-3:-1]) and out.usage.prompt_tokens == 3
-    for body in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
-        status, _, err = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", **body})
-        assert status == 400 and err["error"]["param"] == "echo", err
+    status, _, err = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "echo": "yes"})
+    assert status == 400 and err["error"]["param"] == "echo", err
+
+
+def _legacy(choice) -> dict:
+    lp = choice.logprobs
+    return {
+        "text_offset": lp.text_offset,
+        "token_logprobs": lp.token_logprobs,
+        "tokens": lp.tokens,
+        "top_logprobs": lp.top_logprobs,
+    }
+
+
+def _expected_prompt_part(plp, prompt_ids, top_n, tokenizer) -> dict:
+    """vLLM's legacy logprobs of the prompt from its prompt_logprobs: the first token decoded alone with
+    null logprob and top list, then each prompt token's logprob and its map's first top_n + 1 entries
+    by decoded token."""
+    tokens = [tokenizer.decode([tid], skip_special_tokens=False) for tid in prompt_ids]
+    lps, tops = [None], [None]
+    for tid, entry in zip(prompt_ids[1:], plp[1:], strict=True):
+        lps.append(entry[str(tid)]["logprob"])
+        tops.append({e["decoded_token"]: e["logprob"] for e in list(entry.values())[: top_n + 1]})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
+
+
+def test_completions_echo_with_logprobs_puts_the_prompts_logprobs_first(echo_server, default_tokenizer):
+    """vLLM's echo with logprobs (its prompt_logprobs default to logprobs): each choice's legacy logprobs
+    hold the prompt's tokens, then the generated ones; text_offset runs on across both."""
+    client = echo_server.client()
+    ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
+    common = {"model": MODEL, "prompt": ids, "max_tokens": 4, "logprobs": 2, "n": 2, "seed": 7}
+    plain = client.completions.create(**common)
+    out = client.completions.create(**common, echo=True)
+    assert len(out.choices) == 2 and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 8
+    prompt_text = default_tokenizer.decode(ids)
+    prompt_len = sum(len(default_tokenizer.decode([t], skip_special_tokens=False)) for t in ids)
+    whole = []
+    for choice, alone in zip(out.choices, plain.choices, strict=True):
+        got, gen = _legacy(choice), _legacy(alone)
+        assert choice.text == prompt_text + alone.text
+        # as vLLM: the response's prompt_logprobs too (echo asked for them), each choice its prompt's
+        plp = choice.model_extra["prompt_logprobs"]
+        expected = _expected_prompt_part(plp, ids, 2, default_tokenizer)
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            assert got[key] == expected[key] + gen[key], key
+        assert got["text_offset"] == [sum(len(t) for t in got["tokens"][:k]) for k in range(len(got["tokens"]))]
+        assert got["text_offset"][len(ids) :] == [prompt_len + o for o in gen["text_offset"]]
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        assert all(isinstance(lp, float) for lp in got["token_logprobs"][1:])
+        whole.append(got)
+    assert whole[0]["tokens"][: len(ids)] == whole[1]["tokens"][: len(ids)]
+    # streamed: the prompt's part goes out with each choice's first chunk, with the echoed text
+    chunks = list(client.completions.create(**common, echo=True, stream=True))
+    streamed = [
+        {"text": "", "text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []} for _ in range(2)
+    ]
+    for chunk in chunks:
+        for c in chunk.choices:
+            acc = streamed[c.index]
+            if not acc["tokens"] and c.logprobs is not None and c.logprobs.tokens:
+                assert len(c.logprobs.tokens) > len(ids) and c.text.startswith(prompt_text), c
+            acc["text"] += c.text
+            if c.logprobs is not None:
+                for key, value in _legacy(c).items():
+                    acc[key] += value
+    for acc, choice, got in zip(streamed, out.choices, whole, strict=True):
+        assert acc.pop("text") == choice.text
+        assert acc == got
+    # several prompts: each choice its own prompt's; a text prompt's first token is the BOS, decoded alone
+    with_bos = default_tokenizer.encode(WORDS).ids
+    several = client.completions.create(
+        model=MODEL, prompt=[ids[:3], ids[3:7]], max_tokens=2, logprobs=0, echo=True, seed=1
+    )
+    text = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=2, logprobs=0, echo=True, seed=1)
+    for choice, p_ids in zip([*several.choices, *text.choices], [ids[:3], ids[3:7], with_bos], strict=True):
+        expected = _expected_prompt_part(choice.model_extra["prompt_logprobs"], p_ids, 0, default_tokenizer)
+        got = _legacy(choice)
+        assert got["tokens"][: len(p_ids)] == expected["tokens"] and len(got["tokens"]) == len(p_ids) + 2
+        assert got["top_logprobs"][: len(p_ids)] == expected["top_logprobs"]
+    assert text.choices[0].logprobs.tokens[0] == default_tokenizer.decode([with_bos[0]], skip_special_tokens=False)
+    # return_tokens_as_token_ids names the prompt's tokens too, the first one included
+    out = client.completions.create(
+        model=MODEL,
+        prompt=ids[:3],
+        max_tokens=2,
+        logprobs=1,
+        echo=True,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids[:3] + ids[:2]]
+    # max_tokens 0 (vLLM's echo of the prompt alone) is still refused
+    status, _, err = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0},
+    )
+    assert status == 400, err
+
+
+_NO_PROMPT_LOGPROBS = """
+import asyncio, sys
+from engines.simulated import SimulatedScheduler
+from scheduler_client import protocol
+
+class NoPromptLogprobs(SimulatedScheduler):
+    features = frozenset(protocol.FEATURES) - {protocol.FEATURE_PROMPT_LOGPROBS}
+
+async def main():
+    sched = NoPromptLogprobs(model="default", inter_token_latency_s=0)
+    task = asyncio.create_task(sched.serve(sys.argv[1]))
+    await sched.wait_ready()
+    print("ready", flush=True)
+    await task
+
+asyncio.run(main())
+"""
+
+
+def test_completions_echo_with_logprobs_needs_an_engine_with_prompt_logprobs(tmp_path):
+    endpoint = f"ipc://{tmp_path}/sim.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NO_PROMPT_LOGPROBS, endpoint], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        srv = Server("--workers", "1", "--scheduler", endpoint)
+        try:
+            for stream in (False, True):
+                status, _, body = http(
+                    "POST",
+                    srv.url + "/v1/completions",
+                    {"model": MODEL, "prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": stream},
+                )
+                assert status == 400, body
+                assert body["error"]["param"] == "echo" and body["error"]["code"] == "unsupported", body
+            # echo alone, and logprobs alone, need no prompt logprobs
+            out = srv.client().completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True)
+            assert out.choices[0].text.startswith("x")
+            out = srv.client().completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=1)
+            assert len(out.choices[0].logprobs.tokens) == 2
+        finally:
+            srv.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_chat_echo_repeats_the_last_assistant_message(echo_server):
