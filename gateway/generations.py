@@ -186,6 +186,9 @@ class Generations:
                 continue
             if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
                 choice.finish_reason = protocol.FINISH_STOP
+                # usage counts the tokens up to the one that completed the stop string, as vLLM does, not
+                # those the scheduler generated before the abort reached it
+                choice.completion_tokens = tokens or choice.completion_tokens
                 if not choice.scheduler_done:
                     self.scheduler.abort(gen.rank, [choice.request_id])
             if delta.final:

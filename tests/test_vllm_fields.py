@@ -153,6 +153,23 @@ def test_include_stop_str_in_output_on_chat_and_bad_values(echo_server):
     assert status == 400 and body["error"]["param"] == "include_stop_str_in_output", body
 
 
+def test_usage_counts_tokens_up_to_the_stop_string_as_vllm(echo_server, default_tokenizer):
+    """A stop string ends the choice at the token that completes it: usage counts the tokens up to that
+    one, as vLLM does, not those the scheduler generated before the abort reached it (the echo
+    scheduler, at no latency, has generated them all by then)."""
+    ids = default_tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta", add_special_tokens=False).ids
+    upto = next(k for k in range(1, len(ids)) if "beta" in default_tokenizer.decode(ids[:k]))
+    client = echo_server.client()
+    for include in (False, True):
+        extra = {"include_stop_str_in_output": include}
+        whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["beta"], extra_body=extra)
+        assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens == upto, whole
+        chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["beta"],
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=extra))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens == upto
+
+
 # ---- request_id ---------------------------------------------------------------------------------
 
 

@@ -138,9 +138,9 @@ class Detokenizer:
         state.count += len(new_ids)
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
-        # return_token_ids with stop strings: where each new token's text ends, to tell which token
-        # completed a stop string (vLLM leaves out those generated after it in the same step)
-        ends = [] if state.show_ids and state.stop else None
+        # with stop strings: where each new token's text ends, to tell which token completed a stop
+        # string (vLLM counts no token generated after it in the same step, and shows none of their IDs)
+        ends = [] if state.stop else None
         state.ids.extend(new_ids)
         for tid in new_ids:
             try:
@@ -168,21 +168,22 @@ class Detokenizer:
                 state.pending += full[len(decoded) :]
         pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
+        if stopped and ends:
+            ends[-1] += settled
+            # keep the tokens up to the one whose text reaches the end of the stop string
+            kept = bisect_left(ends, pending_start + state.stop_end) + 1
+            if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
+                decoded, cut = 0, len(raw)
+                for k, tid in enumerate(raw):
+                    decoded += tid not in state.drop_ids
+                    if decoded == kept:
+                        cut = k + 1
+                        break
+                kept = cut
+            state.count -= len(raw) - kept  # usage counts them no more than vLLM does
+            raw = raw[:kept]
         shown = None
         if state.show_ids:
-            if stopped and ends:
-                ends[-1] += settled
-                # keep the tokens up to the one whose text reaches the end of the stop string
-                kept = bisect_left(ends, pending_start + state.stop_end) + 1
-                if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
-                    decoded, cut = 0, len(raw)
-                    for k, tid in enumerate(raw):
-                        decoded += tid not in state.drop_ids
-                        if decoded == kept:
-                            cut = k + 1
-                            break
-                    kept = cut
-                raw = raw[:kept]
             shown = _json.encode(raw.tolist() if hasattr(raw, "tolist") else raw)[1:-1]
         prefix = ""
         if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
