@@ -60,7 +60,8 @@ def test_every_refused_field_is_a_400_naming_it(server, endpoint):
         assert status == 400, (name, status, body)
         assert body["error"]["param"] == name and name in body["error"]["message"], body
         assert body["error"]["type"] == "BadRequestError"
-    status, _, body = http("POST", server.url + endpoint, {**base, "stream_options": {"continuous_usage_stats": True}})
+    status, _, body = http("POST", server.url + endpoint, {**base, "stream": True,
+                                                          "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
     assert status == 200, body  # honoured (tests/test_vllm_fields.py)
     status, _, body = http("POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}})
     assert status == 200, body  # every default (or null) at once is fine

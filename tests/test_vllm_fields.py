@@ -94,8 +94,8 @@ def test_continuous_usage_counts_tokens_behind_the_text(echo_server, default_tok
 
 
 def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
-    """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); a request
-    that is not streamed just answers."""
+    """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); stream_options
+    on a request that is not streamed is a 400 naming it, as vLLM (and OpenAI) answer."""
     events = _sse(echo_server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": WORDS}], "max_tokens": 4, "stream": True,
         "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
@@ -107,7 +107,10 @@ def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
     status, _, body = http("POST", echo_server.url + "/v1/completions", {
         "model": MODEL, "prompt": WORDS, "max_tokens": 3,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
-    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    status, _, body = http("POST", echo_server.url + "/v1/completions", {
+        "model": MODEL, "prompt": WORDS, "max_tokens": 2, "stream_options": None})  # null is as absent
+    assert status == 200, body
     status, _, body = http("POST", echo_server.url + "/v1/completions", {
         "model": MODEL, "prompt": WORDS, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}})
     assert status == 400 and body["error"]["param"] == "stream_options.continuous_usage_stats", body

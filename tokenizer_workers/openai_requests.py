@@ -154,6 +154,8 @@ def check_sampling(req: SamplingFields) -> None:
     if refused is not None:
         name, reason = refused
         raise InvalidRequest(f"{name} is not supported by this server: {reason}.", name)
+    if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI refuse it
+        raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2.", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
