@@ -78,8 +78,20 @@ def test_reasoning_effort_reaches_the_chat_template(tmp_path):
     converter = Converter(ConverterSettings(chat_template_file=str(template)))
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}')
     assert converter.render(chat.messages, chat) == "low|hi"
+    # as vLLM 0.32: the request's reasoning_effort wins over chat_template_kwargs'
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low", '
                             b'"chat_template_kwargs": {"reasoning_effort": "high"}}')  # fmt: skip
-    assert converter.render(chat.messages, chat) == "high|hi"
+    assert converter.render(chat.messages, chat) == "low|hi"
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
     assert converter.render(chat.messages, chat) == "unset|hi"
+    # and it turns thinking on ("none": off) unless chat_template_kwargs says otherwise, as vLLM 0.32
+    template.write_text("{{ enable_thinking | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    converter = Converter(ConverterSettings(chat_template_file=str(template)))
+    for body, expected in ((b'"reasoning_effort": "low"', "True|hi"), (b'"reasoning_effort": "none"', "False|hi"),
+                           (b'"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}', "False|hi"),
+                           (b'"max_tokens": 1', "unset|hi")):  # fmt: skip
+        chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], ' + body + b"}")
+        assert converter.render(chat.messages, chat) == expected, body
+    with pytest.raises(oa.InvalidRequest) as refused:  # vLLM 0.32's values only
+        oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}')
+    assert refused.value.param == "reasoning_effort"

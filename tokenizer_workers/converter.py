@@ -526,9 +526,13 @@ def _conversation_key(messages: list[dict]) -> int:
 
 
 def _template_kwargs(req) -> dict | None:
-    """chat_template_kwargs, with OpenAI's reasoning_effort as a template variable (as vLLM passes it);
-    a reasoning_effort in chat_template_kwargs wins."""
+    """chat_template_kwargs, with OpenAI's reasoning_effort as a template variable, as vLLM 0.32 passes
+    it: it wins over a reasoning_effort in chat_template_kwargs, and it sets enable_thinking (false for
+    "none") unless chat_template_kwargs sets that."""
     effort = getattr(req, "reasoning_effort", None)
     if effort is None:
         return req.chat_template_kwargs
-    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs["reasoning_effort"] = effort
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs

@@ -8,7 +8,7 @@ vendors' extensions keep working.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -74,7 +74,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     top_logprobs: int | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
-    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)
+    # passed to the chat template (gpt-oss's and others' read it); vLLM 0.32's values
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
