@@ -274,7 +274,7 @@ class App:
             prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
         framer = fmt.Framer(kind, _response_id(scope, prefix, done, request_id), int(time.time()), gw.model_name,
                             done.include_usage, done.continuous_usage, [c.prompt_tokens for c in gen.choices],
-                            prompt_ids, done.token_ids, done.functions)  # fmt: skip
+                            prompt_ids, done.token_ids, done.functions, done.role)  # fmt: skip
         try:
             if done.stream:
                 await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))

@@ -43,12 +43,13 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False) -> dict:
+def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False,
+            role: str = "assistant") -> dict:
     """A chat.completion message: content null when the model only reasoned or called tools (""
     when the request forced the calls, as vLLM answers); with OpenAI's legacy functions, the call
     is function_call {name, arguments}."""
     empty = "" if forced_calls else None
-    out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else empty}
+    out: dict = {"role": role, "content": content if content or not (reasoning or calls) else empty}
     if reasoning:
         out["reasoning"] = reasoning
         out["reasoning_content"] = reasoning
@@ -83,7 +84,8 @@ class Framer:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool,
                  continuous_usage: bool = False, prompt_tokens: list[int] | None = None,
-                 prompt_ids: list[bytes] | None = None, token_ids: bool = False, functions: bool = False):
+                 prompt_ids: list[bytes] | None = None, token_ids: bool = False, functions: bool = False,
+                 role: str = "assistant"):
         self.chat = kind == "chat"
         self.id = request_id
         self.created = created
@@ -99,6 +101,7 @@ class Framer:
         self.prompt_ids = prompt_ids
         self.functions = functions  # OpenAI's legacy functions: a call is message.function_call / delta.function_call
         self.token_ids = token_ids
+        self.role = role  # chat: the answer's role (vLLM: the last message's with add_generation_prompt false)
         self._prompt_ids_due = set(range(len(prompt_ids))) if prompt_ids is not None and not self.chat else set()
         self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
 
@@ -133,7 +136,7 @@ class Framer:
         return out
 
     def role_chunk(self, index: int) -> bytes:
-        chunk = self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        chunk = self._chunk([{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                               "finish_reason": None}], self._usage(index, 0))  # fmt: skip
         if self.prompt_ids is not None:  # as vLLM: every choice's role chunk, the first of its stream
             chunk["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[index])
@@ -242,7 +245,7 @@ class Framer:
         if self.chat:
             choices = [
                 {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else (),
-                                                forced_calls, self.functions),
+                                                forced_calls, self.functions, self.role),
                  "logprobs": lps[i], "finish_reason": r}
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]  # fmt: skip

@@ -350,6 +350,22 @@ def test_chat_echo_repeats_the_last_assistant_message(echo_server):
     assert status == 400 and err["error"]["param"] == "echo", err
 
 
+def test_answer_role_without_a_generation_prompt_as_vllm(echo_server):
+    """With add_generation_prompt false the model goes on writing the last message, and the answer
+    carries that message's role, as vLLM 0.32 names it (get_chat_request_role); the assistant's
+    otherwise."""
+    client = echo_server.client()
+    for messages, extra, role in (([{"role": "user", "content": "Say"}], {"add_generation_prompt": False}, "user"),
+                                  ([{"role": "user", "content": "Say"}], {}, "assistant"),
+                                  ([{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}],
+                                   {"add_generation_prompt": False, "continue_final_message": True}, "assistant")):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+        assert out.choices[0].message.role == role, (extra, out)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                     extra_body=extra))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == role and not any(c.choices[0].delta.role for c in chunks[1:])
+
+
 # ---- return_token_ids ---------------------------------------------------------------------------
 
 

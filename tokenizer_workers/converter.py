@@ -212,6 +212,7 @@ class Converter:
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.functions = functions
+        conversion.done.role = _answer_role(req)
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         conversion.done.conversation = _conversation_key(req.messages)
@@ -503,13 +504,22 @@ def _legacy_functions(req) -> bool:
     return True
 
 
+def _answer_role(req) -> str:
+    """The answer's role, as vLLM 0.32 names it: the assistant's, or with add_generation_prompt false
+    the last message's own (the model goes on writing that message)."""
+    if req.add_generation_prompt or not req.messages:
+        return "assistant"
+    role = req.messages[-1].get("role")
+    return role if isinstance(role, str) and role else "assistant"
+
+
 def _chat_echo(req) -> str:
     """vLLM's chat echo: the last message's content, when its role is the answer's (the assistant's,
     or with add_generation_prompt false the last message's own); parts' texts joined by newlines."""
     if not req.echo or not req.messages:
         return ""
     last = req.messages[-1]
-    role = "assistant" if req.add_generation_prompt else last.get("role")
+    role = _answer_role(req)
     content = last.get("content")
     if last.get("role") != role or not content:
         return ""

@@ -168,6 +168,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     prompt_token_ids: list[bytes] | None = None
     token_ids: bool = False
     functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
+    role: str = "assistant"  # chat: the answer's role (the last message's with add_generation_prompt false, as vLLM)
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
