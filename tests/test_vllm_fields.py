@@ -366,6 +366,18 @@ def test_answer_role_without_a_generation_prompt_as_vllm(echo_server):
         assert chunks[0].choices[0].delta.role == role and not any(c.choices[0].delta.role for c in chunks[1:])
 
 
+def test_continue_final_message_needs_add_generation_prompt_false_as_vllm(echo_server):
+    """continue_final_message with add_generation_prompt true (its default) is a 400 naming it, as vLLM
+    0.32 (and transformers' apply_chat_template) refuse it; with add_generation_prompt false it continues."""
+    messages = [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "continue_final_message": True}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, _, err = http("POST", echo_server.url + path, body)
+        assert status == 400 and err["error"]["param"] == "continue_final_message", (path, err)
+        status, _, out = http("POST", echo_server.url + path, {**body, "add_generation_prompt": False})
+        assert status == 200, (path, out)
+
+
 # ---- return_token_ids ---------------------------------------------------------------------------
 
 

@@ -331,6 +331,10 @@ class Converter:
         fmt = self.settings.content_format
         if fmt == "auto":
             fmt = self.templates.content_format(source)
+        if req.continue_final_message and req.add_generation_prompt:  # as vLLM 0.32 and transformers refuse it
+            raise oa.InvalidRequest("continue_final_message and add_generation_prompt are not compatible: set "
+                                    "add_generation_prompt to false to continue the final message.",
+                                    "continue_final_message")  # fmt: skip
         try:
             template_messages = to_template_messages(messages, fmt, source)
         except ValueError as exc:
@@ -339,7 +343,7 @@ class Converter:
             template_messages,
             tools=req.tools,
             documents=getattr(req, "documents", None),
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_source=req.chat_template,
             kwargs=_template_kwargs(req),
