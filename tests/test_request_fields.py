@@ -51,6 +51,20 @@ def test_the_table_the_struct_and_the_docs_agree():
     assert not missing, f"docs/request-fields.md does not list {sorted(missing)}"
 
 
+def test_the_honoured_table_says_what_vllm_does():
+    """docs/request-fields.md's Honoured table has a "vLLM 0.32" column, filled in on every row
+    (tests/test_vllm_field_parity.py checks what it says against vLLM's own server)."""
+    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    table = doc.split("## Honoured", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in rows[0].strip("|").split("|")] == ["field", "endpoints", "notes", "vLLM 0.32"]
+    assert len(rows) > 30
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 4 and cells[0].startswith("`") and cells[3], line[:80]
+    assert "tests/test_vllm_field_parity.py" in table
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 def test_every_refused_field_is_a_400_naming_it(server, endpoint):
     base = {"model": "deepseek-v4", "max_tokens": 2}
