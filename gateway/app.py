@@ -337,7 +337,7 @@ class App:
                         gen.buffered -= len(event[3])
                         parts.append(framer.ids_chunk(*event[1:]))
                     elif kind == "finish":
-                        parts.append(framer.finish_chunk(event[1], event[2], event[3]))
+                        parts.append(framer.finish_chunk(event[1], event[2], event[3], event[4]))
                         self.gw.metrics.finished(event[2])
                         open_choices -= 1
                     elif kind == "error":
@@ -369,6 +369,7 @@ class App:
         reasoning = [[] for _ in gen.choices]
         calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
+        stop_reasons = [None] * len(gen.choices)
         open_choices = len(gen.choices)
         while open_choices:
             event = await gen.events.get()
@@ -396,6 +397,7 @@ class App:
                 gen.buffered -= len(event[2].text)
             elif event[0] == "finish":
                 reasons[event[1]] = event[2]
+                stop_reasons[event[1]] = event[4]
                 self.gw.metrics.finished(event[2])
                 open_choices -= 1
             elif event[0] == "error":
@@ -404,7 +406,8 @@ class App:
             elif event[0] == "disconnected":
                 return
         body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls,
-                           logprobs, forced_calls=bool(done is not None and done.forced_calls), token_ids=token_ids)
+                           logprobs, forced_calls=bool(done is not None and done.forced_calls), token_ids=token_ids,
+                           stop_reasons=stop_reasons)
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:

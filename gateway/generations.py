@@ -29,6 +29,7 @@ class Choice:
     tool_calls: int = 0  # calls parsed out of its output
     calls_finish: str = "tool_calls"  # the finish_reason of a choice with calls ("stop" for a named tool_choice)
     error: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token ID that ended it
     done: bool = False  # its final text has arrived
     scheduler_done: bool = False
 
@@ -61,7 +62,7 @@ class Generation:
 #   ("ids", choice_index, kind, text, ids, fragments, tokens) -- vLLM's return_token_ids: one delta's text
 #        ("text", "reasoning", or None for none) with its generated token IDs (``ids``: comma-joined) and
 #        logprob fragments (None without), in one chunk
-#   ("finish", choice_index, finish_reason, tokens)
+#   ("finish", choice_index, finish_reason, tokens, stop_reason)  -- stop_reason: vLLM's (None: not written)
 #   ("error", ApiError)            -- the whole request failed; nothing follows
 # ``tokens``: the choice's tokens generated up to this event (usage in every chunk, vLLM's
 # continuous_usage_stats), as the worker counted them when it decoded the event's text.
@@ -198,7 +199,9 @@ class Generations:
                     self.fail(gen, ApiError(500, f"The scheduler failed the request: {choice.error or 'unknown error'}",
                                             "InternalServerError", None, "scheduler_error"))
                     continue
-                gen.events.put_nowait(("finish", choice.index, _openai_finish(choice), tokens or choice.completion_tokens))
+                reason = _openai_finish(choice)
+                gen.events.put_nowait(("finish", choice.index, reason, tokens or choice.completion_tokens,
+                                       delta.stop_reason if reason == "stop" else None))  # fmt: skip
                 if gen.finished:
                     self.live.discard(gen)
 

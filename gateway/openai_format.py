@@ -222,11 +222,13 @@ class Framer:
             choice = {"index": index, "text": text, "logprobs": completion_logprobs([fragments]), "finish_reason": None}
         return sse(self._chunk([choice], self._usage(index, tokens)))
 
-    def finish_chunk(self, index: int, reason: str, tokens: int = 0) -> bytes:
+    def finish_chunk(self, index: int, reason: str, tokens: int = 0, stop_reason: str | int | None = None) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        if stop_reason is not None:  # vLLM's: the stop string or stop token ID that ended the choice
+            choice["stop_reason"] = stop_reason
         if self.token_ids:  # its tokens went out with the deltas before it
             self._choice_ids(choice, index, b"")
         return sse(self._chunk([choice], self._usage(index, tokens)))
@@ -236,7 +238,7 @@ class Framer:
                     "choices": [], "usage": usage_obj})
 
     def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None,
-             logprobs=None, forced_calls: bool = False, token_ids=None) -> bytes:
+             logprobs=None, forced_calls: bool = False, token_ids=None, stop_reasons=None) -> bytes:
         """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked);
         ``token_ids``: per choice, the generated IDs of its deltas (vLLM's return_token_ids)."""
         lps = [None] * len(texts)
@@ -256,6 +258,9 @@ class Framer:
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]
             obj = "text_completion"
+        for choice, stop_reason in zip(choices, stop_reasons or ()):
+            if stop_reason is not None:  # vLLM's: the stop string or stop token ID that ended the choice
+                choice["stop_reason"] = stop_reason
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                "usage": usage_obj}
         if self.prompt_ids is not None:  # vLLM's return_token_ids: chat's prompt once, completions' per choice

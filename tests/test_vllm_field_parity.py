@@ -21,7 +21,7 @@ Normalisation (`normalise`), applied to both sides alike:
   `token_ids`, `prompt_token_ids`, `prompt_logprobs`, `routed_experts` in a choice;
   `service_tier`, `prompt_text`, `kv_transfer_params`, `ec_transfer_params`, `metrics` at the top;
   `*_tokens_details` in usage): a null there means "not asked" or "nothing", as absence does.
-  `stop_reason` is compared where vLLM gives one (tokenmill does not write it: see STOP_REASON);
+  `stop_reason` is compared where vLLM gives one (tokenmill writes it only then);
 * a stream is merged into the shape of the whole response (a choice's content, reasoning, text,
   token IDs and logprobs joined in order, its finish reason; the last chunk's usage), because the
   two split it differently (vLLM puts the finish reason on the last text chunk, tokenmill sends it
@@ -286,12 +286,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
 
-def stop_reason(value) -> Diff:
-    return Diff("choices.0.stop_reason", value, MISSING, STOP_REASON)
-
-
-STOP_REASON = ("vLLM names what stopped the choice in `stop_reason` (the stop string, or the stop token's ID); "
-               "tokenmill does not write this vLLM extension of the response (finish_reason is the same)")
 OTHER_BRANCH = "being made honoured on another branch (issue 29); its row comes with it"
 GUIDED = ("vLLM 0.32 no longer defines the guided_* fields and ignores them (the output is unconstrained); "
           "tokenmill honours them as the older names of structured_outputs, as vLLM did before")
@@ -355,22 +349,25 @@ ROWS = [
         check=lambda a: a == {"status": 400}),
     # --- stopping
     Row("stop-string", ("stop",), "completions", {"prompt": RIVER, "max_tokens": 12, "temperature": 0,
-                                                  "stop": ["chastic mar", "nowhere"]}, check=_finish("stop"),
-        diffs=(stop_reason("chastic mar"),)),
+                                                  "stop": ["chastic mar", "nowhere"]}, check=_finish("stop")),
     Row("stop-string-chat", ("stop",), "chat", {"messages": STORY, "max_tokens": 12, "temperature": 0,
-                                                "stop": "height"}, check=_finish("stop"),
-        diffs=(stop_reason("height"),)),
+                                                "stop": "height"}, check=_finish("stop")),
     Row("include-stop-str", ("include_stop_str_in_output",), "completions",
         {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": [" folks", "chastic"],
-         "include_stop_str_in_output": True}, check=_finish("stop"), diffs=(stop_reason(" folks"),)),
+         "include_stop_str_in_output": True}, check=_finish("stop")),
     Row("include-stop-str-chat", ("include_stop_str_in_output",), "chat",
         {"messages": STORY, "max_tokens": 12, "temperature": 0, "stop": ["height"], "include_stop_str_in_output": True},
-        check=_finish("stop"), diffs=(stop_reason("height"),)),
+        check=_finish("stop")),
     Row("eos", ("stop_token_ids",), "completions", {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0},
         check=_finish("stop")),
     Row("stop-token-ids", ("stop_token_ids",), "completions",
         {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop_token_ids": [25035]}, check=_finish("stop"),
-        diffs=(stop_reason(25035), Diff("choices.0.text", " hurd它是一种جا", " hurd它是一种جا folks", STOP_TOKEN_TEXT))),
+        diffs=(Diff("choices.0.text", " hurd它是一种جا", " hurd它是一种جا folks", STOP_TOKEN_TEXT),)),
+    Row("stop-token-ids-eos", ("stop_token_ids", "ignore_eos"), "completions",
+        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "stop_token_ids": [1]}, check=_finish("stop")),
+    Row("stop-token-ids-eos-ignored", ("stop_token_ids", "ignore_eos"), "completions",
+        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "stop_token_ids": [1], "ignore_eos": True},
+        check=lambda a: a["choices"][0].get("stop_reason") == 1),
     Row("ignore-eos", ("ignore_eos",), "completions",
         {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, check=_finish("length")),
     Row("skip-special-tokens", ("skip_special_tokens",), "completions",
@@ -408,8 +405,7 @@ ROWS = [
     Row("return-token-ids-completions", ("return_token_ids",), "completions",
         {"prompt": [RIVER, FAREWELL], **MAX, "return_token_ids": True}),
     Row("return-token-ids-stop", ("return_token_ids",), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"], "return_token_ids": True},
-        diffs=(stop_reason("chastic mar"),)),
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"], "return_token_ids": True}),
     # --- sampling (protocol 1.1, 1.2)
     Row("min-p", ("min_p",), "completions", {"prompt": FAREWELL, "max_tokens": 6, "temperature": 1.0, "seed": 7,
                                              "min_p": 0.5}),

@@ -173,6 +173,28 @@ def test_usage_counts_tokens_up_to_the_stop_string_as_vllm(echo_server, default_
         assert chunks[-1].usage.completion_tokens == upto
 
 
+def test_stop_reason_names_what_stopped_the_choice_as_vllm(echo_server, default_tokenizer):
+    """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended the
+    choice; not written when the choice ran to max_tokens (vLLM writes null there)."""
+    ids = default_tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta", add_special_tokens=False).ids
+    client = echo_server.client()
+    cases = ((["gamma", "zeta"], None, "gamma"), (None, [ids[3]], ids[3]), (["nowhere"], None, None))
+    for stop, stop_ids, expected in cases:
+        extra = {"stop_token_ids": stop_ids} if stop_ids else {}
+        whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body=extra)
+        choice = whole.choices[0].model_dump()
+        assert choice.get("stop_reason") == expected and whole.choices[0].finish_reason == (
+            "stop" if expected else "length"), choice
+        chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True,
+                                                extra_body=extra))  # fmt: skip
+        reasons = [c.choices[0].model_dump().get("stop_reason") for c in chunks]
+        assert reasons[-1] == expected and not any(reasons[:-1]), reasons
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "alpha beta gamma"}],
+                                              max_tokens=40, stop=stop, extra_body=extra)  # fmt: skip
+        if stop:
+            assert chat.choices[0].model_dump().get("stop_reason") == expected
+
+
 # ---- request_id ---------------------------------------------------------------------------------
 
 

@@ -68,6 +68,9 @@ class DetokSpec:
     chat: bool = True  # logprobs in chat's shape, else in completions'
     token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
     spaces_between: bool = True  # vLLM's spaces_between_special_tokens (has effect only without skip_special_tokens)
+    # the request's stop_token_ids that vLLM names in stop_reason when one ends the choice (the model's EOS
+    # is not named unless ignore_eos)
+    stop_reason_ids: frozenset = frozenset()
 
 
 @dataclass
@@ -396,6 +399,7 @@ class Converter:
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
+        named_stops = frozenset(req.stop_token_ids or ()) - frozenset(() if req.ignore_eos else self.model.eos_token_ids)
         stops = oa.stop_strings(req)
         seed = params.sampling.seed
         keep, left = self._truncation(req)
@@ -444,7 +448,8 @@ class Converter:
                                        logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                        chat=what == "messages", prefix=echo[p] if echo else "",
                                        token_ids=bool(req.return_token_ids),
-                                       spaces_between=req.spaces_between_special_tokens is not False))
+                                       spaces_between=req.spaces_between_special_tokens is not False,
+                                       stop_reason_ids=named_stops))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,

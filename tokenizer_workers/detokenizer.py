@@ -35,7 +35,8 @@ class _Stream:
     __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
                  "tail", "tail_len", "tokens_as_ids",
-                 "prefix", "show_ids", "stop_end", "added", "last_added", "plain")  # fmt: skip
+                 "prefix", "show_ids", "stop_end", "added", "last_added", "plain", "stop_hit", "stop_reason_ids",
+                 "last_token")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
         self.parser: OutputParser | None = spec.parser
@@ -64,6 +65,9 @@ class _Stream:
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
         self.show_ids = spec.token_ids  # vLLM's return_token_ids: each delta says its generated token IDs
         self.stop_end = 0  # where the matched stop string ends, counted from the start of pending
+        self.stop_hit: str | None = None  # the stop string that matched (vLLM's stop_reason)
+        self.stop_reason_ids = spec.stop_reason_ids  # stop tokens vLLM names in stop_reason
+        self.last_token: int | None = None
         # spaces_between_special_tokens false (with skip_special_tokens false): an added token right after
         # another is its bare content, without the space the decoder may put before it (vLLM's fast
         # detokenizer); added: added token ID -> content, else None
@@ -136,6 +140,8 @@ class Detokenizer:
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
         raw = new_ids = frame_to_ids(frame)
         state.count += len(new_ids)
+        if len(raw):
+            state.last_token = int(raw[-1])
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
         # with stop strings: where each new token's text ends, to tell which token completed a stop
@@ -190,14 +196,21 @@ class Detokenizer:
             prefix, state.prefix = state.prefix, ""
             if state.parser is None:
                 text, prefix = prefix + text, ""
+        reason = None
         if stopped or finished:
             del self.states[rid]
+            if stopped:
+                reason = state.stop_hit
+            elif state.last_token is not None and state.last_token in state.stop_reason_ids:
+                reason = state.last_token  # a stop token ended it (the engine stops at once on one)
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown)
+            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown,
+                              stop_reason=reason)  # fmt: skip
         pieces = self._parse(state, text, stopped or finished)
         if prefix:  # chat's echo is content, ahead of what the parser makes of the output
             pieces.insert(0, OutPiece("content", prefix))
-        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown)
+        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown,
+                          stop_reason=reason)
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser
@@ -225,6 +238,7 @@ class Detokenizer:
             if hits:
                 state.pending = ""
                 start, state.stop_end = min(hits)
+                state.stop_hit = pending[start : state.stop_end]
                 return pending[:start], True
         if finished or not state.hold:
             state.pending = ""
@@ -253,6 +267,7 @@ class Detokenizer:
             i = text.find(s)
             if i >= 0 and (end < 0 or i + len(s) < end):
                 end = i + len(s)
+                state.stop_hit = s
         if end >= 0:
             state.stop_end = end - len(state.tail)
             return text[len(state.tail) : end], True

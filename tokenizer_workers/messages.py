@@ -200,6 +200,8 @@ class DetokDelta(msgspec.Struct, array_like=True):
     # vLLM's return_token_ids: this delta's generated token IDs, comma-joined without brackets; None when
     # the request did not ask for them
     token_ids: bytes | None = None
+    # the last delta's: vLLM's stop_reason, the stop string or the stop token ID that ended the choice
+    stop_reason: str | int | None = None
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):
