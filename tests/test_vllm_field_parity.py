@@ -349,7 +349,12 @@ ROWS = [
         check=lambda a: a == {"status": 400}),
     # --- stopping
     Row("stop-string", ("stop",), "completions", {"prompt": RIVER, "max_tokens": 12, "temperature": 0,
-                                                  "stop": ["chastic mar", "nowhere"]}, check=_finish("stop")),
+                                                  "stop": ["chastic mar", "nowhere"],
+                                                  "stream_options": {"include_usage": True}}, check=_finish("stop")),
+    Row("stop-string-continuous-usage", ("stop", "stream_options.continuous_usage_stats"), "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"],
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, streams=(True,),
+        check=_finish("stop")),
     Row("stop-string-chat", ("stop",), "chat", {"messages": STORY, "max_tokens": 12, "temperature": 0,
                                                 "stop": "height"}, check=_finish("stop")),
     Row("include-stop-str", ("include_stop_str_in_output",), "completions",
