@@ -1,6 +1,6 @@
 """The part of ``tokenmill engine`` every backend shares: protocol in, engine calls out.
 
-:class:`EngineServer` is a :class:`~scheduler_client.scheduler_server.SchedulerServer`
+:class:`EngineServer` is a :class:`~engines.scheduler_server.SchedulerServer`
 (sockets, sessions, handshake, validation) whose engine is a :class:`Backend`. For every
 accepted ``generate`` it starts one task that iterates ``backend.generate(request)`` and
 turns the engine's chunks into RequestOutputs:
@@ -55,6 +55,7 @@ from scheduler_client.protocol import (
     FINISH_STOP,
     PROTOCOL_VERSION,
     Generate,
+    PromptLogprobs,
     RequestOutput,
     SamplingParams,
     Stats,
@@ -63,7 +64,7 @@ from scheduler_client.protocol import (
     floats_to_bytes,
     ids_to_frame,
 )
-from scheduler_client.scheduler_server import (
+from engines.scheduler_server import (
     ERR_BAD_REQUEST,
     Rejected,
     SchedulerServer,
@@ -104,6 +105,9 @@ class EngineRequest:
     structured: Structured | None = None  # 1.1: constrained decoding
     priority: int = 0  # 1.2: lower is scheduled earlier (with "priority" in features)
     cache_salt: str | None = None  # 1.2: the prompt's prefix-cache salt (with "cache_salt" in features)
+    prompt_logprobs: int | None = None  # 1.2: the prompt's logprobs (0: each prompt token's; N > 0: and the top N)
+    kv_transfer_params: dict | None = None  # 1.2: for the engine's KV connector (with "kv_transfer_params")
+    extra_args: dict | None = None  # 1.2: engine-specific extra arguments (with "extra_args")
 
 
 @dataclass
@@ -121,6 +125,10 @@ class Chunk:
     logprobs: Sequence[float] | None = None
     top_ids: Sequence[int] | None = None
     top_logprobs: Sequence[float] | None = None
+    # 1.2, with EngineRequest.prompt_logprobs set, in one chunk (the first, as a rule): per prompt position
+    # 1 .. len(prompt) - 1, (logprobs, ranks, top IDs, top logprobs), N top entries per position
+    prompt_logprobs: tuple[Sequence[float], Sequence[int], Sequence[int], Sequence[float]] | None = None
+    kv_transfer_params: dict | None = None  # 1.2: what the engine's KV connector returned (the last chunk)
 
 
 @dataclass
@@ -210,6 +218,9 @@ class _Live:
     max_new_tokens: int
     stop_ids: frozenset[int]
     logprobs: int | None = None  # Generate.logprobs
+    prompt_logprobs: int | None = None  # Generate.prompt_logprobs, until they have been queued
+    prompt_pending: PromptLogprobs | None = None  # packed, for the next output
+    kv_transfer_params: dict | None = None  # the engine's, for the final output
     completion: int = 0
     cached: int = 0
     outputs: int = 0  # RequestOutputs queued so far
@@ -315,6 +326,7 @@ class EngineServer(SchedulerServer):
             max_new_tokens=max_new,
             stop_ids=frozenset(gen.stop_token_ids),
             logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs,
         )
         request = EngineRequest(
             rid=live.rid,
@@ -327,6 +339,9 @@ class EngineServer(SchedulerServer):
             structured=gen.structured,
             priority=gen.priority,
             cache_salt=gen.cache_salt,
+            prompt_logprobs=gen.prompt_logprobs,
+            kv_transfer_params=gen.kv_transfer_params,
+            extra_args=gen.extra_args,
         )
         self._live[live.key] = live
         live.task = asyncio.create_task(self._run(live, request), name=f"engine-{live.rid}")
@@ -407,6 +422,14 @@ class EngineServer(SchedulerServer):
             live.cached = chunk.cached_tokens
         if chunk.finish is not None:
             live.engine_done = True  # nothing to abort inside the engine
+        if chunk.kv_transfer_params is not None:
+            live.kv_transfer_params = chunk.kv_transfer_params
+        if chunk.prompt_logprobs is not None and live.prompt_logprobs is not None:
+            packed = self._prompt_logprobs(live, chunk.prompt_logprobs)
+            if isinstance(packed, str):
+                self._finish(live, (), FINISH_ERROR, packed)
+                return
+            live.prompt_pending, live.prompt_logprobs = packed, None
         logprobs = self._chunk_logprobs(live, chunk, len(tokens))
         if isinstance(logprobs, str):  # the engine's logprobs do not match its tokens
             self._finish(live, (), FINISH_ERROR, logprobs)
@@ -449,6 +472,20 @@ class EngineServer(SchedulerServer):
             ids_to_frame(ids[: top * kept]),
             pack_logprobs(top_values[: top * kept]),
         )
+
+    @staticmethod
+    def _prompt_logprobs(live: _Live, arrays) -> PromptLogprobs | str:
+        """A chunk's prompt logprobs, checked against the prompt and packed; a message if they do not fit."""
+        values, ranks, ids, top_values = arrays
+        positions, top = live.prompt_tokens - 1, live.prompt_logprobs
+        if len(values) != positions or len(ranks) != positions:
+            return (f"the engine returned {len(values)} prompt logprobs and {len(ranks)} ranks for "
+                    f"{positions} prompt positions")  # fmt: skip
+        if len(ids) != top * positions or len(top_values) != top * positions:
+            return (f"the engine returned {len(ids)} top prompt token IDs and {len(top_values)} top prompt logprobs "
+                    f"for {positions} prompt positions; expected {top} per position")  # fmt: skip
+        return PromptLogprobs(pack_logprobs(values), ids_to_frame(ranks), ids_to_frame(ids) if top else b"",
+                              pack_logprobs(top_values) if top else b"")
 
     def _finish(
         self,
@@ -493,6 +530,10 @@ class EngineServer(SchedulerServer):
             top_ids=top_ids,
             top_logprobs=top_lp,
         )
+        if live.prompt_pending is not None:
+            out.prompt_logprobs, live.prompt_pending = live.prompt_pending, None
+        if reason is not None and live.kv_transfer_params is not None:
+            out.kv_transfer_params = live.kv_transfer_params
         self._pending.setdefault(live.identity, []).append(out)
         if self._flush_handle is None:
             # after every callback already queued (all outputs of one engine step) has run
@@ -590,7 +631,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _sd_notify(state: str) -> None:
     """Tell systemd (Type=notify) about a state change; nothing when not under systemd."""
     try:
-        from tokenmill.systemd_notify import notify
+        from tokenmill.process.systemd_notify import notify
     except ImportError:  # pragma: no cover - a minimal stand-in
         path = os.environ.get("NOTIFY_SOCKET")
         if not path:
@@ -647,7 +688,7 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from tokenmill.procutil import set_process_name, take_descendants_along
+        from tokenmill.process.procutil import set_process_name, take_descendants_along
 
         set_process_name("tm-engine")
         take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine

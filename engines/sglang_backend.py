@@ -69,7 +69,7 @@ from scheduler_client.protocol import (
     Generate,
     Structured,
 )
-from scheduler_client.scheduler_server import Rejected
+from engines.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.sglang")
 

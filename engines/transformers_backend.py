@@ -63,7 +63,7 @@ from typing import Any
 from engines import require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
 from scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
-from scheduler_client.scheduler_server import Rejected
+from engines.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.transformers")
 

@@ -37,7 +37,13 @@ vLLM 0.32 accepts a priority and ignores it), ``cache_salt`` -> the prompt dict'
 ``allowed_token_ids``, and ``bad_words`` (token sequences the front end tokenized as vLLM's
 ``SamplingParams.update_from_tokenizer`` does) -> the sequences vLLM bans
 (``SamplingParams._bad_words_token_ids``; the ``bad_words`` strings stay empty, so vLLM does not
-tokenize anything again).
+tokenize anything again), ``prompt_logprobs`` -> ``prompt_logprobs`` (vLLM's RequestOutput.prompt_logprobs
+of the first output, flat or per-position dicts, become the protocol's packed arrays),
+``kv_transfer_params`` and ``extra_args`` -> ``SamplingParams.extra_args`` as vLLM's OpenAI server
+builds it (the extra args, with ``kv_transfer_params`` beside them), and the finished output's
+``kv_transfer_params`` (its KV connector's) go back in the final RequestOutput. The
+``kv_transfer_params`` feature is listed only with a KV connector (``--engine-arg
+kv_transfer_config=...``): without one vLLM 0.32 takes the field and ignores it.
 
 Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
 before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
@@ -55,6 +61,7 @@ from typing import Any
 from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
+    FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_PRIORITY,
     FEATURES,
     FINISH_ABORT,
@@ -141,12 +148,54 @@ def convert_logprobs(positions, token_ids, top_n: int) -> tuple[list[float], lis
     return chosen, ids, values
 
 
+def convert_prompt_logprobs(positions, prompt, top_n: int):
+    """vLLM's RequestOutput.prompt_logprobs -> (logprobs, ranks, top IDs, top logprobs) for prompt positions
+    1 .. len(prompt) - 1, top N per position flattened in rank order.
+
+    ``positions`` is a FlatLogprobs (its first position empty; then per position the prompt token, then
+    ranks 1..N) or a list (None first, then ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts,
+    the prompt token's entry merged with its top-N entry when it is among them)."""
+    values: list[float] = []
+    ranks: list[int] = []
+    ids: list[int] = []
+    tops: list[float] = []
+    starts = getattr(positions, "start_indices", None)
+    if starts is not None:
+        flat_ids, flat_values, flat_ranks = positions.token_ids, positions.logprobs, positions.ranks
+        for start in starts[1:]:
+            values.append(flat_values[start])
+            ranks.append(int(flat_ranks[start]))
+            if top_n:
+                ids.extend(flat_ids[start + 1 : start + 1 + top_n])
+                tops.extend(flat_values[start + 1 : start + 1 + top_n])
+        return values, ranks, ids, tops
+    for token, position in zip(prompt[1:], list(positions)[1:], strict=False):
+        own = position[token]
+        values.append(own.logprob)
+        ranks.append(int(own.rank))
+        if top_n:
+            for token_id, entry in sorted(position.items(), key=lambda item: item[1].rank)[:top_n]:
+                ids.append(token_id)
+                tops.append(entry.logprob)
+    return values, ranks, ids, tops
+
+
+def extra_args(request: EngineRequest) -> dict[str, Any] | None:
+    """SamplingParams.extra_args as vLLM's OpenAI server builds it: vllm_xargs, and kv_transfer_params beside."""
+    out = dict(request.extra_args or {})
+    if request.kv_transfer_params:
+        out["kv_transfer_params"] = request.kv_transfer_params
+    return out or None
+
+
 # vLLM's names for the fields its validation errors name (VLLMValidationError.parameter) -> the protocol's
 _PARAMS = {
     "logprobs": "logprobs",
     "allowed_token_ids": "sampling.allowed_token_ids",
     "bad_words": "sampling.bad_words",
     "cache_salt": "cache_salt",
+    "prompt_logprobs": "prompt_logprobs",
+    "extra_args": "extra_args",
     "max_tokens": "max_new_tokens",
     "stop_token_ids": "stop_token_ids",
     "structured_outputs": "structured",
@@ -235,6 +284,10 @@ class VLLMBackend(Backend):
         policy = getattr(scheduler_config, "policy", None) or self.engine_args.get("scheduling_policy")
         if str(getattr(policy, "value", policy)) != "priority":  # vLLM's "fcfs" ignores a request's priority
             features.discard(FEATURE_PRIORITY)
+        kv_config = getattr(config, "kv_transfer_config", None) if config is not None else \
+            self.engine_args.get("kv_transfer_config")
+        if kv_config is None:  # no KV connector: vLLM takes kv_transfer_params and ignores them
+            features.discard(FEATURE_KV_TRANSFER_PARAMS)
         max_logprobs = getattr(model_config, "max_logprobs", 20)
         if not isinstance(max_logprobs, int) or max_logprobs < 0:  # -1: the whole vocabulary
             max_logprobs = vocab if vocab is not None else 20
@@ -294,6 +347,11 @@ class VLLMBackend(Backend):
             kwargs["allowed_token_ids"] = [int(t) for t in s.allowed_token_ids]
         if s.bad_words:
             kwargs["bad_words_token_ids"] = [[int(t) for t in seq] for seq in s.bad_words]
+        if request.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = int(request.prompt_logprobs)
+        extra = extra_args(request)
+        if extra is not None:
+            kwargs["extra_args"] = extra
         return self._make_params(**kwargs)
 
     @staticmethod
@@ -322,6 +380,7 @@ class VLLMBackend(Backend):
                 ) from exc
             raise
         top_n = request.logprobs
+        prompt_top = request.prompt_logprobs  # None once sent
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
         stream = self.engine.generate(self.prompt(request), params, rid, **self.generate_kwargs(request))
@@ -346,6 +405,11 @@ class VLLMBackend(Backend):
                 if top_n is not None:
                     positions = getattr(completion, "logprobs", None) if tokens else None
                     chunk.logprobs, chunk.top_ids, chunk.top_logprobs = convert_logprobs(positions, tokens, top_n)
+                if prompt_top is not None and getattr(out, "prompt_logprobs", None):
+                    chunk.prompt_logprobs = convert_prompt_logprobs(out.prompt_logprobs, request.prompt, prompt_top)
+                    prompt_top = None
+                if out.finished:
+                    chunk.kv_transfer_params = getattr(out, "kv_transfer_params", None)
                 yield chunk
                 if finish is not None:
                     return
@@ -415,4 +479,5 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 __all__ = [
     "from_args", "VLLMBackend", "vllm_sampling_params", "structured_outputs", "convert_logprobs", "add_arguments",
+    "convert_prompt_logprobs", "extra_args",
 ]  # fmt: skip

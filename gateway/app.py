@@ -405,9 +405,19 @@ class App:
                 return
             elif event[0] == "disconnected":
                 return
+        prompt_logprobs = kv_transfer_params = None
+        if done is not None and done.prompt_logprobs:  # each choice shows its prompt's (the first choice of it got them)
+            prompt_logprobs, current = [], None
+            for c in gen.choices:
+                if c.counts_prompt:
+                    current = c.prompt_logprobs
+                prompt_logprobs.append(current)
+        if done is not None and done.kv_transfer_params or any(c.kv_transfer_params is not None for c in gen.choices):
+            kv_transfer_params = (gen.choices[0].kv_transfer_params,)  # as vLLM: the first prompt's
         body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls,
                            logprobs, forced_calls=bool(done is not None and done.forced_calls), token_ids=token_ids,
-                           stop_reasons=stop_reasons)
+                           stop_reasons=stop_reasons, prompt_logprobs=prompt_logprobs,
+                           kv_transfer_params=kv_transfer_params)
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:

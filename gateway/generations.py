@@ -32,6 +32,8 @@ class Choice:
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token ID that ended it
     done: bool = False  # its final text has arrived
     scheduler_done: bool = False
+    prompt_logprobs: bytes | None = None  # vLLM's prompt_logprobs as JSON (the worker's), when asked and sent
+    kv_transfer_params: dict | None = None  # what the engine's final output returned (protocol 1.2)
 
 
 @dataclass(eq=False)
@@ -119,9 +121,10 @@ class Generations:
                 choice.scheduler_done = True
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
+                choice.kv_transfer_params = out.kv_transfer_params
                 self.scheduler.finished(gen.rank, choice.prompt_tokens if choice.counts_prompt else 0, out.cached_tokens)
             per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None,
-                                                  out.logprobs, out.top_ids, out.top_logprobs))
+                                                  out.logprobs, out.top_ids, out.top_logprobs, out.prompt_logprobs))
         if tokens and metrics:
             metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
@@ -156,6 +159,8 @@ class Generations:
             gen, choice = entry
             tokens = delta.tokens
             pieces = delta.pieces
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             if delta.token_ids is not None:  # a chunk for every delta that took tokens, with their IDs
                 kind, text = "text", delta.text
                 if pieces:  # parsed: the first content or reasoning piece rides with the IDs, as vLLM's delta

@@ -24,7 +24,7 @@ _LAG = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 
 # How each gauge merges when N gateway processes (``serve --gateways N``) answer one scrape as the node
 # (gateway/metrics_merge.py). Counters and histograms are always summed. Every gauge must be listed here:
-# tests/test_metrics_merge.py fails on one that is not, so a new gauge cannot silently double count.
+# tests/unit/test_metrics_merge.py fails on one that is not, so a new gauge cannot silently double count.
 #   "sum": the process's own state; the node's figure is the total over gateways.
 #   "max": a node-wide fact every gateway observes the same (up to staleness); summing would count it N times.
 #   "min": a per-gateway link that the node needs on every gateway; 0 if any gateway lost it, so alerts fire.

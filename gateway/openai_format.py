@@ -238,9 +238,12 @@ class Framer:
                     "choices": [], "usage": usage_obj})
 
     def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None,
-             logprobs=None, forced_calls: bool = False, token_ids=None, stop_reasons=None) -> bytes:
+             logprobs=None, forced_calls: bool = False, token_ids=None, stop_reasons=None,
+             prompt_logprobs=None, kv_transfer_params=None) -> bytes:
         """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked);
-        ``token_ids``: per choice, the generated IDs of its deltas (vLLM's return_token_ids)."""
+        ``token_ids``: per choice, the generated IDs of its deltas (vLLM's return_token_ids);
+        ``prompt_logprobs``: per choice, its prompt's as JSON or None (None for the list: not asked);
+        ``kv_transfer_params``: (what the engine returned,) when the response carries it."""
         lps = [None] * len(texts)
         if logprobs is not None:
             lps = [(chat_logprobs if self.chat else completion_logprobs)(f) for f in logprobs]
@@ -271,4 +274,13 @@ class Framer:
                 choice["token_ids"] = msgspec.Raw(b"[" + joined + b"]") if self.token_ids else None
             if self.chat:
                 out["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[0])
+        if prompt_logprobs is not None:  # vLLM's: chat's at the top (one prompt), completions' on each choice
+            raws = [msgspec.Raw(p) if p is not None else None for p in prompt_logprobs]
+            if self.chat:
+                out["prompt_logprobs"] = raws[0] if raws else None
+            else:
+                for choice, raw in zip(choices, raws):
+                    choice["prompt_logprobs"] = raw
+        if kv_transfer_params is not None:
+            out["kv_transfer_params"] = kv_transfer_params[0]
         return _json.encode(out)

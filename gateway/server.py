@@ -27,7 +27,7 @@ from gateway.generations import Generations
 from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
 from gateway.metrics import Metrics
-from tokenmill.transport_security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
+from tokenmill.transport.security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
 from gateway import siblings
 from gateway.metrics_merge import merge_expositions
 from gateway.listener import Acceptor, listen_sockets
@@ -37,9 +37,9 @@ from gateway.scheduler_ranks import SchedulerRanks
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
-from tokenmill import systemd_notify
-from tokenmill.procutil import child_env
-from tokenmill.settings import ServeSettings
+from tokenmill.process import systemd_notify
+from tokenmill.process.procutil import child_env
+from gateway.settings import ServeSettings
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -207,7 +207,7 @@ class Gateway:
     async def _start_simulator(self, endpoint: str) -> None:
         s = self.settings
         self.simulator = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler_client.simulated", "--title=simulated scheduler", "--bind", endpoint,
+            sys.executable, "-m", "engines.simulated", "--title=simulated scheduler", "--bind", endpoint,
             "--prefill-tokens-per-s", str(s.sim_prefill_tokens_per_s),
             "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
             "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
@@ -395,7 +395,7 @@ class Gateway:
 def run(settings: ServeSettings, on_ready=None, sibling: dict | None = None) -> int:
     import uvloop
 
-    from tokenmill.procutil import set_process_name
+    from tokenmill.process.procutil import set_process_name
 
     name = f"gateway {sibling['index']}" if sibling else "gateway"
     set_process_name(f"tm-gateway-{sibling['index']}" if sibling else "tm-gateway")
@@ -407,7 +407,7 @@ def sibling_main() -> int:
     """Gateway 1..N-1 of --gateways N, started by gateway 0 (gateway/siblings.py)."""
     import json
 
-    from tokenmill.procutil import die_with_supervisor
+    from tokenmill.process.procutil import die_with_supervisor
 
     die_with_supervisor()
     sibling = json.loads(os.environ[siblings.SIBLING_ENV])

@@ -32,8 +32,8 @@ from typing import Callable
 
 import zmq
 
-from tokenmill.loop_socket import LoopSocket
-from tokenmill.procutil import child_env
+from tokenmill.transport.loop_socket import LoopSocket
+from tokenmill.process.procutil import child_env
 
 log = logging.getLogger("tokenmill.gateway")
 SIBLING_ENV = "TOKENMILL_GATEWAY_SIBLING"

@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from scheduler_client import protocol
-from tokenmill.loop_socket import LoopSocket
+from tokenmill.transport.loop_socket import LoopSocket
 
 log = logging.getLogger("tokenmill.scheduler")
 

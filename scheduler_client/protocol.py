@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from typing import Any
 
 import msgspec
 
@@ -62,7 +63,12 @@ STRUCTURED_FEATURES = tuple(f"structured.{kind}" for kind in STRUCTURED_KINDS)
 FEATURE_PRIORITY = "priority"  # Generate.priority (listed only by a scheduler that orders its queue by it)
 FEATURE_CACHE_SALT = "cache_salt"  # Generate.cache_salt
 SAMPLING_FEATURES_12 = ("allowed_token_ids", "bad_words")
-FEATURES_12 = (FEATURE_PRIORITY, FEATURE_CACHE_SALT, *SAMPLING_FEATURES_12)
+# 1.2, continued: the prompt's logprobs, and what vLLM passes to its engine in SamplingParams.extra_args
+FEATURE_PROMPT_LOGPROBS = "prompt_logprobs"  # Generate.prompt_logprobs, and the first RequestOutput's prompt_* arrays
+FEATURE_KV_TRANSFER_PARAMS = "kv_transfer_params"  # Generate.kv_transfer_params, RequestOutput.kv_transfer_params
+FEATURE_EXTRA_ARGS = "extra_args"  # Generate.extra_args (vLLM's vllm_xargs)
+FEATURES_12 = (FEATURE_PRIORITY, FEATURE_CACHE_SALT, *SAMPLING_FEATURES_12, FEATURE_PROMPT_LOGPROBS,
+               FEATURE_KV_TRANSFER_PARAMS, FEATURE_EXTRA_ARGS)
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
 
@@ -94,6 +100,12 @@ class Generate(msgspec.Struct, tag="generate"):
     priority: int = 0
     # 1.2: mixed into the prefix-cache key of the prompt's blocks: only requests with the same salt share them
     cache_salt: str | None = None
+    # 1.2: the logprob of each prompt token after the first (0), and the top N at each such position (N > 0)
+    prompt_logprobs: int | None = None
+    # 1.2: disaggregated prefill, for the engine's KV connector (vLLM's kv_transfer_params; any map)
+    kv_transfer_params: dict[str, Any] | None = None
+    # 1.2: engine-specific extra arguments (vLLM's vllm_xargs: str -> str | int | float | list of those)
+    extra_args: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -115,6 +127,16 @@ class Welcome(msgspec.Struct, tag="welcome"):
     vocab_size: int | None = None  # 1.1: prompt token IDs must be below it; data-parallel ranks must agree
 
 
+class PromptLogprobs(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
+    """The prompt's logprobs (1.2): for each prompt position 1 .. prompt_tokens - 1 (the first token has
+    none), packed like RequestOutput's logprobs."""
+
+    logprobs: bytes = b""  # the prompt token's logprob there, float32 little-endian
+    ranks: bytes = b""  # its rank among the vocabulary (1: the most likely), uint32 little-endian
+    top_ids: bytes = b""  # with Generate.prompt_logprobs N > 0: the N most likely tokens there, best first
+    top_logprobs: bytes = b""  # and their logprobs, float32 little-endian
+
+
 class RequestOutput(msgspec.Struct):
     """New tokens of one request since its previous RequestOutput."""
 
@@ -130,6 +152,10 @@ class RequestOutput(msgspec.Struct):
     # and with logprobs N > 0: N per token, best first (uint32 / float32 little-endian)
     top_ids: bytes = b""
     top_logprobs: bytes = b""
+    # 1.2, with Generate.prompt_logprobs set: the prompt's logprobs, in the request's first RequestOutput only
+    prompt_logprobs: PromptLogprobs | None = None
+    # 1.2, with the feature kv_transfer_params: what the engine's KV connector returns, in the final output
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

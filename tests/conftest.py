@@ -1,23 +1,35 @@
-"""Shared test helpers: real `tokenmill serve` processes on loopback, and the shared fixtures folder."""
+"""Shared test helpers: real `tokenmill serve` processes on loopback (on the benchmarks' process handle,
+tokenmill/bench/servers.py), and the shared fixtures folder."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tokenmill.bench.common import free_port
+from tokenmill.bench.servers import ProcessHandle
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures"
+
+
+KINDS = ("unit", "serving", "bench", "engines")  # the folders under tests/, one marker each
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test is marked with its folder's kind: unit (no process that serves), serving (tokenmill with
+    the simulated scheduler), bench (benchmarks run end to end), engines (real engines, vLLM's oracles)."""
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 def pytest_collection_finish(session) -> None:
@@ -50,12 +62,6 @@ def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, s
     return json.loads(out.read_text()), proc.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
     """(status, headers, parsed JSON or raw bytes) without raising on 4xx/5xx."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
@@ -71,47 +77,31 @@ def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
         return status, hdrs, raw
 
 
-class Server:
-    """A `tokenmill serve` subprocess; stop() sends SIGTERM and waits."""
+class Server(ProcessHandle):
+    """A `tokenmill serve` subprocess in its own session, its output on a pipe; stop() sends SIGTERM and waits."""
+
+    TAIL = 1 << 30  # a failure quotes everything it wrote
 
     def __init__(self, *args: str, env: dict | None = None, ready: bool = True, timeout: float = 90.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), *args]
         self.workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", *self.args],
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.output: list[str] = []
+        super().__init__("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", *self.args], pipe=True,
+                         env=env or {}, cwd=ROOT, new_session=True)  # fmt: skip
         if ready:
             self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenmill exited with {self.proc.returncode}:\n{self.read_output()}")
-            try:
-                status, _, body = http("GET", self.url + "/ready", timeout=2)
-                # at least its own workers: a remote worker may join before they are all ready
-                if status == 200 and body["workers_alive"] >= self.workers:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"tokenmill did not become ready:\n{self.read_output()}")
+        def ready() -> bool:
+            status, _, body = http("GET", self.url + "/ready", timeout=2)
+            # at least its own workers: a remote worker may join before they are all ready
+            return status == 200 and body["workers_alive"] >= self.workers
+
+        self.wait_until(ready, timeout, interval=0.1)
 
     def read_output(self) -> str:
-        if self.proc.poll() is not None and self.proc.stdout:
-            self.output.append(self.proc.stdout.read())
-        return "".join(self.output)
+        return self.output()
 
     def client(self, **kw):
         import openai
@@ -128,15 +118,7 @@ class Server:
         return [int(x) for x in out.split()]
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.read_output()
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import threading
 import time
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import msgspec
@@ -57,6 +57,7 @@ class DetokSpec:
 
     request_id: str
     stop: list[str] = field(default_factory=list)
+    _: KW_ONLY  # the rest by name: a field added in the middle must not shift the others' meaning
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the text ends with the stop string
     skip_special_tokens: bool = True
     parser: OutputParser | None = None  # tool calls and reasoning, for chat requests that use them
@@ -71,6 +72,10 @@ class DetokSpec:
     # the request's stop_token_ids that vLLM names in stop_reason when one ends the choice (the model's EOS
     # is not named unless ignore_eos)
     stop_reason_ids: frozenset = frozenset()
+    # vLLM's prompt_logprobs: how many top tokens per prompt position (None: not asked), and the prompt's
+    # token IDs (the engine's prompt), whose own entries head each position's
+    prompt_logprobs: int | None = None
+    prompt_ids: Any = None
 
 
 @dataclass
@@ -112,6 +117,9 @@ class EncodeCpu:
             return self.share - started
 
 
+FIM_MARKERS = ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")  # DeepSeek's fill-in-the-middle tokens
+
+
 class Converter:
 
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
@@ -122,6 +130,9 @@ class Converter:
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
         self.engine = gp.Engine()  # what the scheduler honours, from its Welcome (limit_context)
+        # completions' suffix (fill in the middle) in DeepSeek's form, where the vocabulary has its markers,
+        # as vLLM renders it for DeepSeek-V4; other models have no FIM rendering there either
+        self.fim = all(self.tokenizer.token_to_id(marker) is not None for marker in FIM_MARKERS)
         self.templates = ChatTemplates(
             self.model.templates, self.model.special_tokens, settings.default_chat_template_kwargs
         )
@@ -227,12 +238,13 @@ class Converter:
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
         if req.echo and req.logprobs is not None:
-            raise oa.InvalidRequest("echo with logprobs is not supported by this server: it needs the prompt's "
-                                    "logprobs, and the scheduler protocol returns those of generated tokens only.",
-                                    "echo")
+            raise oa.InvalidRequest("echo with logprobs is not supported by this server: the prompt's tokens and "
+                                    "logprobs ahead of the generated ones are not built.", "echo")
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
+        if req.suffix is not None:
+            prompts = self._fill_in_the_middle(req, prompts)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
@@ -286,7 +298,9 @@ class Converter:
         sampling = gp.sampling(req, self.engine, self.vocab_size, max_tokens)
         gp.token_masks(req, self.engine, self.tokenizer, self.vocab_size, sampling)
         return _Generation(sampling, spec, gp.logprobs(req, chat, self.engine), req.n,
-                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine))
+                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine),
+                           gp.prompt_logprobs(req, chat, self.engine, self.vocab_size),
+                           gp.kv_transfer_params(req, self.engine), gp.extra_args(req, self.engine))
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
@@ -370,6 +384,19 @@ class Converter:
             "prompt must be a string, a list of strings, a list of token IDs, or a list of token-ID lists.", "prompt"
         )
 
+    def _fill_in_the_middle(self, req, prompts: list) -> list[str]:
+        """vLLM's completions suffix: each text prompt becomes begin, prompt, hole, suffix, end."""
+        if req.echo:
+            raise oa.InvalidRequest("Echo is unsupported with suffix.", "suffix")
+        if req.truncate_prompt_tokens is not None:
+            raise oa.InvalidRequest("suffix is not supported with truncate_prompt_tokens", "suffix")
+        if not all(isinstance(p, str) for p in prompts):
+            raise oa.InvalidRequest("suffix requires text prompt input for FIM completion rendering", "suffix")
+        if not self.fim:
+            raise oa.InvalidRequest("suffix is only supported for models with FIM completion rendering", "suffix")
+        begin, hole, end = FIM_MARKERS
+        return [f"{begin}{p}{hole}{req.suffix}{end}" for p in prompts]
+
     def _truncation(self, req) -> tuple[int | None, bool]:
         """vLLM's truncate_prompt_tokens: (how many prompt tokens to keep, or None; keep the last ones?).
         As vLLM: -1 is as many as the context holds with one token left for the output, more than
@@ -440,16 +467,22 @@ class Converter:
                     structured=params.structured,
                     priority=params.priority,
                     cache_salt=params.cache_salt,
+                    # the prompt's logprobs once per prompt: its other choices show the first one's
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    kv_transfer_params=params.kv_transfer_params,
+                    extra_args=params.extra_args,
                 )
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                detok.append(DetokSpec(rid, stops, bool(req.include_stop_str_in_output), req.skip_special_tokens,
-                                       logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                detok.append(DetokSpec(rid, stops, include_stop=bool(req.include_stop_str_in_output),
+                                       skip_special_tokens=req.skip_special_tokens, logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
                                        chat=what == "messages", prefix=echo[p] if echo else "",
                                        token_ids=bool(req.return_token_ids),
                                        spaces_between=req.spaces_between_special_tokens is not False,
-                                       stop_reason_ids=named_stops))
+                                       stop_reason_ids=named_stops,
+                                       prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                                       prompt_ids=ids if i == 0 and params.prompt_logprobs is not None else None))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -464,6 +497,8 @@ class Converter:
             logprobs=params.logprobs is not None,
             prompt_token_ids=prompt_ids,
             token_ids=bool(req.return_token_ids),
+            prompt_logprobs=params.prompt_logprobs is not None,
+            kv_transfer_params=params.kv_transfer_params is not None,
         )
         return Conversion(done, frames, detok)
 
@@ -476,6 +511,9 @@ class _Generation:
     n: int
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    kv_transfer_params: dict | None = None
+    extra_args: dict | None = None
 
 
 def _wrap_seed(seed: int) -> int:

@@ -24,7 +24,7 @@ from tokenizers.decoders import DecodeStream
 
 from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers.converter import DetokSpec
-from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists, token_id_name
+from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists, prompt_logprobs, token_id_name
 from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
 from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
@@ -36,7 +36,7 @@ class _Stream:
                  "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
                  "tail", "tail_len", "tokens_as_ids",
                  "prefix", "show_ids", "stop_end", "added", "last_added", "plain", "stop_hit", "stop_reason_ids",
-                 "last_token")  # fmt: skip
+                 "last_token", "prompt_top_n", "prompt_ids")  # fmt: skip
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
         self.parser: OutputParser | None = spec.parser
@@ -74,6 +74,9 @@ class _Stream:
         self.added = added
         self.last_added = False
         self.plain = ""  # with added: what DecodeStream produced (streamed holds what was sent)
+        # vLLM's prompt_logprobs: the prompt's IDs until the first output has brought their logprobs
+        self.prompt_top_n = spec.prompt_logprobs or 0
+        self.prompt_ids = spec.prompt_ids if spec.prompt_logprobs is not None else None
 
 
 class Detokenizer:
@@ -120,6 +123,12 @@ class Detokenizer:
             delta = self._advance(item.request_id, state, item.token_ids, item.finished)
             if state.top_n is not None and item.logprobs:
                 delta.logprobs = self._logprobs(state, item)
+            if state.prompt_ids is not None and item.prompt_logprobs is not None:
+                if self._texts is None:
+                    self._texts = TokenTexts(self.tokenizer)
+                delta.prompt_logprobs = prompt_logprobs(self._texts, state.prompt_top_n, state.prompt_ids,
+                                                        item.prompt_logprobs)  # fmt: skip
+                state.prompt_ids = None
             out.append(delta)
         return out
 

@@ -175,6 +175,83 @@ def cache_salt(req, engine: Engine) -> str | None:
     return salt
 
 
+def prompt_logprobs(req, chat: bool, engine: Engine, vocab_size: int) -> int | None:
+    """Generate.prompt_logprobs (protocol 1.2), checked as vLLM 0.32 checks it: -1 (the whole vocabulary)
+    or at least 0, at most the engine's max_logprobs, and not with stream (0 excepted, which shows
+    nothing there). Without it, echo asks for as many as the output's logprobs (vLLM's default: chat's
+    top_logprobs, completions' logprobs); that implicit ask goes to the engine only if it can, and
+    streamed responses carry no prompt logprobs, so then none are asked for."""
+    value = req.prompt_logprobs
+    explicit = value is not None
+    if explicit:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest("`prompt_logprobs` must be an integer.", "prompt_logprobs")
+        if req.stream and (value > 0 or value == -1):
+            raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if value < -1:
+            raise InvalidRequest("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+    elif req.echo:
+        value = (req.top_logprobs or 0) if chat else req.logprobs
+        if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return None
+    else:
+        return None
+    count = vocab_size if value == -1 else value
+    if explicit:
+        if count > engine.max_logprobs:
+            raise InvalidRequest(f"Requested prompt logprobs of {count}, which is greater than max allowed: "
+                                 f"{engine.max_logprobs}", "prompt_logprobs")  # fmt: skip
+        if req.stream:
+            return None
+        engine.require(protocol.FEATURE_PROMPT_LOGPROBS, "prompt_logprobs", "prompt_logprobs")
+    elif req.stream or protocol.FEATURE_PROMPT_LOGPROBS not in engine.features or count > engine.max_logprobs:
+        return None
+    return count
+
+
+def kv_transfer_params(req, engine: Engine) -> dict | None:
+    """vLLM's kv_transfer_params (protocol 1.2): any JSON object, for the engine's KV connector; an empty
+    one is not passed on (vLLM's ``if self.kv_transfer_params``)."""
+    value = req.kv_transfer_params
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("kv_transfer_params must be an object.", "kv_transfer_params")
+    if not value:
+        return None
+    engine.require(protocol.FEATURE_KV_TRANSFER_PARAMS, "kv_transfer_params", "kv_transfer_params")
+    return value
+
+
+def _xarg(value) -> bool:
+    """A vllm_xargs value vLLM's model takes (str | int | float); a bool is an int to pydantic."""
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**64  # vLLM's _verify_extra_args: what msgpack carries
+    return isinstance(value, (str, float))
+
+
+def extra_args(req, engine: Engine) -> dict | None:
+    """vLLM's vllm_xargs (protocol 1.2 extra_args): an object whose values are strings, numbers or lists
+    of those, passed to the engine as they are (vLLM's SamplingParams.extra_args); empty: not passed."""
+    value = req.vllm_xargs
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("vllm_xargs must be an object.", "vllm_xargs")
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, list) and all(_xarg(v) for v in item) or _xarg(item):
+            out[key] = [int(v) if isinstance(v, bool) else v for v in item] if isinstance(item, list) else \
+                int(item) if isinstance(item, bool) else item
+        else:
+            raise InvalidRequest(f"vllm_xargs.{key} must be a string, a number, or a list of those (integers between "
+                                 "-2**63 and 2**64 - 1).", f"vllm_xargs.{key}")
+    if not out:
+        return None
+    engine.require(protocol.FEATURE_EXTRA_ARGS, "vllm_xargs", "vllm_xargs")
+    return out
+
+
 def logprobs(req, chat: bool, engine: Engine) -> int | None:
     """Generate.logprobs: None (none asked), 0 (the chosen tokens'), or the top-N count."""
     if chat:

@@ -113,3 +113,26 @@ def completion_lists(texts: TokenTexts, top_n: int, offset: int, token_ids: byte
         tokens.append(text)
         tops.append({texts(other): max(other_lp, _FLOOR) for other, other_lp in list(ranked.items())[: top_n + 1]})
     return [_json.encode(part)[1:-1] for part in (offsets, lps, tokens, tops)], offset
+
+
+def prompt_logprobs(texts: TokenTexts, top_n: int, prompt_ids, packed) -> bytes:
+    """vLLM's ``prompt_logprobs`` as JSON: null for the first prompt token, then per position a map of
+    token ID -> {logprob, rank, decoded_token}: the prompt token first (its rank in the vocabulary), then
+    the top ``top_n`` (ranks 1..N; the prompt token keeps its place when it is among them). Logprobs
+    below -9999 are -9999 (vLLM's clamp_prompt_logprobs); decoded_token is the token decoded alone."""
+    lps = bytes_to_floats(packed.logprobs)
+    ranks = frame_to_ids(packed.ranks)
+    tops = frame_to_ids(packed.top_ids)
+    top_lps = bytes_to_floats(packed.top_logprobs)
+    positions = min(len(lps), len(ranks), max(len(prompt_ids) - 1, 0))
+    per = top_n if top_n and len(tops) >= positions * top_n and len(top_lps) >= positions * top_n else 0
+    out: list = [None]
+    for i in range(positions):
+        tid = prompt_ids[i + 1]
+        entry = {str(tid): {"logprob": max(lps[i], _FLOOR), "rank": ranks[i], "decoded_token": texts(tid)}}
+        for k in range(per):
+            other = tops[i * per + k]
+            entry[str(other)] = {"logprob": max(top_lps[i * per + k], _FLOOR), "rank": k + 1,
+                                 "decoded_token": texts(other)}  # fmt: skip
+        out.append(entry)
+    return _json.encode(out)

@@ -1,6 +1,6 @@
 """Messages between the gateway and its tokenizer workers (an internal protocol).
 
-A gateway reaches the workers it spawned over socket pairs (tokenmill/pipe_link.py) and
+A gateway reaches the workers it spawned over socket pairs (tokenmill/transport/pipe_link.py) and
 workers on other hosts, or shared with the node's other gateways, over a ZeroMQ ROUTER; the
 messages are the same. Frames after the first (the msgpack header) are opaque to the gateway:
 raw request bodies going in, ready-made scheduler ``Generate`` headers and uint32 token
@@ -10,6 +10,8 @@ frames coming out.
 from __future__ import annotations
 
 import msgspec
+
+from scheduler_client.protocol import PromptLogprobs
 
 # ---- gateway -> worker ------------------------------------------------------------
 
@@ -31,6 +33,7 @@ class DetokItem(msgspec.Struct, array_like=True):
     logprobs: bytes = b""
     top_ids: bytes = b""
     top_logprobs: bytes = b""
+    prompt_logprobs: PromptLogprobs | None = None  # RequestOutput's (the first output of a request that asked)
 
 
 class DetokBatch(msgspec.Struct, tag="detok"):
@@ -169,6 +172,11 @@ class ConvertDone(msgspec.Struct, tag="done"):
     token_ids: bool = False
     functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
     role: str = "assistant"  # chat: the answer's role (the last message's with add_generation_prompt false, as vLLM)
+    # vLLM's prompt_logprobs (non-streamed): the response carries them (chat: at the top, completions: per
+    # choice), null where the engine sent none; kv_transfer_params: the request passed some to the engine,
+    # so the response carries what the engine returned (null if nothing)
+    prompt_logprobs: bool = False
+    kv_transfer_params: bool = False
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
@@ -202,6 +210,8 @@ class DetokDelta(msgspec.Struct, array_like=True):
     token_ids: bytes | None = None
     # the last delta's: vLLM's stop_reason, the stop string or the stop token ID that ended the choice
     stop_reason: str | int | None = None
+    # vLLM's prompt_logprobs: the JSON array of the prompt's logprobs (null first), with the request's first delta
+    prompt_logprobs: bytes | None = None
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):

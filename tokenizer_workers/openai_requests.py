@@ -61,6 +61,9 @@ class SamplingFields(RefusableFields):
     cache_salt: str | None = None  # isolates the prompt's prefix-cache entries
     allowed_token_ids: list[int] | None = None  # only these may be generated
     bad_words: list[str] | None = None  # never generated (tokenized in the worker, as vLLM does)
+    prompt_logprobs: Any = None  # the prompt's logprobs (-1: the whole vocabulary), in the whole response
+    kv_transfer_params: Any = None  # for the engine's KV connector (disaggregated prefill)
+    vllm_xargs: Any = None  # engine-specific extra arguments (vLLM's SamplingParams.extra_args)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -88,6 +91,7 @@ class CompletionRequest(SamplingFields):
     # a string, a list of strings, a list of token IDs, or a list of lists of token IDs
     prompt: str | list[Any] | None = None
     echo: bool | None = False  # the prompt's text before the completion's (as vLLM: the prompt as given)
+    suffix: str | None = None  # fill in the middle: the text after the completion (models with FIM markers)
 
 
 class TokenizeRequest(msgspec.Struct):

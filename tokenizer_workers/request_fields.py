@@ -43,20 +43,16 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_none, _STRUCTURED),
     "guided_decoding_backend": (_none, "the engine chooses its constrained-decoding backend"),
     "guided_whitespace_pattern": (_none, "the engine's constrained-decoding backend decides whitespace"),
-    "prompt_logprobs": (_none, "the scheduler protocol returns logprobs of generated tokens only"),
     "logits_processors": (_none, "custom logits processors cannot cross the scheduler protocol"),
     "best_of": (_equals(1), "only one sequence per choice is generated"),
     "use_beam_search": (_false, "beam search is not available"),
     "length_penalty": (_equals(1), "beam search is not available"),
-    "suffix": (_empty, "insertion (a suffix after the completion) is not available"),
     "prediction": (_none, "predicted outputs are not available"),
     "audio": (_none, "audio output is not available"),
     "modalities": (_text_modalities, "only text output"),
     "web_search_options": (_none, "web search is not available"),
     "verbosity": (_none, "the model's verbosity cannot be set"),
-    "kv_transfer_params": (_none, "disaggregated prefill is not available"),
     "mm_processor_kwargs": (_none, "multimodal input is not available"),
-    "vllm_xargs": (_none, "engine-specific extra arguments are not passed on"),
 }
 
 # accepted, with no effect on the output (bookkeeping OpenAI keeps on its side)

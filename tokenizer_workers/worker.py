@@ -20,7 +20,7 @@ shares the CPU with an engine that keeps cores busy (docs/front-end-cost.md, "A 
 below it, a long prompt waited seconds for the leftovers of an engine's busy cores.
 
 Started by the gateway as ``python -m tokenizer_workers.worker --link-fd FD --index N``,
-holding one end of a socket pair (tokenmill/pipe_link.py), with its settings in the
+holding one end of a socket pair (tokenmill/transport/pipe_link.py), with its settings in the
 TOKENMILL_WORKER_SETTINGS environment variable; or on another host as ``tokenmill worker
 --connect tcp://...``, which takes its settings from the gateway over ZeroMQ and sends
 heartbeats (remote_link.py).
@@ -49,8 +49,8 @@ from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.remote_link import RemoteWorkerLink
-from tokenmill.pipe_link import PipePeer
-from tokenmill.procutil import die_with_supervisor, limit_memory, set_process_name
+from tokenmill.transport.pipe_link import PipePeer
+from tokenmill.process.procutil import die_with_supervisor, limit_memory, set_process_name
 
 log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"

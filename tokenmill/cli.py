@@ -7,15 +7,16 @@ import argparse
 import importlib
 import sys
 
-# name -> (module with add_arguments(parser) and run(args), one-line help)
+# name -> (module with add_arguments(parser) and run(args), one-line help); a module may also have
+# prepare_args(the arguments after the command) -> the arguments its parser reads (bench: the scenario first)
 COMMANDS = {
-    "serve": ("tokenmill.serve_command", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
-    "simulate-scheduler": ("scheduler_client.simulated", "Run the simulated GPU scheduler on its own."),
+    "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
+    "simulate-scheduler": ("engines.simulated", "Run the simulated GPU scheduler on its own."),
     "engine": ("engines.server", "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol."),
-    "render": ("tokenmill.render_command", "Render conversations with a model's chat template and tokenize them."),
-    "worker": ("tokenmill.worker_command", "Run a tokenizer worker that joins a gateway's pool from another host."),
-    "curve-keys": ("tokenmill.curve_keys_command", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
-    "bench": ("tokenmill.bench", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways."),
+    "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),
+    "worker": ("tokenmill.commands.worker", "Run a tokenizer worker that joins a gateway's pool from another host."),
+    "curve-keys": ("tokenmill.commands.curve_keys", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
+    "bench": ("tokenmill.bench.command", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways, busy."),
 }
 
 
@@ -34,6 +35,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in COMMANDS:
+        prepare = getattr(importlib.import_module(COMMANDS[command][0]), "prepare_args", None)
+        if prepare is not None:
+            at = argv.index(command) + 1
+            argv = [*argv[:at], *prepare(argv[at:])]
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return args.func(args) or 0
 

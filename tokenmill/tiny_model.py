@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python -m tokenmill.tiny_model OUT_DIR      (any environment with torch and transformers)
 
-It serves the tests that put a real vLLM behind tokenmill (tests/test_vllm_engine.py) and
+It serves the tests that put a real vLLM behind tokenmill (tests/engines/test_vllm_engine.py) and
 `tokenmill bench vllm`: its outputs are noise, but deterministic.
 
 OUT_DIR gets a HuggingFace model directory: ``config.json``, ``generation_config.json`` (EOS 1),

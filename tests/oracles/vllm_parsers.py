@@ -22,7 +22,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 logging.disable(logging.WARNING)
 
-from tokenmill.bench_parsers_vllm import HarmonyDecoder, deepseek_tokenizer  # noqa: E402  (the same set-up as the bench)
+from tokenmill.bench.parsers_vllm import HarmonyDecoder, deepseek_tokenizer  # noqa: E402  (the same set-up as the bench)
 
 def run(case: dict) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

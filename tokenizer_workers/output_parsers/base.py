@@ -143,26 +143,121 @@ class ToolParser:
         return schema if isinstance(schema, dict) else {}
 
 
+_UNDECIDED, _REASONING, _CONTENT = range(3)
+
+
 class ReasoningParser:
     """Splits streamed output text into reasoning and content; one instance per choice.
 
     ``prompt`` is the rendered prompt: a template that opened the thinking block in the
     generation prompt (``...<think>``) or closed it (thinking off: ``...</think>``) decides
     how the output starts, which the output alone cannot tell.
+
+    The state machine the formats share runs here; a parser states only what differs:
+
+    * **The start.** Leading whitespace is held until the output shows whether it opens with
+      one of ``openers``; if so, the opener (and that whitespace) is dropped and the output
+      is in reasoning, with ``self.opener`` saying which one. Otherwise it starts where
+      :meth:`starts_in_reasoning` says, its text kept as is.
+    * **Reasoning** runs to one of :meth:`reasoning_ends`; :meth:`on_marker` decides what a
+      marker found there does (by default: it ends the reasoning and is dropped). Reasoning
+      text goes out through :meth:`reasoning` as it arrives.
+    * **Content** is the rest, word for word but for the markers of :meth:`content_drops`.
+    * **The end.** What was held back comes out as what it was held in.
+
+    A format with a machine of its own (Harmony's messages) overrides ``feed`` and ``finish``.
     """
 
     name: ClassVar[str] = ""
     markers: ClassVar[tuple[str, ...]] = ()
     template_signature: ClassVar[tuple[str, ...]] = ()
+    openers: ClassVar[tuple[str, ...]] = ()  # what opens reasoning at the very start of the output
 
     def __init__(self, prompt: str = "") -> None:
         self.prompt = prompt
+        self.opener: str | None = None  # the opener the output began with, if any
+        self._scanner = MarkerScanner()
+        self._state = _UNDECIDED
+
+    # ---- what a format states ---------------------------------------------------------
+
+    def starts_in_reasoning(self) -> bool:
+        """Whether an output that begins with no opener starts in reasoning (asked once)."""
+        return False
+
+    def reasoning_ends(self) -> tuple[str, ...]:
+        """The markers looked for in reasoning."""
+        return ()
+
+    def on_marker(self, marker: str, out: list[Piece]) -> bool:
+        """A marker of ``reasoning_ends()`` met in reasoning: whether it ends the reasoning. It is
+        dropped unless this puts it in ``out``."""
+        return True
+
+    def reasoning(self, text: str, out: list[Piece]) -> None:
+        """Reasoning text as it arrives (possibly empty), and what is left of it at the end."""
+        if text:
+            out.append((REASONING, text))
+
+    def content_drops(self) -> tuple[str, ...]:
+        """Markers dropped from the content."""
+        return ()
+
+    # ---- the machine ------------------------------------------------------------------
 
     def feed(self, text: str) -> list[Piece]:
-        raise NotImplementedError
+        out: list[Piece] = []
+        self._scanner.push(text)
+        while True:
+            if self._state == _UNDECIDED:
+                if not self._decide_start():
+                    return out
+            elif self._state == _REASONING:
+                before, marker = self._scanner.scan(self.reasoning_ends())
+                self.reasoning(before, out)
+                if marker is None:
+                    return out
+                if self.on_marker(marker, out):
+                    self._state = _CONTENT
+            elif drops := self.content_drops():
+                before, marker = self._scanner.scan(drops)
+                if before:
+                    out.append((CONTENT, before))
+                if marker is None:
+                    return out
+            else:
+                rest = self._scanner.rest()
+                if rest:
+                    out.append((CONTENT, rest))
+                return out
 
     def finish(self) -> list[Piece]:
-        raise NotImplementedError
+        if self._state == _UNDECIDED:
+            self._state = _REASONING if self.starts_in_reasoning() else _CONTENT
+        out = self.feed("")
+        rest = self._scanner.rest()
+        if self._state == _REASONING:
+            self.reasoning(rest, out)
+        elif rest:
+            out.append((CONTENT, rest))
+        return out
+
+    def _decide_start(self) -> bool:
+        """Whether the output opens with an opener; False while that cannot be told yet."""
+        body = self._scanner.peek().lstrip()
+        if not body:
+            return False
+        for opener in self.openers:
+            if body.startswith(opener):
+                self._scanner.rest()
+                self._scanner.push(body[len(opener) :])
+                self.opener = opener
+                self._state = _REASONING
+                return True
+        if any(opener.startswith(body) for opener in self.openers):
+            return False  # could still be one
+        self._state = _REASONING if self.starts_in_reasoning() else _CONTENT
+        return True
 
 
 def finite_number(text: str) -> float:

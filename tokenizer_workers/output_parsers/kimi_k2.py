@@ -17,7 +17,7 @@ import re
 
 from tokenizer_workers.output_parsers.base import CONTENT, REASONING, Piece
 from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
-from tokenizer_workers.output_parsers.think import _CONTENT, _REASONING, _START, ThinkParser
+from tokenizer_workers.output_parsers.think import ThinkParser
 
 SECTION_START = "<|tool_calls_section_begin|>"
 ARGUMENTS = "<|tool_call_argument_begin|>"
@@ -54,30 +54,18 @@ class KimiK2ReasoningParser(ThinkParser):
         super().__init__(prompt)
         self._trailing: list[str] = []  # whitespace at the end of the reasoning so far, held
 
-    def feed(self, text: str) -> list[Piece]:
-        out: list[Piece] = []
-        self._scanner.push(text)
-        while True:
-            if self._state == _START:
-                if not self._decide_start():
-                    return out
-            elif self._state == _REASONING:
-                before, marker = self._scanner.scan((self.end, SECTION_START, self.start))
-                self._reasoning(before, out)
-                if marker is None:
-                    return out
-                if marker != self.start:  # a <think> inside the reasoning is dropped
-                    self._trailing = []
-                    self._state = _CONTENT
-                    if marker == SECTION_START:  # the tool parser reads the section
-                        out.append((CONTENT, marker))
-            else:
-                rest = self._scanner.rest()
-                if rest:
-                    out.append((CONTENT, rest))
-                return out
+    def reasoning_ends(self) -> tuple[str, ...]:
+        return (self.end, SECTION_START, self.start)
 
-    def _reasoning(self, text: str, out: list[Piece]) -> None:
+    def on_marker(self, marker: str, out: list[Piece]) -> bool:
+        if marker == self.start:  # a <think> inside the reasoning is dropped
+            return False
+        self._trailing = []
+        if marker == SECTION_START:  # the tool parser reads the section
+            out.append((CONTENT, marker))
+        return True
+
+    def reasoning(self, text: str, out: list[Piece]) -> None:
         kept = text.rstrip()
         if kept:
             out.append((REASONING, "".join(self._trailing) + kept))
@@ -86,13 +74,6 @@ class KimiK2ReasoningParser(ThinkParser):
             self._trailing.append(text[len(kept) :])
 
     def finish(self) -> list[Piece]:
-        if self._state == _START:
-            self._state = self._default
-        out = self.feed("")
-        rest = self._scanner.rest()
-        if self._state == _REASONING:
-            self._reasoning(rest, out)
-            self._trailing = []
-        elif rest:
-            out.append((CONTENT, rest))
+        out = super().finish()
+        self._trailing = []  # whitespace ending the reasoning is dropped
         return out

@@ -10,74 +10,24 @@ A ``<think>`` at the very start of the output (after whitespace) opens reasoning
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import CONTENT, REASONING, MarkerScanner, Piece, ReasoningParser
-
-_START, _REASONING, _CONTENT = 0, 1, 2
+from tokenizer_workers.output_parsers.base import ReasoningParser
 
 
 class ThinkParser(ReasoningParser):
     start = "<think>"
     end = "</think>"
     markers = (start, end)
+    openers = (start,)
     reasoning_first = False  # without a hint from the prompt, does the output start in reasoning?
 
-    def __init__(self, prompt: str = "") -> None:
-        super().__init__(prompt)
-        self._scanner = MarkerScanner()
-        self._lead = ""  # whitespace before the first text, held until the start is decided
-        opened, closed = prompt.rfind(self.start), prompt.rfind(self.end)
-        if opened > closed:
-            self._default = _REASONING
-        elif closed > opened:
-            self._default = _CONTENT
-        else:
-            self._default = _REASONING if self.reasoning_first else _CONTENT
-        self._state = _START
+    def starts_in_reasoning(self) -> bool:
+        opened, closed = self.prompt.rfind(self.start), self.prompt.rfind(self.end)
+        if opened != closed:  # the prompt opened thinking last, or closed it
+            return opened > closed
+        return self.reasoning_first
 
-    def feed(self, text: str) -> list[Piece]:
-        out: list[Piece] = []
-        self._scanner.push(text)
-        while True:
-            if self._state == _START:
-                if not self._decide_start():
-                    return out
-            elif self._state == _REASONING:
-                before, marker = self._scanner.scan((self.end,))
-                if before:
-                    out.append((REASONING, before))
-                if marker is None:
-                    return out
-                self._state = _CONTENT
-            else:
-                rest = self._scanner.rest()
-                if rest:
-                    out.append((CONTENT, rest))
-                return out
-
-    def _decide_start(self) -> bool:
-        """Decide whether the output opens with <think>; False while it cannot be told yet."""
-        pending = self._scanner.peek()
-        body = pending.lstrip()
-        if not body:
-            return False
-        if body.startswith(self.start):
-            self._scanner.rest()
-            self._scanner.push(body[len(self.start) :])
-            self._state = _REASONING
-            return True
-        if self.start.startswith(body):
-            return False  # could still be <think>
-        self._state = self._default
-        return True
-
-    def finish(self) -> list[Piece]:
-        if self._state == _START:
-            self._state = self._default
-        out = self.feed("")
-        rest = self._scanner.rest()
-        if rest:
-            out.append((REASONING if self._state == _REASONING else CONTENT, rest))
-        return out
+    def reasoning_ends(self) -> tuple[str, ...]:
+        return (self.end,)
 
 
 class DeepSeekR1Parser(ThinkParser):

@@ -1,0 +1,97 @@
+"""The settings a gateway runs with (``ServeSettings``), checked as a whole.
+
+Where each value comes from (flags, TOKENMILL_* variables, a TOML file) is the command line's
+business: tokenmill/settings.py, one layer up, builds a ServeSettings from them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _default_workers() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateways: int = 1
+    gateway_stall_timeout: float = 30.0
+    workers: int = 0  # 0: CPU count minus one, at least one
+    conversion_threads: int = 2  # per worker
+    conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
+    scheduler: str | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    default_chat_template_kwargs: dict = None
+    chat_template_content_format: str = "auto"
+    trust_request_chat_template: bool = False
+    runtime_dir: str | None = None
+    remote_workers: str | None = None
+    remote_worker_timeout: float = 5.0
+    api_key: str | None = None
+    max_body_bytes: int = 64 << 20
+    max_queued_conversions: int = 1024
+    max_queued_bytes: int = 512 << 20
+    conversion_timeout: float = 60.0
+    worker_memory_limit_mb: int = 8192
+    shutdown_timeout: float = 30.0
+    timeout_keep_alive: int = 5
+    max_header_bytes: int = 64 << 10
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    stream_buffer_limit: int = 1 << 20
+    send_buffer_bytes: int = 0
+    insecure_tcp: bool = False
+    curve_keys_dir: str | None = None
+    tokenize_cache_bytes: int = 256 << 20
+    verify_tokenize_cache: bool = False
+    affinity: bool = True
+    quick_conversion_bytes: int = 8192
+    quick_turn_bytes: int = 65536
+    max_n: int = 128
+    dp_policy: str = "affinity"
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    conversion_mode: str = "pool"
+    sim_prefill_tokens_per_s: float = 200000.0
+    sim_inter_token_latency_ms: float = 20.0
+    sim_max_running: int = 256
+    sim_tokens_per_step: int = 1
+    sim_max_model_len: int = 0
+    sim_mode: str = "random"
+    sim_replies: str | None = None
+    sim_busy_cores: int = 0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.default_chat_template_kwargs is None:
+            self.default_chat_template_kwargs = {}
+        if not self.workers and not self.remote_workers:
+            self.workers = _default_workers()
+        if self.gateways < 1:
+            raise SystemExit("gateways: at least 1")
+        if self.conversion_threads < 1:
+            raise SystemExit("conversion_threads: at least 1")
+        if not 0 <= self.conversion_nice <= 19:
+            raise SystemExit("conversion_nice: 0 to 19")
+        if self.sim_busy_cores < 0:
+            raise SystemExit("sim_busy_cores: 0 or more")
+        if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):
+            raise SystemExit("--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
+                             "(remote workers join one gateway) nor with --conversion-mode inline/thread")
+        endpoints = self.scheduler_endpoints
+        duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
+        if duplicates:
+            raise SystemExit(f"scheduler: {', '.join(duplicates)} listed more than once; each data-parallel rank "
+                             "is one endpoint")
+
+    @property
+    def scheduler_endpoints(self) -> list[str]:
+        """The scheduler endpoints, one per data-parallel rank ([] : start the simulated scheduler)."""
+        return [e.strip() for e in (self.scheduler or "").split(",") if e.strip()]

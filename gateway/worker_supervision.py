@@ -1,0 +1,160 @@
+"""Tokenizer worker processes this gateway spawns: their links, their deaths and their replacements.
+
+Each local worker is a ``tokenizer_workers.worker`` process on one end of a Unix socket pair (a
+PipeLink). A worker that dies (crash, kill -9, OOM, or killed for overrunning the conversion
+deadline) is replaced at once, after a short back-off when it keeps dying right after starting.
+``Worker`` is the pool's record of one worker, local or remote (remote_workers.py fills it in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+import zmq
+
+from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.worker import SETTINGS_ENV
+from tokenmill.transport.loop_socket import LoopSocket
+from tokenmill.transport.pipe_link import LinkDown, PipeLink
+from tokenmill.process.procutil import child_env
+
+log = logging.getLogger("tokenmill.pool")
+
+
+@dataclass(eq=False)
+class Worker:
+    """One place in the pool: its link and process (local) or host and session (remote). What it
+    converts is the dispatch policy's (dispatch.WorkerState, same index)."""
+
+    index: int
+    identity: bytes
+    link: PipeLink | LoopSocket | None = None  # a spawned worker's socket pair, or the remote workers' socket
+    host: str = ""  # a remote worker's host ("" for the gateway's own)
+    pid: int = 0
+    last_seen: float = 0.0
+    retired: bool = False  # a lost remote worker's slot, free for the next one to join
+    process: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    restarts: int = 0
+    owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
+
+    def send(self, frames: list) -> None:
+        """One message to this worker; raises zmq.ZMQError or LinkDown when it cannot take it."""
+        if isinstance(self.link, LoopSocket):  # a joined worker, on the shared ROUTER socket
+            self.link.send([self.identity, *frames])
+        else:
+            self.link.send(frames)
+
+    def try_send(self, frames: list) -> bool:
+        """send(), False instead of an error (a dead worker's messages are settled by its death)."""
+        try:
+            self.send(frames)
+            return True
+        except (zmq.ZMQError, LinkDown):
+            return False
+
+
+class LocalWorkers:
+    """Spawns the gateway's own workers, watches them and replaces those that die.
+
+    ``on_message(link, identity, frames)`` gets what a worker sends, ``on_spawn(worker)`` is called
+    as each process (re)starts (it converts nothing until it says WorkerReady), ``on_exit(worker)``
+    when one has died, before its replacement starts.
+    """
+
+    def __init__(
+        self,
+        settings: ConverterSettings,
+        on_message: Callable[[PipeLink, bytes, list], None],
+        on_spawn: Callable[[Worker], None],
+        on_exit: Callable[[Worker], None],
+        *,
+        memory_limit_mb: int = 0,
+        conversion_threads: int = 2,
+        conversion_nice: int = 0,
+        attach: tuple[str, ...] = (),
+        metrics=None,
+    ):
+        self.settings = settings
+        self.on_message = on_message
+        self.on_spawn = on_spawn
+        self.on_exit = on_exit
+        self.memory_limit_mb = memory_limit_mb
+        self.conversion_threads = conversion_threads  # of each worker this gateway spawns
+        self.conversion_nice = conversion_nice
+        self.attach = attach  # the node's other gateways (--gateways N), which each worker joins too
+        self.metrics = metrics
+        self.workers: list[Worker] = []  # those spawned here
+        self.closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, worker: Worker) -> None:
+        """Start (or restart) this worker's process on a new socket pair."""
+        if worker not in self.workers:
+            self.workers.append(worker)
+        env = child_env()
+        env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
+        self.on_spawn(worker)
+        worker.started = time.monotonic()
+        if isinstance(worker.link, PipeLink):
+            worker.link.close()  # its last process's link: what is still in it is for a process that is gone
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):  # a long prompt's body (MBs) in one write, not one per 208 KiB of default buffer
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        with theirs:
+            worker.link = await PipeLink.open(ours, lambda link, frames: self.on_message(link, worker.identity, frames))
+            worker.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
+                "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
+                "--memory-limit-mb", str(self.memory_limit_mb), "--conversion-threads", str(self.conversion_threads),
+                "--conversion-nice", str(self.conversion_nice),
+                *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env, pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+        task = asyncio.create_task(self._watch(worker, worker.process))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, worker: Worker, process) -> None:
+        code = await process.wait()
+        if self.closing or worker.process is not process:
+            return
+        log.warning("tokenizer worker %d (pid %d) exited with %s; starting a replacement", worker.index, process.pid, code)
+        self.on_exit(worker)
+        if self.metrics:
+            self.metrics.worker_restarts.inc()
+        # a worker that dies right after starting is crash-looping: back off a little
+        if time.monotonic() - worker.started < 2.0:
+            await asyncio.sleep(min(5.0, 0.5 * (worker.restarts + 1)))
+        worker.restarts += 1
+        if not self.closing:
+            await self.start(worker)
+
+    async def stop(self) -> None:
+        """No more replacements; terminate the workers and wait for them (5 s, then kill)."""
+        self.closing = True
+        for worker in self.workers:
+            if worker.process and worker.process.returncode is None:
+                worker.process.terminate()
+        for worker in self.workers:
+            if worker.process:
+                try:
+                    await asyncio.wait_for(worker.process.wait(), 5)
+                except asyncio.TimeoutError:
+                    worker.process.kill()
+                    await worker.process.wait()
+
+    async def close(self) -> None:
+        """After stop(): end the watchers and close the links."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for worker in self.workers:
+            if isinstance(worker.link, PipeLink):
+                worker.link.close()

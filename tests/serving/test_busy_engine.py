@@ -1,0 +1,177 @@
+"""A busy engine: the simulator's busy cores, the conversion threads' priority, a send that never waits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from conftest import Server
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _named(parent: int, name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    pids = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    pids.append(pid)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def _simulator(server: Server) -> int:
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"engines.simulated" in f.read():
+                return pid
+    raise AssertionError("no simulated scheduler among the gateway's children")
+
+
+def test_busy_cores_spin_while_requests_run_sleep_when_idle_and_die_with_the_simulator():
+    server = Server("--sim-busy-cores", "2", "--sim-inter-token-latency-ms", "20")
+    try:
+        sim = _simulator(server)
+        deadline = time.monotonic() + 30
+        while len(spinners := _named(sim, "tm-sim-busy")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(spinners) == 2, spinners
+        time.sleep(0.5)  # past their start-up
+        idle_before = sum(map(_cpu_s, spinners))
+        time.sleep(1.0)
+        assert sum(map(_cpu_s, spinners)) - idle_before < 0.1, "spinners burn CPU with nothing to run"
+
+        busy_before = sum(map(_cpu_s, spinners))
+        client = server.client()
+        reply = client.chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": "go"}],
+                                               max_tokens=100, extra_body={"ignore_eos": True})  # fmt: skip
+        assert reply.usage.completion_tokens == 100  # 100 steps of 20 ms: two seconds of work
+        assert sum(map(_cpu_s, spinners)) - busy_before > 0.2, "spinners stayed idle while the engine worked"
+
+        time.sleep(0.3)  # the step loop has seen that nothing runs
+        after = sum(map(_cpu_s, spinners))
+        time.sleep(1.0)
+        assert sum(map(_cpu_s, spinners)) - after < 0.1, "spinners kept burning after the last request"
+
+        os.kill(sim, signal.SIGKILL)  # even a simulator killed outright takes its spinners along
+        deadline = time.monotonic() + 10
+        while any(map(_alive, spinners)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, spinners)), "spinners outlived their simulator"
+    finally:
+        server.stop()
+
+
+def _thread_nices(pid: int) -> list[int]:
+    nices = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+def _worker(server: Server) -> int:
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"tokenizer_workers.worker" in f.read():
+                return pid
+    raise AssertionError("no tokenizer worker among the gateway's children")
+
+
+def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_process_priority():
+    niced = Server("--conversion-nice", "7", "--conversion-threads", "2")
+    plain = Server()
+    try:
+        for server in (niced, plain):  # a long prompt: the first conversion thread has started the tokenizers pool
+            server.client().chat.completions.create(model="deepseek-v4", max_tokens=1,
+                                                    messages=[{"role": "user", "content": "word " * 20000}])  # fmt: skip
+        worker = _worker(niced)
+        with open(f"/proc/{worker}/stat") as f:  # the main (IO) thread keeps the process's niceness
+            base = int(f.read().rsplit(")", 1)[1].split()[16])
+        nices = _thread_nices(worker)
+        lowered = min(19, base + 7)
+        assert base < lowered and nices.count(lowered) >= 2, (base, nices)  # both conversion threads (and their pool)
+        assert base in nices, nices  # the IO thread, which detokenizes streams, is not lowered
+        plain_worker = _worker(plain)
+        assert set(_thread_nices(plain_worker)) == {_thread_nices(plain_worker)[0]}, "the default shares the CPU evenly"
+    finally:
+        niced.stop()
+        plain.stop()
+
+
+def test_conversion_nice_out_of_range_is_refused_at_start():
+    server = Server("--conversion-nice", "20", ready=False)
+    assert server.proc.wait(60) != 0
+    assert "conversion_nice: 0 to 19" in server.read_output()
+
+
+def test_a_send_to_an_engine_that_does_not_read_fails_at_once_instead_of_waiting(tmp_path):
+    """The gateway's loop never waits for the engine: with the queue to a scheduler that stopped reading
+    full, a multipart Generate (header + prompt frame) raises zmq.Again on its first frame, whole or not
+    at all, instead of blocking the loop until the engine reads."""
+    import threading
+
+    import zmq
+
+    from tokenmill.transport.loop_socket import LoopSocket
+
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.ROUTER)  # binds and never reads, as an engine stuck in a long step
+    engine.setsockopt(zmq.RCVHWM, 16)
+    engine.bind(f"ipc://{tmp_path}/engine.sock")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, 16)
+    dealer.setsockopt(zmq.IMMEDIATE, 1)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"ipc://{tmp_path}/engine.sock")
+    sock = LoopSocket(dealer, lambda frames: None)
+    outcome: dict = {}
+
+    def fill() -> None:
+        sent = 0
+        try:
+            for _ in range(1_000_000):  # the kernel's socket buffers fill long before this
+                sock.send([b"header", b"\0" * 65536])
+                sent += 1
+        except zmq.Again:
+            outcome["again_after"] = sent
+
+    for _ in range(100):  # the connection is up once the engine has read one message (IMMEDIATE queues none before)
+        try:
+            dealer.send(b"hello", zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            time.sleep(0.05)
+    assert engine.poll(10_000), "the engine never heard from the gateway"
+    engine.recv_multipart()
+    filler = threading.Thread(target=fill, daemon=True)
+    filler.start()
+    filler.join(60)
+    try:
+        assert not filler.is_alive(), "a send blocked the caller"
+        assert outcome.get("again_after", 0) > 0, outcome
+    finally:
+        dealer.close(0)
+        engine.close(0)
+        ctx.term()

@@ -1,0 +1,282 @@
+"""What the benchmarks share: figures (percentiles, rounding, ratios), the corpus text, loopback HTTP,
+the /health prober, an unrelated stream's gaps, process CPU and memory accounting, and the options
+several scenarios take. Standard library only: every scenario imports it to build its options.
+
+The client functions below run in client processes of their own (``multiprocessing`` spawn), so that
+a load's own GIL does not blur what it measures: they take plain arguments and report on a queue.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+# ---- figures ---------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (nearest rank, no interpolation); None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def rnd(x: float | None, digits: int = 1) -> float | None:
+    """``round`` that passes None through (a figure with no samples)."""
+    return None if x is None else round(x, digits)
+
+
+def ratio(a, b) -> float | None:
+    """a / b where both are numbers and b is not zero, else None."""
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
+        return None
+    return a / b
+
+
+def ratio_text(a, b) -> str:
+    """a / b as a table cell: ``1.23x``, or ``-`` where there is no ratio."""
+    r = ratio(a, b)
+    return "-" if r is None else f"{r:.2f}x"
+
+
+# ---- the workload's text ---------------------------------------------------------------------
+
+
+def corpus(chars: int) -> str:
+    """Deterministic text: Python's standard-library sources, in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= chars:
+            break
+    text = "".join(parts)
+    while len(text) < chars:
+        text += text
+    return text[:chars]
+
+
+def long_bodies(count: int, tokens: int, model: str) -> list[bytes]:
+    """``count`` long chats of about ``tokens`` tokens, each its own slice of the corpus, max_tokens 1."""
+    chars = int(tokens * 4.1)  # ~4.1 characters per token for Python source with this tokenizer
+    text = corpus(chars * count + 1)
+    bodies = []
+    for i in range(count):
+        chunk = text[i * chars : (i + 1) * chars]
+        messages = [
+            {"role": "system", "content": "You are a coding agent. Review the repository below."},
+            {"role": "user", "content": chunk},
+        ]
+        bodies.append(json.dumps({"model": model, "messages": messages, "max_tokens": 1}).encode())
+    return bodies
+
+
+# ---- loopback HTTP ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (for the servers a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    """One request to 127.0.0.1:``port`` on a connection of its own: (status, body). Raises what
+    ``http.client`` raises (OSError, HTTPException)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json"} if body is not None else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def try_get(port: int, path: str, timeout: float = 10) -> tuple[int | None, bytes]:
+    """GET ``path``: (status, body), or (None, b"") where nothing answered."""
+    try:
+        return request(port, "GET", path, timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return None, b""
+
+
+# ---- client loops (each run in a process of its own) -----------------------------------------
+
+
+def probe_health(port: int, stop, latencies: list, *, count_failures: bool = False, timeout: float = 60.0) -> None:
+    """GET /health every 10 ms until ``stop`` is set, appending each latency in ms to ``latencies``.
+    A failed probe reconnects; with ``count_failures`` it counts as taking until it failed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            latencies.append((time.perf_counter() - t0) * 1000)
+        except (OSError, http.client.HTTPException):
+            if count_failures:
+                latencies.append((time.perf_counter() - t0) * 1000)
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        time.sleep(0.010)
+
+
+def health_prober(port: int, stop, out) -> None:
+    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies) on ``out``."""
+    latencies: list[float] = []
+    probe_health(port, stop, latencies)
+    out.put(("health", latencies))
+
+
+def stream_gaps(port: int, body: str, started, stop, out) -> None:
+    """A client process: one streamed chat (``body``), the gaps in ms between its SSE events until
+    ``stop`` or the stream's end, then ("stream", gaps) on ``out``. ``started`` is set once the
+    answer's head has come."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    gaps, last = [], None
+    started.set()
+    while not stop.is_set():
+        line = resp.readline()
+        if not line:
+            break
+        if not line.startswith(b"data:"):
+            continue
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append((now - last) * 1000)
+        last = now
+    conn.close()
+    out.put(("stream", gaps))
+
+
+# ---- process accounting (Linux /proc) ----------------------------------------------------------
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and every process below it: pid -> name (for ``tokenmill serve``: tm-gateway, tm-worker-N,
+    tm-scheduler)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.append(child)
+                frontier.append(child)
+    names = {}
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                names[p] = f.read().strip()
+        except OSError:
+            pass
+    return names
+
+
+def process_role(name: str) -> str:
+    """gateway, workers or scheduler, from a process name of a server's tree (:func:`process_tree`)."""
+    if name.startswith("tm-worker"):
+        return "workers"
+    return "scheduler" if name == "tm-scheduler" else "gateway"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds the process has spent (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size: a page shared by k processes counts 1/k in each."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# ---- options several scenarios take ------------------------------------------------------------
+
+
+def add_common_options(parser) -> None:
+    """--quick and --json: every scenario's."""
+    parser.add_argument("--quick", action="store_true", help="A smaller run that finishes in under a minute.")
+    parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
+
+
+def add_server_options(parser, modes: tuple[str, ...]) -> None:
+    """--workers and --modes: the scenarios that start ``tokenmill serve`` in several conversion modes."""
+    parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers in pool mode (default: as serve).")
+    parser.add_argument("--modes", default=",".join(modes), help=f"Comma-separated subset of {','.join(modes)}.")
+
+
+def add_long_prompt_options(parser, requests: tuple[int, int], tokens: tuple[int, int]) -> None:
+    """--requests, --tokens, --rounds, --passes: rounds of long chats sent together. ``requests`` and
+    ``tokens``: (default, quick default), for the help."""
+    parser.add_argument("--requests", type=int,
+                        help=f"Long requests sent together per round (default {requests[0]}; quick {requests[1]}).")
+    parser.add_argument("--tokens", type=int,
+                        help=f"Approximate prompt tokens per long request (default {tokens[0]}; quick {tokens[1]}).")
+    parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="Runs of the long-request load per mode, the order reversed each time (default 2).")  # fmt: skip
+
+
+def add_conversation_options(parser, defaults: str) -> None:
+    """--conversations, --turns, --append-tokens: replayed agent conversations. ``defaults`` says what
+    the scenario takes when they are not given, e.g. "16 x 30 turns, 2000-8000 tokens; quick 4 x 10, 1000-3000"."""
+    group = parser.add_argument_group("conversations", f"Defaults: {defaults}.")
+    group.add_argument("--conversations", type=int, help="Conversations replayed at once.")
+    group.add_argument("--turns", type=int, help="Turns per conversation.")
+    group.add_argument("--append-tokens", metavar="LO-HI", help="Tokens of tool output appended per turn.")
+
+
+def vllm_venv_default() -> str:
+    """The virtual environment with vLLM: $TOKENMILL_VLLM_VENV, else .venv-vllm in the checkout."""
+    return os.environ.get("TOKENMILL_VLLM_VENV", str(Path(__file__).resolve().parents[2] / ".venv-vllm"))
+
+
+def add_vllm_options(parser) -> None:
+    """--vllm-venv and --vllm-model: the scenarios that run vLLM."""
+    parser.add_argument("--vllm-venv", default=vllm_venv_default(),
+                        help="The virtual environment with vLLM (default: .venv-vllm, built by ./scripts/test.sh).")
+    parser.add_argument("--vllm-model", metavar="DIR",
+                        help="The model vLLM serves (default: a tiny random model made for the run).")
+
+
+def write_json(path: str | None, report: dict) -> None:
+    """--json FILE: the report, indented."""
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))

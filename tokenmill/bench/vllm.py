@@ -1,0 +1,385 @@
+"""``tokenmill bench vllm``: vLLM's own OpenAI server against tokenmill in front of the same vLLM engine.
+
+Both stacks serve one tiny random model (``tokenmill.tiny_model``, or ``--model DIR``) from the
+vLLM environment that ``./scripts/test.sh`` builds, on the same machine, and each scenario runs
+on one stack and then the other, ``--repeat`` times, with fresh text every run (a unique tag at
+the start of every long message, so no cache of either side can serve it):
+
+* **long context**: 4 chats of ~250k tokens after templating sent together to ``/tokenize``
+  (with messages: both servers render and tokenize everything, and the engine has nothing to
+  do), twice, while a prober in its own process GETs ``/health`` every 10 ms and an unrelated
+  stream receives tokens from the engine;
+* **agent replay**: conversations growing by a tool output per turn to ~60k tokens, each turn
+  sent whole to ``/tokenize``: the conversion time of the late turns;
+* **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
+  ``usage``: engine-bound on the CPU, so this shows what the front end costs the engine;
+* **busy engine**: the long-context rounds again (fresh text), while short streaming chats
+  (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
+  instead of one long stream: the engine decodes on the same cores and new requests keep
+  arriving, as on a serving node (``tokenmill.bench.busy.measure_busy``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tokenmill.bench.busy import add_busy_load_options, measure_busy
+from tokenmill.bench.common import (add_common_options, add_vllm_options, corpus, free_port, health_prober, pct,
+                                    ratio, request, rnd, stream_gaps, try_get, write_json)
+from tokenmill.bench.servers import ROOT, ProcessHandle
+
+NAME = "bench"
+MAX_MODEL_LEN = 65536
+
+
+def add_arguments(parser) -> None:
+    add_common_options(parser)
+    add_vllm_options(parser)
+    parser.add_argument("--repeat", type=int, help="Runs of each scenario on each stack, alternating (default 2; quick 1).")
+    parser.add_argument("--short-seconds", type=float, help="Length of the short-chat load (default 20; quick 8).")
+    parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 60000).")
+    add_busy_load_options(parser)
+
+
+# ---- the two stacks ----------------------------------------------------------------------------
+
+
+class Stacks:
+    """vLLM's API server, and tokenmill serve in front of tokenmill engine --backend vllm."""
+
+    def __init__(self, vllm_python: str, model: str, workdir: str):
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        self.procs: list[ProcessHandle] = []
+        self.vllm_port, self.tokenmill_port = free_port(), free_port()
+        engine = f"ipc://{workdir}/engine.sock"
+        start = [("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                           "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+                           "--host", "127.0.0.1", "--port", str(self.vllm_port)]),
+                 ("engine", [vllm_python, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", model,
+                             "--max-model-len", str(MAX_MODEL_LEN), "--bind", engine]),
+                 ("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", "--model", model, "--scheduler", engine,
+                                "--served-model-name", NAME, "--port", str(self.tokenmill_port),
+                                "--log-level", "warning", "--max-queued-conversions", "100000"])]  # fmt: skip
+        for name, args in start:
+            self.procs.append(ProcessHandle(name, args, log=Path(workdir) / f"{name}.log", env=env, cwd=ROOT))
+
+    def ready(self) -> bool:
+        for proc in self.procs:
+            proc.check_alive()
+        return try_get(self.vllm_port, "/health", 5)[0] == 200 and try_get(self.tokenmill_port, "/ready", 5)[0] == 200
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready():
+                return
+            time.sleep(1)
+        raise RuntimeError("the servers did not become ready in time")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.proc.poll() is None:
+                proc.proc.terminate()  # all at once: each shuts down while the others do
+        for proc in self.procs:
+            proc.stop(30)
+
+
+# ---- client processes ----------------------------------------------------------------------------
+
+
+def stream_body() -> str:
+    """An unrelated stream: the engine's tokens, one SSE event each, for as long as the model allows."""
+    return json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Stream to me."}], "stream": True,
+                       "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "temperature": 0})  # fmt: skip
+
+
+class Texts:
+    """Fresh text for every request of the run: consecutive slices of Python's standard library
+    (31M characters), so that no tokenization cache has seen a request's text before."""
+
+    def __init__(self) -> None:
+        self.text = corpus(32_000_000)
+        self.at = 0
+
+    def take(self, chars: int) -> str:
+        if self.at + chars > len(self.text):
+            self.at = 0  # a run longer than the corpus: the unique tags still keep whole messages apart
+        self.at += chars
+        return self.text[self.at - chars : self.at]
+
+
+def long_bodies(texts: Texts, tag: str, count: int, tokens: int) -> list[bytes]:
+    chars = int(tokens * 4.1)  # ~4.1 characters per token for Python source with this tokenizer
+    return [json.dumps({"model": NAME, "messages": [
+        {"role": "system", "content": "You are a coding agent. Review the repository below."},
+        {"role": "user", "content": f"[{tag} {i}]\n" + texts.take(chars)}]}).encode()  # fmt: skip
+        for i in range(count)]
+
+
+def _send_rounds(port: int, rounds: list[list[bytes]], out) -> None:
+    walls, tokens, errors = [], [], []
+
+    def one(body: bytes) -> None:
+        status, data = request(port, "POST", "/tokenize", body, timeout=600)
+        if status == 200:
+            tokens.append(json.loads(data)["count"])
+        else:
+            errors.append(f"{status}: {data[:200]!r}")
+
+    for bodies in rounds:
+        threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        walls.append(time.perf_counter() - t0)
+    out.put(("long", {"walls": walls, "tokens": tokens, "errors": errors}))
+
+
+def long_context(port: int, bodies: list[list[bytes]]) -> dict:
+    """``bodies``: rounds of long /tokenize requests, each round sent together."""
+    ctx = mp.get_context("spawn")
+    out, stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
+    stream = ctx.Process(target=stream_gaps, args=(port, stream_body(), started, stop, out))
+    stream.start()
+    started.wait(60)
+    prober = ctx.Process(target=health_prober, args=(port, stop, out))
+    prober.start()
+    time.sleep(1.0)
+    sender = ctx.Process(target=_send_rounds, args=(port, bodies, out))
+    sender.start()
+    got = dict([out.get(timeout=3600)])
+    stop.set()
+    got.update([out.get(timeout=120), out.get(timeout=120)])
+    for p in (stream, prober, sender):
+        p.join(30)
+    health, gaps, long = got["health"], got["stream"], got["long"]
+    return {
+        "health_p50_ms": rnd(pct(health, 0.5), 2), "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_max_ms": rnd(max(health, default=None), 2),
+        "stream_gap_p50_ms": rnd(pct(gaps, 0.5)), "stream_gap_p99_ms": rnd(pct(gaps, 0.99)),
+        "stream_gap_max_ms": rnd(max(gaps, default=None)),
+        "conversion_wall_s": round(statistics.mean(long["walls"]), 3),
+        "mean_prompt_tokens": round(statistics.mean(long["tokens"])) if long["tokens"] else 0,
+        "errors": long["errors"][:3],
+    }  # fmt: skip
+
+
+def agent_pieces(texts: Texts, conversations: int, turns: int, turn_tokens: int) -> list[list[str]]:
+    """The tool outputs, per turn and conversation."""
+    return [[texts.take(int(turn_tokens * 4.1)) for _ in range(conversations)] for _ in range(turns)]
+
+
+def agent_replay(port: int, tag: str, pieces: list[list[str]]) -> dict:
+    """Conversations that grow by a tool output per turn, each turn sent whole to /tokenize."""
+    turns, conversations = len(pieces), len(pieces[0])
+    histories = [[{"role": "system", "content": f"[{tag} agent {c}] You are a coding agent with tools."},
+                  {"role": "user", "content": "Read the repository and fix the failing test."}]
+                 for c in range(conversations)]  # fmt: skip
+    times: list[list[float]] = [[] for _ in range(turns)]
+    tokens, errors = [], []
+    for turn in range(turns):
+        for c, history in enumerate(histories):
+            piece = pieces[turn][c]
+            history += [{"role": "assistant", "content": f"Reading part {turn}."},
+                        {"role": "user", "content": piece}]  # fmt: skip
+            t0 = time.perf_counter()
+            status, data = request(port, "POST", "/tokenize", json.dumps({"model": NAME, "messages": history}).encode(),
+                                   timeout=600)
+            times[turn].append((time.perf_counter() - t0) * 1000)
+            if status == 200:
+                tokens.append(json.loads(data)["count"])
+            else:
+                errors.append(f"{status}: {data[:200]!r}")
+    late = [t for turn_times in times[-3:] for t in turn_times]
+    return {"late_turn_p50_ms": rnd(pct(late, 0.5), 2), "late_turn_max_ms": rnd(max(late, default=None), 2),
+            "first_turn_p50_ms": rnd(pct(times[0], 0.5), 2), "final_prompt_tokens": max(tokens, default=0),
+            "errors": errors[:3]}  # fmt: skip
+
+
+def _short_chats(port: int, concurrency: int, seconds: float, out) -> None:
+    body = json.dumps({"model": NAME, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}, "messages": [
+                           {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper "
+                                                       "and a storm, in one sentence, please, for a child."}]}).encode()  # fmt: skip
+    ttft, e2e, output_tokens, errors = [], [], [], []
+    end = time.perf_counter() + seconds
+
+    def loop() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            first = None
+            try:
+                conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    errors.append(resp.status)
+                    resp.read()
+                    continue
+                for line in resp:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        output_tokens.append(chunk["usage"]["completion_tokens"])
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                errors.append(repr(exc))
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                continue
+            done = time.perf_counter()
+            ttft.append(((first or done) - t0) * 1000)
+            e2e.append((done - t0) * 1000)
+        conn.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("short", {"elapsed": time.perf_counter() - t0, "ttft": ttft, "e2e": e2e, "tokens": output_tokens,
+                       "errors": errors[:3]}))  # fmt: skip
+
+
+def short_chats(port: int, concurrency: int, seconds: float) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_short_chats, args=(port, concurrency, seconds, out))
+    p.start()
+    _, res = out.get(timeout=seconds + 600)
+    p.join(30)
+    elapsed = res["elapsed"]
+    return {"requests_per_s": round(len(res["e2e"]) / elapsed, 2),
+            "output_tokens_per_s": round(sum(res["tokens"]) / elapsed, 1),
+            "ttft_p50_ms": rnd(pct(res["ttft"], 0.5)), "ttft_p99_ms": rnd(pct(res["ttft"], 0.99)),
+            "e2e_p50_ms": rnd(pct(res["e2e"], 0.5)), "e2e_p99_ms": rnd(pct(res["e2e"], 0.99)),
+            "errors": res["errors"]}  # fmt: skip
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+# figure -> True when lower is better (the ratio tokenmill / vLLM below 1 is then tokenmill's win)
+FIGURES = {
+    "long_context": ["health_p50_ms", "health_p99_ms", "health_max_ms", "stream_gap_p50_ms", "stream_gap_p99_ms",
+                     "stream_gap_max_ms", "conversion_wall_s", "mean_prompt_tokens"],
+    "agent_replay": ["first_turn_p50_ms", "late_turn_p50_ms", "late_turn_max_ms", "final_prompt_tokens"],
+    "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
+    "busy_engine": ["health_p50_ms", "health_p99_ms", "health_max_ms", "conversion_wall_s", "chat_ttft_p50_ms",
+                    "chat_ttft_p99_ms", "chat_e2e_p99_ms", "chats"],
+}  # fmt: skip
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        out[key] = round(statistics.median(values), 3) if values else runs[0][key]
+    return out
+
+
+def run(args) -> int:
+    venv = Path(args.vllm_venv)
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"tokenmill bench vllm: no vLLM environment at {venv} (./scripts/test.sh builds it on x86_64 Linux)",
+              file=sys.stderr)
+        return 2
+    quick = args.quick
+    repeat = args.repeat or (1 if quick else 2)
+    seconds = args.short_seconds or (8.0 if quick else 20.0)
+    long_tokens = args.tokens or (60_000 if quick else 250_000)
+    workdir = tempfile.mkdtemp(prefix="tokenmill-bench-vllm-")
+    stacks = None
+    started = time.monotonic()
+    try:
+        model = args.vllm_model
+        if model is None:
+            model = os.path.join(workdir, "tiny-model")
+            subprocess.run([str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+        stacks = Stacks(str(python), model, workdir)
+        stacks.wait_ready()
+        print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
+        ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
+        texts = Texts()
+        results: dict[str, dict[str, list]] = {side: {s: [] for s in FIGURES} for side in ports}
+        for k in range(repeat):
+            # the same fresh text for both stacks within a run; each stack sees every text once
+            tag = f"run {k} {time.time_ns()}"
+            rounds = [long_bodies(texts, f"{tag} round {r}", 4, long_tokens) for r in range(2)]
+            pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
+            busy_rounds = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
+            for side, port in ports.items():
+                results[side]["long_context"].append(long_context(port, rounds))
+                results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
+                results[side]["short_chats"].append(short_chats(port, 32, seconds))
+                results[side]["busy_engine"].append(measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate,
+                                                                 args.busy_chat_tokens))  # fmt: skip
+                print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
+        report = {side: {s: _median_runs(runs) for s, runs in per.items()} for side, per in results.items()}
+        report["runs"] = results
+        report["ratios"] = {s: {f: _ratio(report["tokenmill"][s].get(f), report["vllm"][s].get(f)) for f in figs}
+                            for s, figs in FIGURES.items()}  # fmt: skip
+        report["versions"] = _versions(python)
+        print_table(report, repeat)
+        write_json(args.json, report)
+        return 0
+    finally:
+        if stacks is not None:
+            stacks.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _ratio(ours, theirs) -> float | None:
+    r = ratio(ours, theirs)
+    return None if r is None else round(r, 3)
+
+
+def _versions(python: Path) -> dict:
+    from importlib.metadata import version
+
+    probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True).stdout.split()
+    return {"tokenmill": version("tokenmill"), "vllm": found[0] if found else None, "torch": found[1] if len(found) > 1 else None,
+            "python": platform.python_version(), "cores": os.cpu_count()}  # fmt: skip
+
+
+def _spread(runs: list[dict], figure: str) -> str:
+    """The range over the runs: the noise this machine shows."""
+    values = [r[figure] for r in runs if isinstance(r.get(figure), (int, float))]
+    return f"{min(values):g}-{max(values):g}" if len(values) > 1 else ""
+
+
+def print_table(report: dict, repeat: int) -> None:
+    v = report["versions"]
+    print(f"\ntokenmill bench vllm: vLLM {v['vllm']}'s own server vs tokenmill in front of the same engine "
+          f"({v['cores']} cores; medians of {repeat} alternating run(s) each; ratio = tokenmill / vLLM)")
+    print(f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}")
+    for scenario, figures in FIGURES.items():
+        for figure in figures:
+            a, b = report["vllm"][scenario].get(figure), report["tokenmill"][scenario].get(figure)
+            r = report["ratios"][scenario][figure]
+            spread = [_spread(report["runs"][side][scenario], figure) for side in ("vllm", "tokenmill")]
+            print(f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if r is None else f'{r:.2f}x':>8}"
+                  f"   {spread[0]:>17} {spread[1]:>17}")
+    for side in ("vllm", "tokenmill"):
+        errors = [e for s in FIGURES for e in report[side][s].get("errors") or []]
+        if errors:
+            print(f"{side} errors: {errors[:5]}")
