@@ -33,7 +33,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from tokenmill.transport.loop_socket import LoopSocket
 from scheduler_client.protocol import (
     PROTOCOL_VERSION,
     STRUCTURED_KINDS,
@@ -49,6 +48,7 @@ from scheduler_client.protocol import (
     encode,
     frame_to_ids,
 )
+from tokenmill.transport.loop_socket import LoopSocket
 
 # Error codes a scheduler sends (docs/scheduler-protocol.md §6 lists them).
 ERR_BAD_REQUEST = "bad_request"
@@ -212,8 +212,12 @@ class SchedulerServer:
     max_logprobs: int = 20
 
     def welcome(self) -> Welcome:
-        return Welcome(protocol_version=PROTOCOL_VERSION, scheduler_name=self.scheduler_name,
-                       features=sorted(self.features), max_logprobs=self.max_logprobs)
+        return Welcome(
+            protocol_version=PROTOCOL_VERSION,
+            scheduler_name=self.scheduler_name,
+            features=sorted(self.features),
+            max_logprobs=self.max_logprobs,
+        )
 
     def stats(self) -> Stats:
         raise NotImplementedError
@@ -352,8 +356,9 @@ class SchedulerServer:
     def send_outputs(self, identity: bytes, outputs: list[RequestOutput]) -> bool:
         return self.send(identity, encode(Outputs(outputs=outputs)))
 
-    def send_error(self, identity: bytes, message: str, code: str, request_id: str | None,
-                   param: str | None = None) -> None:
+    def send_error(
+        self, identity: bytes, message: str, code: str, request_id: str | None, param: str | None = None
+    ) -> None:
         self.log.warning("rejected message from %s: %s (%s)", identity.hex(), message, code)
         self.send(identity, encode(Error(message=message, code=code, request_id=request_id, param=param)))
 
@@ -463,8 +468,12 @@ class SchedulerServer:
             raise Rejected("stop_token_ids must be uint32 values")
         for feature, param in features_used(gen):
             if feature not in self.features:
-                raise Rejected(f"{self.scheduler_name} cannot honour {param}"
-                               + (f" ({gen.structured.kind})" if param == "structured" else ""), ERR_UNSUPPORTED, param)
+                raise Rejected(
+                    f"{self.scheduler_name} cannot honour {param}"
+                    + (f" ({gen.structured.kind})" if param == "structured" else ""),
+                    ERR_UNSUPPORTED,
+                    param,
+                )
         self._validate_11(gen)
         buf = extra[0].buffer
         if len(buf) != 4 * gen.prompt_token_count:
@@ -492,8 +501,11 @@ class SchedulerServer:
         vocab_size = self.vocab_size
         for token, bias in s.logit_bias.items():
             if token < 0 or (vocab_size is not None and token >= vocab_size) or not -100.0 <= bias <= 100.0:
-                raise Rejected(f"sampling.logit_bias has {token}: {bias}; token IDs must be in the vocabulary and "
-                               "biases in [-100, 100]", param="sampling.logit_bias")
+                raise Rejected(
+                    f"sampling.logit_bias has {token}: {bias}; token IDs must be in the vocabulary and "
+                    "biases in [-100, 100]",
+                    param="sampling.logit_bias",
+                )
         if gen.logprobs is not None and not 0 <= gen.logprobs <= self.max_logprobs:
             raise Rejected(f"logprobs must be in [0, {self.max_logprobs}]", param="logprobs")
         if gen.structured is not None:
@@ -516,12 +528,15 @@ class SchedulerServer:
             if not s.allowed_token_ids:
                 raise Rejected("sampling.allowed_token_ids must not be empty", param="sampling.allowed_token_ids")
             if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in s.allowed_token_ids):
-                raise Rejected("sampling.allowed_token_ids must be token IDs in the vocabulary",
-                               param="sampling.allowed_token_ids")
+                raise Rejected(
+                    "sampling.allowed_token_ids must be token IDs in the vocabulary", param="sampling.allowed_token_ids"
+                )
         for seq in s.bad_words:
             if not seq or any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in seq):
-                raise Rejected("sampling.bad_words must be non-empty sequences of token IDs in the vocabulary",
-                               param="sampling.bad_words")
+                raise Rejected(
+                    "sampling.bad_words must be non-empty sequences of token IDs in the vocabulary",
+                    param="sampling.bad_words",
+                )
         if gen.prompt_logprobs is not None and not 0 <= gen.prompt_logprobs <= self.max_logprobs:
             raise Rejected(f"prompt_logprobs must be in [0, {self.max_logprobs}]", param="prompt_logprobs")
 

@@ -48,6 +48,13 @@ from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from engines.scheduler_server import (
+    ERR_BAD_REQUEST,
+    Rejected,
+    SchedulerServer,
+    Session,
+    read_curve_secret,
+)
 from scheduler_client.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -63,13 +70,6 @@ from scheduler_client.protocol import (
     Welcome,
     floats_to_bytes,
     ids_to_frame,
-)
-from engines.scheduler_server import (
-    ERR_BAD_REQUEST,
-    Rejected,
-    SchedulerServer,
-    Session,
-    read_curve_secret,
 )
 
 log = logging.getLogger("tokenmill.engine")
@@ -465,8 +465,10 @@ class EngineServer(SchedulerServer):
         ids = chunk.top_ids if chunk.top_ids is not None else ()
         top_values = chunk.top_logprobs if chunk.top_logprobs is not None else ()
         if len(ids) != top * n_tokens or len(top_values) != top * n_tokens:
-            return (f"the engine returned {len(ids)} top token IDs and {len(top_values)} top logprobs for "
-                    f"{n_tokens} tokens; expected {top} per token")  # fmt: skip
+            return (
+                f"the engine returned {len(ids)} top token IDs and {len(top_values)} top logprobs for "
+                f"{n_tokens} tokens; expected {top} per token"
+            )
         return (
             pack_logprobs(values[:kept]),
             ids_to_frame(ids[: top * kept]),
@@ -479,13 +481,21 @@ class EngineServer(SchedulerServer):
         values, ranks, ids, top_values = arrays
         positions, top = live.prompt_tokens - 1, live.prompt_logprobs
         if len(values) != positions or len(ranks) != positions:
-            return (f"the engine returned {len(values)} prompt logprobs and {len(ranks)} ranks for "
-                    f"{positions} prompt positions")  # fmt: skip
+            return (
+                f"the engine returned {len(values)} prompt logprobs and {len(ranks)} ranks for "
+                f"{positions} prompt positions"
+            )
         if len(ids) != top * positions or len(top_values) != top * positions:
-            return (f"the engine returned {len(ids)} top prompt token IDs and {len(top_values)} top prompt logprobs "
-                    f"for {positions} prompt positions; expected {top} per position")  # fmt: skip
-        return PromptLogprobs(pack_logprobs(values), ids_to_frame(ranks), ids_to_frame(ids) if top else b"",
-                              pack_logprobs(top_values) if top else b"")
+            return (
+                f"the engine returned {len(ids)} top prompt token IDs and {len(top_values)} top prompt logprobs "
+                f"for {positions} prompt positions; expected {top} per position"
+            )
+        return PromptLogprobs(
+            pack_logprobs(values),
+            ids_to_frame(ranks),
+            ids_to_frame(ids) if top else b"",
+            pack_logprobs(top_values) if top else b"",
+        )
 
     def _finish(
         self,

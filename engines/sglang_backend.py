@@ -51,13 +51,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engines import engine_kwargs, parse_engine_args, require
+from engines.scheduler_server import Rejected
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
     FEATURE_LOGPROBS,
@@ -69,7 +69,6 @@ from scheduler_client.protocol import (
     Generate,
     Structured,
 )
-from engines.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.sglang")
 
@@ -155,8 +154,11 @@ class SGLangBackend(Backend):
         )
         log.info(
             "sglang engine ready: max_model_len %s, vocab %s, max_running %s, features %s",
-            max_model_len, vocab_size, max_running, ", ".join(sorted(features)),
-        )  # fmt: skip
+            max_model_len,
+            vocab_size,
+            max_running,
+            ", ".join(sorted(features)),
+        )
 
     def _run_loop(self) -> None:
         loop = self._loop

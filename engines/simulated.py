@@ -80,9 +80,19 @@ from pathlib import Path
 
 import zmq
 
-from scheduler_client import structured
-from scheduler_client.structured import generate as structured_generate
 from engines.busy_cores import BusyCores
+from engines.scheduler_server import (
+    ERR_BAD_REQUEST,
+    ERR_DUPLICATE,
+    ERR_UNKNOWN_MESSAGE,
+    ERR_UNSUPPORTED,
+    ERR_VERSION_MISMATCH,
+    Rejected,
+    SchedulerServer,
+    Session,
+    read_curve_secret,
+)
+from scheduler_client import structured
 from scheduler_client.protocol import (
     FEATURE_PRIORITY,
     FEATURES,
@@ -101,17 +111,7 @@ from scheduler_client.protocol import (
     floats_to_bytes,
     ids_to_frame,
 )
-from engines.scheduler_server import (
-    ERR_BAD_REQUEST,
-    ERR_DUPLICATE,
-    ERR_UNKNOWN_MESSAGE,
-    ERR_UNSUPPORTED,
-    ERR_VERSION_MISMATCH,
-    Rejected,
-    SchedulerServer,
-    Session,
-    read_curve_secret,
-)
+from scheduler_client.structured import generate as structured_generate
 
 log = logging.getLogger("tokenmill.simulated_scheduler")
 
@@ -201,8 +201,12 @@ class ScriptedReplies:
                     entry = json.loads(line)
                 except ValueError as exc:
                     raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
-                if not (isinstance(entry, dict) and isinstance(entry.get("match"), str) and entry["match"]
-                        and isinstance(entry.get("text"), str)):  # fmt: skip
+                if not (
+                    isinstance(entry, dict)
+                    and isinstance(entry.get("match"), str)
+                    and entry["match"]
+                    and isinstance(entry.get("text"), str)
+                ):
                     raise ValueError(f'{path}:{number}: expected {{"match": "non-empty string", "text": "string"}}')
                 ids = tokenizer.encode(entry["text"], add_special_tokens=False).ids
                 self.replies.append((entry["match"], ids))
@@ -426,8 +430,9 @@ class SimulatedScheduler(SchedulerServer):
         else:
             self._tokens = _TokenSource(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
         # 1.1: structured outputs need a tokenizer to turn their text into tokens
-        self._features = frozenset(FEATURES) if self._tokenizer is not None else \
-            frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES)
+        self._features = (
+            frozenset(FEATURES) if self._tokenizer is not None else frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES)
+        )
         # 1.2: priority is honoured (and listed) only when the queue is ordered by it, as vLLM's --scheduling-policy
         self.scheduling = scheduling
         if scheduling != "priority":
@@ -506,8 +511,10 @@ class SimulatedScheduler(SchedulerServer):
     def check(self, gen: Generate) -> None:
         limit = self.max_model_len
         if limit is not None and gen.prompt_token_count >= limit:
-            raise Rejected(f"the prompt has {gen.prompt_token_count} tokens; this engine handles at most {limit} "
-                           "tokens (prompt and completion together)")
+            raise Rejected(
+                f"the prompt has {gen.prompt_token_count} tokens; this engine handles at most {limit} "
+                "tokens (prompt and completion together)"
+            )
         if gen.structured is not None:
             try:
                 structured.check(gen.structured, "structured")
@@ -570,8 +577,7 @@ class SimulatedScheduler(SchedulerServer):
         req.prompt_logprobs = gen.prompt_logprobs
         if gen.kv_transfer_params is not None or gen.extra_args is not None:
             # no KV connector here: the final output's kv_transfer_params shows what the engine was given
-            req.kv_out = {"simulated": True, "kv_transfer_params": gen.kv_transfer_params,
-                          "extra_args": gen.extra_args}  # fmt: skip
+            req.kv_out = {"simulated": True, "kv_transfer_params": gen.kv_transfer_params, "extra_args": gen.extra_args}
         if sampling.allowed_token_ids is not None:
             req.allowed = tuple(dict.fromkeys(sampling.allowed_token_ids))
             req.allowed_set = frozenset(req.allowed)
@@ -937,7 +943,11 @@ class SimulatedScheduler(SchedulerServer):
 
         if req.allowed is None or self._tokens.uses_palette:
             for _ in range(64):
-                token = self._palette_token(req) if self._tokens.uses_palette else req.rng.randrange(self._tokens.vocab_size)
+                token = (
+                    self._palette_token(req)
+                    if self._tokens.uses_palette
+                    else req.rng.randrange(self._tokens.vocab_size)
+                )
                 if fits(token, not early and self._tokens.uses_palette):
                     return token
         pool = req.allowed if req.allowed is not None else range(self._tokens.vocab_size)
@@ -1027,9 +1037,12 @@ class SimulatedScheduler(SchedulerServer):
                     taken.add(other)
                 top_ids.append(other)
                 top_lps.append(values[place - 1])
-        return PromptLogprobs(floats_to_bytes(lps), ids_to_frame(ranks), ids_to_frame(top_ids) if n else b"",
-                              floats_to_bytes(top_lps) if n else b"")
-
+        return PromptLogprobs(
+            floats_to_bytes(lps),
+            ids_to_frame(ranks),
+            ids_to_frame(top_ids) if n else b"",
+            floats_to_bytes(top_lps) if n else b"",
+        )
 
 
 # --------------------------------------------------------------------------- command line
@@ -1089,7 +1102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default %(default)s)",
     )
     parser.add_argument(
-        "--max-running", type=int, default=256, metavar="N", help="requests decoded at once; the rest wait (default %(default)s)"
+        "--max-running",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests decoded at once; the rest wait (default %(default)s)",
     )
     parser.add_argument(
         "--mode",

@@ -61,9 +61,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engines import require
+from engines.scheduler_server import Rejected
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
 from scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
-from engines.scheduler_server import Rejected
 
 log = logging.getLogger("tokenmill.engine.transformers")
 
@@ -179,9 +179,13 @@ def _install_raw_logprobs(processor, top_n: int) -> None:
 
     old = processor.model_runner
     processor.model_runner = RawLogprobsRunner(
-        logit_processor=old.logit_processor, cb_config=old.cb_config, inputs_and_outputs=old.inputs_and_outputs,
-        cache=old.cache, do_sample=old.do_sample, return_logprobs=False,
-    )  # fmt: skip
+        logit_processor=old.logit_processor,
+        cb_config=old.cb_config,
+        inputs_and_outputs=old.inputs_and_outputs,
+        cache=old.cache,
+        do_sample=old.do_sample,
+        return_logprobs=False,
+    )
 
     def reader(io):
         def prepare_batch_update():
@@ -199,9 +203,11 @@ def _install_raw_logprobs(processor, top_n: int) -> None:
     for io in [ios] if pairs is None else [x for pair in pairs for x in (pair.host_io, pair.device_io)]:
         old_ids = io.output_ids
         io.output_ids = torch.zeros(
-            (2 + 2 * top_n, old_ids.size(1)), dtype=old_ids.dtype, device=old_ids.device,
+            (2 + 2 * top_n, old_ids.size(1)),
+            dtype=old_ids.dtype,
+            device=old_ids.device,
             pin_memory=old_ids.is_pinned(),
-        )  # fmt: skip
+        )
         io.prepare_batch_update = reader(io)  # the async wrapper reads its host side's
     processor._tokenmill_logprobs = True
 
@@ -337,9 +343,13 @@ class TransformersBackend(Backend):
         n_params = sum(p.numel() for p in model.parameters())
         log.info(
             "model %s: %.1fM parameters, %s on %s, attention %s, loaded in %.1f s",
-            label, n_params / 1e6, str(dtype).replace("torch.", ""), device,
-            model.config._attn_implementation, time.perf_counter() - started,
-        )  # fmt: skip
+            label,
+            n_params / 1e6,
+            str(dtype).replace("torch.", ""),
+            device,
+            model.config._attn_implementation,
+            time.perf_counter() - started,
+        )
 
         cpu = device == "cpu"
         if not cpu and "OMP_NUM_THREADS" not in os.environ:
@@ -416,9 +426,12 @@ class TransformersBackend(Backend):
         )
         log.info(
             "continuous batching: %d requests per batch, %d tokens per batch, %d cache blocks of %d tokens, max_model_len %s",
-            resolved.max_requests_per_batch, processor.cache.max_batch_tokens, processor.cache.num_blocks,
-            resolved.page_size, max_model_len,
-        )  # fmt: skip
+            resolved.max_requests_per_batch,
+            processor.cache.max_batch_tokens,
+            processor.cache.num_blocks,
+            resolved.page_size,
+            max_model_len,
+        )
 
     @staticmethod
     def _single_request_capacity(cache) -> int | None:

@@ -199,10 +199,22 @@ _PARAMS = {
     "max_tokens": "max_new_tokens",
     "stop_token_ids": "stop_token_ids",
     "structured_outputs": "structured",
-    **{name: f"sampling.{name}" for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                             "frequency_penalty", "min_p", "repetition_penalty", "min_tokens",
-                                             "logit_bias")},
-}  # fmt: skip
+    **{
+        name: f"sampling.{name}"
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "logit_bias",
+        )
+    },
+}
 _STRUCTURED_WORDS = ("structured", "grammar", "schema", "regex", "json", "choice", "structural", "xgrammar", "guidance")
 
 
@@ -284,8 +296,11 @@ class VLLMBackend(Backend):
         policy = getattr(scheduler_config, "policy", None) or self.engine_args.get("scheduling_policy")
         if str(getattr(policy, "value", policy)) != "priority":  # vLLM's "fcfs" ignores a request's priority
             features.discard(FEATURE_PRIORITY)
-        kv_config = getattr(config, "kv_transfer_config", None) if config is not None else \
-            self.engine_args.get("kv_transfer_config")
+        kv_config = (
+            getattr(config, "kv_transfer_config", None)
+            if config is not None
+            else self.engine_args.get("kv_transfer_config")
+        )
         if kv_config is None:  # no KV connector: vLLM takes kv_transfer_params and ignores them
             features.discard(FEATURE_KV_TRANSFER_PARAMS)
         max_logprobs = getattr(model_config, "max_logprobs", 20)
@@ -293,8 +308,12 @@ class VLLMBackend(Backend):
             max_logprobs = vocab if vocab is not None else 20
         log.info(
             "vllm engine ready: max_model_len %s, vocab %s, max_num_seqs %s, max_logprobs %s, structured outputs %s",
-            max_model_len, vocab, max_running, max_logprobs, "off (no tokenizer)" if no_tokenizer else "on",
-        )  # fmt: skip
+            max_model_len,
+            vocab,
+            max_running,
+            max_logprobs,
+            "off (no tokenizer)" if no_tokenizer else "on",
+        )
         return EngineInfo(
             name=f"vllm:{self.label}",
             vocab_size=vocab,
@@ -478,6 +497,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 __all__ = [
-    "from_args", "VLLMBackend", "vllm_sampling_params", "structured_outputs", "convert_logprobs", "add_arguments",
-    "convert_prompt_logprobs", "extra_args",
-]  # fmt: skip
+    "from_args",
+    "VLLMBackend",
+    "vllm_sampling_params",
+    "structured_outputs",
+    "convert_logprobs",
+    "add_arguments",
+    "convert_prompt_logprobs",
+    "extra_args",
+]

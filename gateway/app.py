@@ -63,8 +63,12 @@ def _response_id(scope, prefix: str, done, server_id: str) -> str:
 
 def timing_headers(done) -> list:
     """Server-Timing (ms) and cache figures of the conversion, for clients and benchmarks."""
-    parts = [f"queue;dur={done.queue_s * 1000:.3f}", f"render;dur={done.render_s * 1000:.3f}",
-             f"tokenize;dur={done.tokenize_s * 1000:.3f}", f"tokenize-cpu;dur={done.tokenize_cpu_s * 1000:.3f}"]  # fmt: skip
+    parts = [
+        f"queue;dur={done.queue_s * 1000:.3f}",
+        f"render;dur={done.render_s * 1000:.3f}",
+        f"tokenize;dur={done.tokenize_s * 1000:.3f}",
+        f"tokenize-cpu;dur={done.tokenize_cpu_s * 1000:.3f}",
+    ]
     headers = [(b"server-timing", ", ".join(parts).encode())]
     if done.cache is not None:
         headers.append((b"x-tokenmill-cached-prompt-tokens", str(done.cache.cached_tokens).encode()))
@@ -97,13 +101,19 @@ class App:
             if path in self.paths:
                 await self.error(send, fmt.error(405, f"Method {scope['method']} is not allowed on {path}."), path)
             else:  # one label for every unknown path: a scanner must not mint a metric series per path it tries
-                await self.error(send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"),
-                                 "unmatched")
+                await self.error(
+                    send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"), "unmatched"
+                )
             return
         if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
             if not self._authorized(scope):
-                await self.error(send, fmt.error(401, "Missing or invalid API key (send 'Authorization: Bearer KEY').",
-                                                 code="invalid_api_key"), path)
+                await self.error(
+                    send,
+                    fmt.error(
+                        401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key"
+                    ),
+                    path,
+                )
                 return
         await handler(scope, receive, send)
 
@@ -160,22 +170,39 @@ class App:
         header_bytes = sum(len(k) + len(v) for k, v in scope["headers"])
         if header_bytes > self.gw.settings.max_header_bytes:
             metrics.rejections.labels(reason="headers_too_large").inc()
-            await self.error(send, fmt.error(431, f"The request headers exceed {self.gw.settings.max_header_bytes} bytes.",
-                                             code="headers_too_large"), endpoint)
+            await self.error(
+                send,
+                fmt.error(
+                    431,
+                    f"The request headers exceed {self.gw.settings.max_header_bytes} bytes.",
+                    code="headers_too_large",
+                ),
+                endpoint,
+            )
             return None
         try:
             return await self.read_body(scope, receive)
         except BodyTooLarge:
             limit = self.gw.settings.max_body_bytes
             metrics.rejections.labels(reason="body_too_large").inc()
-            await self.error(send, fmt.error(413, f"The request body exceeds the limit of {limit} bytes.",
-                                             code="request_too_large"), endpoint)
+            await self.error(
+                send,
+                fmt.error(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large"),
+                endpoint,
+            )
         except ConversionRejected as exc:
             await self.error(send, exc.error, endpoint, exc.retry_after)
         except asyncio.TimeoutError:
             metrics.rejections.labels(reason="body_timeout").inc()
-            await self.error(send, fmt.error(408, f"The request body did not arrive within {self.gw.settings.body_timeout:g} s.",
-                                             code="body_timeout"), endpoint)
+            await self.error(
+                send,
+                fmt.error(
+                    408,
+                    f"The request body did not arrive within {self.gw.settings.body_timeout:g} s.",
+                    code="body_timeout",
+                ),
+                endpoint,
+            )
         except ConnectionResetError:
             metrics.aborts.labels(reason="client_disconnect").inc()
         return None
@@ -226,8 +253,12 @@ class App:
             return
         if not gw.scheduler.connected:
             gw.metrics.rejections.labels(reason="scheduler_unavailable").inc()
-            await self.error(send, fmt.error(503, "The GPU scheduler is not connected; retry shortly.",
-                                             code="scheduler_unavailable"), endpoint, retry_after=2)
+            await self.error(
+                send,
+                fmt.error(503, "The GPU scheduler is not connected; retry shortly.", code="scheduler_unavailable"),
+                endpoint,
+                retry_after=2,
+            )
             return
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
@@ -243,10 +274,20 @@ class App:
         gen = Generation(
             request_id,
             result.owner,
-            [Choice(i, c.request_id, c.prompt_tokens, c.counts_prompt,
-                    calls_finish="stop" if done.forced_calls == "named" else
-                    "function_call" if done.functions else "tool_calls")
-             for i, c in enumerate(done.choices)],
+            [
+                Choice(
+                    i,
+                    c.request_id,
+                    c.prompt_tokens,
+                    c.counts_prompt,
+                    calls_finish="stop"
+                    if done.forced_calls == "named"
+                    else "function_call"
+                    if done.functions
+                    else "tool_calls",
+                )
+                for i, c in enumerate(done.choices)
+            ],
             arrival,
         )
         extensions = scope.get("extensions") or {}
@@ -263,8 +304,12 @@ class App:
             gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state
             watcher.cancel()
             gw.generations.cancel(gen, abort=True, reason="scheduler_lost")
-            await self.error(send, fmt.error(503, "The GPU scheduler became unavailable; retry shortly.",
-                                             code="scheduler_unavailable"), endpoint, retry_after=2)
+            await self.error(
+                send,
+                fmt.error(503, "The GPU scheduler became unavailable; retry shortly.", code="scheduler_unavailable"),
+                endpoint,
+                retry_after=2,
+            )
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
@@ -272,12 +317,24 @@ class App:
         if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
             per_prompt = len(done.choices) // len(done.prompt_token_ids)
             prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
-        framer = fmt.Framer(kind, _response_id(scope, prefix, done, request_id), int(time.time()), gw.model_name,
-                            done.include_usage, done.continuous_usage, [c.prompt_tokens for c in gen.choices],
-                            prompt_ids, done.token_ids, done.functions, done.role)  # fmt: skip
+        framer = fmt.Framer(
+            kind,
+            _response_id(scope, prefix, done, request_id),
+            int(time.time()),
+            gw.model_name,
+            done.include_usage,
+            done.continuous_usage,
+            [c.prompt_tokens for c in gen.choices],
+            prompt_ids,
+            done.token_ids,
+            done.functions,
+            done.role,
+        )
         try:
             if done.stream:
-                await self._stream(gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused"))
+                await self._stream(
+                    gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused")
+                )
             else:
                 await self._collect(gen, framer, send, endpoint, timing_headers(done), done)
         finally:
@@ -292,8 +349,9 @@ class App:
             sum(c.cached_tokens for c in gen.choices),
         )
 
-    async def _stream(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(),
-                      write_paused=None) -> None:
+    async def _stream(
+        self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(), write_paused=None
+    ) -> None:
         """Write the generation's events as SSE. Each delta is its own event, as the scheduler made it,
         while the client keeps up; text that piles up while the client's socket is backed up goes out
         as one event per run of the same kind and choice (in order, nothing dropped), so a slow
@@ -361,8 +419,9 @@ class App:
         tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
         await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
 
-    async def _collect(self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(),
-                       done=None) -> None:
+    async def _collect(
+        self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(), done=None
+    ) -> None:
         texts = [[] for _ in gen.choices]
         logprobs = [[] for _ in gen.choices] if done is not None and done.logprobs else None
         token_ids = [[] for _ in gen.choices] if done is not None and done.token_ids else None
@@ -406,7 +465,9 @@ class App:
             elif event[0] == "disconnected":
                 return
         prompt_logprobs = kv_transfer_params = None
-        if done is not None and done.prompt_logprobs:  # each choice shows its prompt's (the first choice of it got them)
+        if (
+            done is not None and done.prompt_logprobs
+        ):  # each choice shows its prompt's (the first choice of it got them)
             prompt_logprobs, current = [], None
             for c in gen.choices:
                 if c.counts_prompt:
@@ -414,16 +475,31 @@ class App:
                 prompt_logprobs.append(current)
         if done is not None and done.kv_transfer_params or any(c.kv_transfer_params is not None for c in gen.choices):
             kv_transfer_params = (gen.choices[0].kv_transfer_params,)  # as vLLM: the first prompt's
-        body = framer.full(["".join(t) for t in texts], reasons, self._usage(gen), ["".join(r) for r in reasoning], calls,
-                           logprobs, forced_calls=bool(done is not None and done.forced_calls), token_ids=token_ids,
-                           stop_reasons=stop_reasons, prompt_logprobs=prompt_logprobs,
-                           kv_transfer_params=kv_transfer_params)
+        body = framer.full(
+            ["".join(t) for t in texts],
+            reasons,
+            self._usage(gen),
+            ["".join(r) for r in reasoning],
+            calls,
+            logprobs,
+            forced_calls=bool(done is not None and done.forced_calls),
+            token_ids=token_ids,
+            stop_reasons=stop_reasons,
+            prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=kv_transfer_params,
+        )
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:
         gw = self.gw
-        card = {"id": gw.model_name, "object": "model", "created": gw.started_at, "owned_by": "tokenmill",
-                "root": gw.model_name, "max_model_len": gw.max_model_len}
+        card = {
+            "id": gw.model_name,
+            "object": "model",
+            "created": gw.started_at,
+            "owned_by": "tokenmill",
+            "root": gw.model_name,
+            "max_model_len": gw.max_model_len,
+        }
         await self.respond(send, 200, _json.encode({"object": "list", "data": [card]}), "/v1/models")
 
     async def health(self, scope, receive, send) -> None:
@@ -453,5 +529,10 @@ class App:
         await self.respond(send, 200, body, "/debug/loop-lag")
 
     async def metrics(self, scope, receive, send) -> None:
-        await self.respond(send, 200, await self.gw.node_metrics(), "/metrics",
-                           [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+        await self.respond(
+            send,
+            200,
+            await self.gw.node_metrics(),
+            "/metrics",
+            [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+        )

@@ -126,8 +126,9 @@ class Dispatcher:
             if job.quick and keyed:
                 # its earlier turns' worker, or the hash ring's choice for a new conversation
                 job.home = home[0] if home is not None else self.ring_worker(job.affinity)
-            elif (home is not None and len(body) <= self.quick_turn_bytes
-                  and 0 <= len(body) - home[1] <= self.quick_bytes):
+            elif (
+                home is not None and len(body) <= self.quick_turn_bytes and 0 <= len(body) - home[1] <= self.quick_bytes
+            ):
                 # the next turn of a conversation its worker holds: little new text to encode, so
                 # cheaper than the hand-offs to a conversion thread and back
                 job.quick, job.home = True, home[0]
@@ -354,8 +355,12 @@ class Dispatcher:
             job = self.quick_queue[0]
             least = min(ready, key=lambda w: (len(w.quick), len(w.running)))
             home = self.workers[job.home] if job.home is not None else None
-            if home is not None and home.ready and len(home.quick) < self.quick_depth and (
-                    len(job.body) > self.quick_bytes or len(home.quick) <= len(least.quick)):
+            if (
+                home is not None
+                and home.ready
+                and len(home.quick) < self.quick_depth
+                and (len(job.body) > self.quick_bytes or len(home.quick) <= len(least.quick))
+            ):
                 worker = home
             elif len(job.body) > self.quick_bytes:
                 self.quick_queue.popleft()

@@ -122,9 +122,20 @@ class Generations:
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
                 choice.kv_transfer_params = out.kv_transfer_params
-                self.scheduler.finished(gen.rank, choice.prompt_tokens if choice.counts_prompt else 0, out.cached_tokens)
-            per_owner[gen.owner].append(DetokItem(out.request_id, out.token_ids, out.finish_reason is not None,
-                                                  out.logprobs, out.top_ids, out.top_logprobs, out.prompt_logprobs))
+                self.scheduler.finished(
+                    gen.rank, choice.prompt_tokens if choice.counts_prompt else 0, out.cached_tokens
+                )
+            per_owner[gen.owner].append(
+                DetokItem(
+                    out.request_id,
+                    out.token_ids,
+                    out.finish_reason is not None,
+                    out.logprobs,
+                    out.top_ids,
+                    out.top_logprobs,
+                    out.prompt_logprobs,
+                )
+            )
         if tokens and metrics:
             metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
@@ -135,16 +146,33 @@ class Generations:
         if entry is None:
             return
         gen, _ = entry
-        self.fail(gen, ApiError(400, f"The scheduler rejected the request: {error.message}", "BadRequestError",
-                                _request_field(error.param), error.code))
+        self.fail(
+            gen,
+            ApiError(
+                400,
+                f"The scheduler rejected the request: {error.message}",
+                "BadRequestError",
+                _request_field(error.param),
+                error.code,
+            ),
+        )
 
     def on_rank_lost(self, rank: int, why: str) -> None:
         """A scheduler rank went away: its requests fail (it will not know them when it is back); the
         other ranks' carry on."""
         for gen in [g for g in self.live if g.rank == rank]:
-            self.fail(gen, ApiError(503, f"The GPU scheduler became unavailable ({why}); retry the request.",
-                                    "ServiceUnavailableError", None, "scheduler_unavailable"),
-                      abort=False, reason="scheduler_lost")
+            self.fail(
+                gen,
+                ApiError(
+                    503,
+                    f"The GPU scheduler became unavailable ({why}); retry the request.",
+                    "ServiceUnavailableError",
+                    None,
+                    "scheduler_unavailable",
+                ),
+                abort=False,
+                reason="scheduler_lost",
+            )
 
     # ---- from the workers -------------------------------------------------------------
 
@@ -166,13 +194,18 @@ class Generations:
                 if pieces:  # parsed: the first content or reasoning piece rides with the IDs, as vLLM's delta
                     first = pieces[0]
                     if first.kind == "content" or first.kind == "reasoning":
-                        kind, text, pieces = ("text" if first.kind == "content" else "reasoning"), first.text, pieces[1:]
+                        kind, text, pieces = (
+                            ("text" if first.kind == "content" else "reasoning"),
+                            first.text,
+                            pieces[1:],
+                        )
                     else:
                         kind = None  # a call goes in chunks of its own: the IDs come in an empty delta before it
                 if delta.token_ids or text or delta.logprobs:
                     gen.buffered += len(text)
-                    gen.events.put_nowait(("ids", choice.index, kind, text, delta.token_ids, delta.logprobs or None,
-                                           tokens))  # fmt: skip
+                    gen.events.put_nowait(
+                        ("ids", choice.index, kind, text, delta.token_ids, delta.logprobs or None, tokens)
+                    )
             elif delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
                 gen.buffered += len(delta.text)
                 gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs, tokens))
@@ -185,8 +218,9 @@ class Generations:
                     choice.tool_calls += 1
                     gen.events.put_nowait(("call", choice.index, piece, tokens))
                 else:  # "content" and "text" events are the same thing
-                    gen.events.put_nowait(("text" if piece.kind == "content" else piece.kind, choice.index, piece.text,
-                                           tokens))
+                    gen.events.put_nowait(
+                        ("text" if piece.kind == "content" else piece.kind, choice.index, piece.text, tokens)
+                    )
             if self.max_buffered and gen.buffered > self.max_buffered:
                 self._too_slow(gen)
                 continue
@@ -201,21 +235,45 @@ class Generations:
                 choice.done = True
                 self.by_request.pop(choice.request_id, None)
                 if choice.finish_reason == protocol.FINISH_ERROR:
-                    self.fail(gen, ApiError(500, f"The scheduler failed the request: {choice.error or 'unknown error'}",
-                                            "InternalServerError", None, "scheduler_error"))
+                    self.fail(
+                        gen,
+                        ApiError(
+                            500,
+                            f"The scheduler failed the request: {choice.error or 'unknown error'}",
+                            "InternalServerError",
+                            None,
+                            "scheduler_error",
+                        ),
+                    )
                     continue
                 reason = _openai_finish(choice)
-                gen.events.put_nowait(("finish", choice.index, reason, tokens or choice.completion_tokens,
-                                       delta.stop_reason if reason == "stop" else None))  # fmt: skip
+                gen.events.put_nowait(
+                    (
+                        "finish",
+                        choice.index,
+                        reason,
+                        tokens or choice.completion_tokens,
+                        delta.stop_reason if reason == "stop" else None,
+                    )
+                )
                 if gen.finished:
                     self.live.discard(gen)
 
     def _too_slow(self, gen: Generation) -> None:
         """The client stopped reading (or reads slower than the model writes): stop generating for it
         and close its connection, rather than hold ever more text for it."""
-        self.fail(gen, ApiError(408, f"The client read the stream too slowly: more than {self.max_buffered} characters "
-                                     "waited to be sent, so the request was aborted.",
-                                "RequestTimeoutError", None, "slow_client"), reason="slow_client")
+        self.fail(
+            gen,
+            ApiError(
+                408,
+                f"The client read the stream too slowly: more than {self.max_buffered} characters "
+                "waited to be sent, so the request was aborted.",
+                "RequestTimeoutError",
+                None,
+                "slow_client",
+            ),
+            reason="slow_client",
+        )
         if gen.drop_connection is not None:
             if self.metrics:
                 self.metrics.closed_connections.labels(reason="slow_client").inc()
@@ -225,8 +283,17 @@ class Generations:
         for rid in request_ids:
             entry = self.by_request.get(rid)
             if entry is not None:
-                self.fail(entry[0], ApiError(503, "The tokenizer worker streaming this request died; retry the request.",
-                                             "ServiceUnavailableError", None, "worker_died"), reason="worker_died")
+                self.fail(
+                    entry[0],
+                    ApiError(
+                        503,
+                        "The tokenizer worker streaming this request died; retry the request.",
+                        "ServiceUnavailableError",
+                        None,
+                        "worker_died",
+                    ),
+                    reason="worker_died",
+                )
 
     # ---- from the HTTP side ---------------------------------------------------------------
 

@@ -50,8 +50,10 @@ def protocol_class(header_timeout: float, on_header_timeout: Callable[[], None],
         def on_headers_complete(self) -> None:
             self._disarm()
             flow = self.flow
-            self.scope["extensions"] = {"tokenmill.drop_connection": self.transport.abort,
-                                        "tokenmill.write_paused": lambda: flow.write_paused}
+            self.scope["extensions"] = {
+                "tokenmill.drop_connection": self.transport.abort,
+                "tokenmill.write_paused": lambda: flow.write_paused,
+            }
             super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:

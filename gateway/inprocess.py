@@ -28,7 +28,10 @@ class InProcessConversion:
         self.max_model_len = self.converter.max_model_len
         self.vocab_size = self.converter.vocab_size
         parsers = self.converter.parsers
-        self.parsers = {"tool_call_parser": parsers.tool_name or None, "reasoning_parser": parsers.reasoning_name or None}
+        self.parsers = {
+            "tool_call_parser": parsers.tool_name or None,
+            "reasoning_parser": parsers.reasoning_name or None,
+        }
         self.on_detok = on_detok
         self.threaded = threaded
         self.metrics = metrics

@@ -55,7 +55,9 @@ def listen_sockets(host: str, port: int, reuseport: bool, backlog: int = 2048) -
 class Acceptor:
     """Accepts up to ``batch`` connections per readiness of each listening socket."""
 
-    def __init__(self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.Protocol], batch: int = 128):
+    def __init__(
+        self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.Protocol], batch: int = 128
+    ):
         self.sockets = sockets
         self.factory = protocol_factory
         self.batch = batch

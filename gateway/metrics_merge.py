@@ -36,7 +36,8 @@ def merge_expositions(texts: Sequence[bytes | str], gauge_modes: Mapping[str, st
     that cannot be merged (summary quantiles, info, untyped).
     """
     return merge_families(
-        [text_string_to_metric_families(t.decode() if isinstance(t, bytes) else t) for t in texts], gauge_modes)
+        [text_string_to_metric_families(t.decode() if isinstance(t, bytes) else t) for t in texts], gauge_modes
+    )
 
 
 def merge_families(sources: Sequence[Iterable[Metric]], gauge_modes: Mapping[str, str] = GAUGE_MERGE) -> bytes:

@@ -43,8 +43,9 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False,
-            role: str = "assistant") -> dict:
+def message(
+    content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False, role: str = "assistant"
+) -> dict:
     """A chat.completion message: content null when the model only reasoned or called tools (""
     when the request forced the calls, as vLLM answers); with OpenAI's legacy functions, the call
     is function_call {name, arguments}."""
@@ -56,8 +57,9 @@ def message(content: str, reasoning: str, calls, forced_calls: bool = False, fun
     if calls and functions:
         out["function_call"] = {"name": calls[0].name, "arguments": calls[0].text}
     elif calls:
-        out["tool_calls"] = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
-                             for c in calls]  # fmt: skip
+        out["tool_calls"] = [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}} for c in calls
+        ]
     return out
 
 
@@ -82,10 +84,20 @@ def completion_logprobs(fragments: list[list[bytes]]) -> dict:
 class Framer:
     """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool,
-                 continuous_usage: bool = False, prompt_tokens: list[int] | None = None,
-                 prompt_ids: list[bytes] | None = None, token_ids: bool = False, functions: bool = False,
-                 role: str = "assistant"):
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        prompt_tokens: list[int] | None = None,
+        prompt_ids: list[bytes] | None = None,
+        token_ids: bool = False,
+        functions: bool = False,
+        role: str = "assistant",
+    ):
         self.chat = kind == "chat"
         self.id = request_id
         self.created = created
@@ -112,8 +124,11 @@ class Framer:
         hole = f"@{uuid.uuid4().hex}@"
         usage_hole = f"@{uuid.uuid4().hex}@"
         usage = msgspec.Raw(_json.encode(usage_hole)) if self.continuous_usage else None
-        chunk = (self.text_chunk_slow(index, hole, usage) if kind == "text"
-                 else self.reasoning_chunk_slow(index, hole, usage))  # fmt: skip
+        chunk = (
+            self.text_chunk_slow(index, hole, usage)
+            if kind == "text"
+            else self.reasoning_chunk_slow(index, hole, usage)
+        )
         # [the parts around the text (a reasoning chunk holds it twice), what follows the usage]
         head, _, tail = chunk.partition(_json.encode(usage_hole))
         parts = [head.split(_json.encode(hole)), tail]
@@ -126,8 +141,9 @@ class Framer:
         if not self.continuous_usage:
             return None
         prompt = self.prompt_tokens[index] if index < len(self.prompt_tokens) else 0
-        return msgspec.Raw(b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
-                           % (prompt, tokens, prompt + tokens))  # fmt: skip
+        return msgspec.Raw(
+            b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (prompt, tokens, prompt + tokens)
+        )
 
     def _chunk(self, choices: list, usage: msgspec.Raw | None = None) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
@@ -136,8 +152,10 @@ class Framer:
         return out
 
     def role_chunk(self, index: int) -> bytes:
-        chunk = self._chunk([{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
-                              "finish_reason": None}], self._usage(index, 0))  # fmt: skip
+        chunk = self._chunk(
+            [{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}],
+            self._usage(index, 0),
+        )
         if self.prompt_ids is not None:  # as vLLM: every choice's role chunk, the first of its stream
             chunk["prompt_token_ids"] = msgspec.Raw(self.prompt_ids[index])
         return sse(chunk)
@@ -151,16 +169,22 @@ class Framer:
         choice["token_ids"] = msgspec.Raw(b"[" + ids + b"]")
         return choice
 
-    def ids_chunk(self, index: int, kind: str | None, text: str, ids: bytes, fragments: list[bytes] | None,
-                  tokens: int = 0) -> bytes:
+    def ids_chunk(
+        self, index: int, kind: str | None, text: str, ids: bytes, fragments: list[bytes] | None, tokens: int = 0
+    ) -> bytes:
         """One delta with its generated token IDs (and its logprobs, if asked): ``kind`` "text",
         "reasoning", or None for an empty delta."""
         logprobs = None
         if fragments:
             logprobs = (chat_logprobs if self.chat else completion_logprobs)([fragments])
         if self.chat:
-            delta = ({"content": text} if kind == "text" else
-                     {"reasoning": text, "reasoning_content": text} if kind == "reasoning" else {})  # fmt: skip
+            delta = (
+                {"content": text}
+                if kind == "text"
+                else {"reasoning": text, "reasoning_content": text}
+                if kind == "reasoning"
+                else {}
+            )
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
@@ -200,11 +224,17 @@ class Framer:
         """One whole tool call as OpenAI streams it: id, type and name first, then the arguments
         (legacy functions: delta.function_call, its name first, then its arguments)."""
         if self.functions:
-            deltas = ({"function_call": {"name": call.name, "arguments": ""}},
-                      {"function_call": {"arguments": call.text}})  # fmt: skip
+            deltas = (
+                {"function_call": {"name": call.name, "arguments": ""}},
+                {"function_call": {"arguments": call.text}},
+            )
         else:
-            head = {"index": call.index, "id": call.call_id, "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            head = {
+                "index": call.index,
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
             args = {"index": call.index, "function": {"arguments": call.text}}
             deltas = ({"tool_calls": [head]}, {"tool_calls": [args]})
         usage = self._usage(index, tokens)
@@ -216,8 +246,12 @@ class Framer:
     def logprobs_chunk(self, index: int, text: str, fragments: list[bytes], tokens: int = 0) -> bytes:
         """A text delta with its tokens' logprobs (fragments from the worker, spliced in as they are)."""
         if self.chat:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": chat_logprobs([fragments]),
-                      "finish_reason": None}  # fmt: skip
+            choice = {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": chat_logprobs([fragments]),
+                "finish_reason": None,
+            }
         else:
             choice = {"index": index, "text": text, "logprobs": completion_logprobs([fragments]), "finish_reason": None}
         return sse(self._chunk([choice], self._usage(index, tokens)))
@@ -234,12 +268,31 @@ class Framer:
         return sse(self._chunk([choice], self._usage(index, tokens)))
 
     def usage_chunk(self, usage_obj: dict) -> bytes:
-        return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                    "choices": [], "usage": usage_obj})
+        return sse(
+            {
+                "id": self.id,
+                "object": self.object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage_obj,
+            }
+        )
 
-    def full(self, texts: list[str], reasons: list[str], usage_obj: dict, reasoning=None, calls=None,
-             logprobs=None, forced_calls: bool = False, token_ids=None, stop_reasons=None,
-             prompt_logprobs=None, kv_transfer_params=None) -> bytes:
+    def full(
+        self,
+        texts: list[str],
+        reasons: list[str],
+        usage_obj: dict,
+        reasoning=None,
+        calls=None,
+        logprobs=None,
+        forced_calls: bool = False,
+        token_ids=None,
+        stop_reasons=None,
+        prompt_logprobs=None,
+        kv_transfer_params=None,
+    ) -> bytes:
         """The whole response; ``logprobs``: per choice, the fragments of its deltas (None: not asked);
         ``token_ids``: per choice, the generated IDs of its deltas (vLLM's return_token_ids);
         ``prompt_logprobs``: per choice, its prompt's as JSON or None (None for the list: not asked);
@@ -249,11 +302,21 @@ class Framer:
             lps = [(chat_logprobs if self.chat else completion_logprobs)(f) for f in logprobs]
         if self.chat:
             choices = [
-                {"index": i, "message": message(t, reasoning[i] if reasoning else "", calls[i] if calls else (),
-                                                forced_calls, self.functions, self.role),
-                 "logprobs": lps[i], "finish_reason": r}
+                {
+                    "index": i,
+                    "message": message(
+                        t,
+                        reasoning[i] if reasoning else "",
+                        calls[i] if calls else (),
+                        forced_calls,
+                        self.functions,
+                        self.role,
+                    ),
+                    "logprobs": lps[i],
+                    "finish_reason": r,
+                }
                 for i, (t, r) in enumerate(zip(texts, reasons))
-            ]  # fmt: skip
+            ]
             obj = "chat.completion"
         else:
             choices = [
@@ -264,8 +327,14 @@ class Framer:
         for choice, stop_reason in zip(choices, stop_reasons or ()):
             if stop_reason is not None:  # vLLM's: the stop string or stop token ID that ended the choice
                 choice["stop_reason"] = stop_reason
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-               "usage": usage_obj}
+        out = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_obj,
+        }
         if self.prompt_ids is not None:  # vLLM's return_token_ids: chat's prompt once, completions' per choice
             for i, choice in enumerate(choices):
                 if not self.chat:

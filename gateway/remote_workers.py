@@ -95,8 +95,9 @@ class RemoteWorkers:
         if self.security:
             self.security.secure_server(remote)
         remote.bind(self.endpoint)
-        self.sock = LoopSocket(remote, lambda frames: self.on_message(
-            self.sock, frames[0].bytes, [frame.buffer for frame in frames[1:]]))
+        self.sock = LoopSocket(
+            remote, lambda frames: self.on_message(self.sock, frames[0].bytes, [frame.buffer for frame in frames[1:]])
+        )
         self.sock.start()
         self._reaper = asyncio.create_task(self._reap_silent())
         log.info("remote tokenizer workers may join at %s", self.endpoint)
@@ -142,7 +143,9 @@ class RemoteWorkers:
         if isinstance(msg, m.Heartbeat):
             return True
         if isinstance(msg, m.WorkerHello):
-            if not self.is_ready(worker.index) and worker.pid == msg.pid:  # a hello repeated before our answer reached it
+            if (
+                not self.is_ready(worker.index) and worker.pid == msg.pid
+            ):  # a hello repeated before our answer reached it
                 self._send_settings(worker)
                 return True
             self.lose(worker, "it said hello again")  # it restarted under the same identity: a new session
@@ -173,13 +176,26 @@ class RemoteWorkers:
             return True
         if msg.fingerprint == self.fingerprint:
             return True
-        log.error("refused remote tokenizer worker %d on %s (pid %d): its tokenizer, templates or context length "
-                  "differ from this gateway's (fingerprint %s, expected %s); give it the same model (--model)",
-                  worker.index, worker.host, msg.pid, msg.fingerprint, self.fingerprint)
+        log.error(
+            "refused remote tokenizer worker %d on %s (pid %d): its tokenizer, templates or context length "
+            "differ from this gateway's (fingerprint %s, expected %s); give it the same model (--model)",
+            worker.index,
+            worker.host,
+            msg.pid,
+            msg.fingerprint,
+            self.fingerprint,
+        )
         if self.metrics:
             self.metrics.remote_worker_refusals.labels(reason="fingerprint").inc()
-        worker.try_send([m.encoder.encode(m.Shutdown(
-            "its tokenizer, chat templates or context length differ from the gateway's; load the same model"))])
+        worker.try_send(
+            [
+                m.encoder.encode(
+                    m.Shutdown(
+                        "its tokenizer, chat templates or context length differ from the gateway's; load the same model"
+                    )
+                )
+            ]
+        )
         self.lose(worker, None)
         return False
 

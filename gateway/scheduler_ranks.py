@@ -63,9 +63,16 @@ class Rank:
 
 
 class SchedulerRanks:
-    def __init__(self, endpoints: list[str], on_outputs: Callable, on_rank_lost: Callable[[int, str], None],
-                 on_error: Callable, on_limits: Callable[[Limits], None], curve: dict | None = None,
-                 policy: str = "affinity") -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoints: list[str],
+        on_outputs: Callable,
+        on_rank_lost: Callable[[int, str], None],
+        on_error: Callable,
+        on_limits: Callable[[Limits], None],
+        curve: dict | None = None,
+        policy: str = "affinity",
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         self.policy = policy
@@ -74,8 +81,14 @@ class SchedulerRanks:
         self.ranks: list[Rank] = []
         for i, endpoint in enumerate(endpoints):
             rank = Rank(i, endpoint, None)  # type: ignore[arg-type]
-            rank.client = SchedulerClient(endpoint, on_outputs, lambda why, r=rank: self._lost(r, why), on_error,
-                                          on_welcome=lambda w, r=rank: self._welcome(r, w), curve=curve)  # fmt: skip
+            rank.client = SchedulerClient(
+                endpoint,
+                on_outputs,
+                lambda why, r=rank: self._lost(r, why),
+                on_error,
+                on_welcome=lambda w, r=rank: self._welcome(r, w),
+                curve=curve,
+            )
             self.ranks.append(rank)
         self.homes: dict[int, int] = {}  # conversation key -> the rank that served it last (bounded, insertion-ordered)
         self.model_vocab_size = 0  # the served tokenizer's, once the workers have said (check_vocabulary)
@@ -154,8 +167,16 @@ class SchedulerRanks:
         r.cached_tokens += cached_tokens
 
     def state(self) -> list[dict]:
-        return [{"rank": r.index, "endpoint": r.endpoint, "connected": r.client.connected, "refused": r.refused or None,
-                 "in_flight": r.in_flight} for r in self.ranks]  # fmt: skip
+        return [
+            {
+                "rank": r.index,
+                "endpoint": r.endpoint,
+                "connected": r.client.connected,
+                "refused": r.refused or None,
+                "in_flight": r.in_flight,
+            }
+            for r in self.ranks
+        ]
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -177,8 +198,12 @@ class SchedulerRanks:
             await asyncio.sleep(0.02)
         missing = [r.endpoint for r in self.ranks if not r.ready]
         if missing and self.connected:
-            log.warning("serving with %d of %d scheduler ranks; not (yet) connected: %s",
-                        len(self.ranks) - len(missing), len(self.ranks), ", ".join(missing))  # fmt: skip
+            log.warning(
+                "serving with %d of %d scheduler ranks; not (yet) connected: %s",
+                len(self.ranks) - len(missing),
+                len(self.ranks),
+                ", ".join(missing),
+            )
         return self.connected
 
     async def close(self) -> None:
@@ -200,8 +225,11 @@ class SchedulerRanks:
         rank.refused = ""
         # (with one scheduler there is nothing to choose: its own validation answers for a mismatch)
         if len(self.ranks) > 1 and welcome.vocab_size is not None and welcome.vocab_size < self.model_vocab_size:
-            self._refuse(rank, f"vocab_size {welcome.vocab_size} is smaller than the served tokenizer's "
-                               f"({self.model_vocab_size}): it serves another model")  # fmt: skip
+            self._refuse(
+                rank,
+                f"vocab_size {welcome.vocab_size} is smaller than the served tokenizer's "
+                f"({self.model_vocab_size}): it serves another model",
+            )
             return
         others = [r for r in self.ranks if r is not rank and r.ready and r.client.welcome is not None]
         for other in others:
@@ -209,8 +237,11 @@ class SchedulerRanks:
             for name in ("vocab_size", "max_model_len"):
                 mine, theirs = getattr(welcome, name), getattr(w, name)
                 if mine != theirs:
-                    self._refuse(rank, f"{name} {mine} differs from rank {other.index}'s ({theirs} at "
-                                       f"{other.endpoint}): data-parallel ranks must serve the same model")  # fmt: skip
+                    self._refuse(
+                        rank,
+                        f"{name} {mine} differs from rank {other.index}'s ({theirs} at "
+                        f"{other.endpoint}): data-parallel ranks must serve the same model",
+                    )
                     return
         if len(self.ranks) > 1:
             log.info("scheduler rank %d (%s) ready at %s", rank.index, welcome.scheduler_name, rank.endpoint)

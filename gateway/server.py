@@ -8,7 +8,6 @@ by the kernel to die with it, so even ``kill -9`` of the gateway leaves no orpha
 from __future__ import annotations
 
 import asyncio
-from array import array
 import contextlib
 import gc
 import logging
@@ -18,28 +17,29 @@ import signal
 import sys
 import tempfile
 import time
+from array import array
 
 import uvicorn
 import zmq.asyncio
 
+from gateway import siblings
 from gateway.app import App
 from gateway.generations import Generations
 from gateway.http_protocol import protocol_class
 from gateway.inprocess import InProcessConversion
-from gateway.metrics import Metrics
-from tokenmill.transport.security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
-from gateway import siblings
-from gateway.metrics_merge import merge_expositions
 from gateway.listener import Acceptor, listen_sockets
+from gateway.metrics import Metrics
+from gateway.metrics_merge import merge_expositions
+from gateway.scheduler_ranks import SchedulerRanks
+from gateway.settings import ServeSettings
 from gateway.siblings import MetricsExchange, SiblingGateways
 from gateway.worker_pool import WorkerPool
-from gateway.scheduler_ranks import SchedulerRanks
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill.process import systemd_notify
 from tokenmill.process.procutil import child_env
-from gateway.settings import ServeSettings
+from tokenmill.transport.security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -60,8 +60,12 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[])  # no listening of uvicorn's own
         config = self.config
-        self.acceptor = Acceptor(self.listeners, lambda: config.http_protocol_class(
-            config=config, server_state=self.server_state, app_state=self.lifespan.state))  # fmt: skip
+        self.acceptor = Acceptor(
+            self.listeners,
+            lambda: config.http_protocol_class(
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            ),
+        )
         self.acceptor.start()
 
     async def shutdown(self, sockets=None) -> None:
@@ -150,13 +154,20 @@ class Gateway:
         g = self.generations
         if self.sibling:  # no workers of its own: the node's workers join it
             self.conversion = WorkerPool(
-                0, self.converter_settings(), g.on_detok,
-                g.on_owner_lost, max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
-                conversion_timeout=s.conversion_timeout, affinity=s.affinity, quick_bytes=s.quick_conversion_bytes,
+                0,
+                self.converter_settings(),
+                g.on_detok,
+                g.on_owner_lost,
+                max_queued=s.max_queued_conversions,
+                max_queued_bytes=s.max_queued_bytes,
+                conversion_timeout=s.conversion_timeout,
+                affinity=s.affinity,
+                quick_bytes=s.quick_conversion_bytes,
                 quick_turn_bytes=s.quick_turn_bytes,
-                metrics=self.metrics, remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
+                metrics=self.metrics,
+                remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
                 remote_timeout=s.remote_worker_timeout,
-            )  # fmt: skip
+            )
         elif s.conversion_mode == "pool":
             ctx = zmq.asyncio.Context.instance()
             remote_security = None
@@ -164,26 +175,43 @@ class Gateway:
                 require_secure(s.remote_workers, "The remote workers'", s.insecure_tcp, bool(s.curve_keys_dir))
                 if s.curve_keys_dir and s.remote_workers.startswith("tcp://"):
                     remote_security = RemoteWorkerSecurity(
-                        ctx, s.curve_keys_dir, lambda reason: self.metrics.remote_worker_refusals.labels(reason=reason).inc())
+                        ctx,
+                        s.curve_keys_dir,
+                        lambda reason: self.metrics.remote_worker_refusals.labels(reason=reason).inc(),
+                    )
             self.conversion = WorkerPool(
-                s.workers, self.converter_settings(), g.on_detok, g.on_owner_lost,
-                max_queued=s.max_queued_conversions, max_queued_bytes=s.max_queued_bytes,
-                conversion_timeout=s.conversion_timeout, memory_limit_mb=s.worker_memory_limit_mb,
+                s.workers,
+                self.converter_settings(),
+                g.on_detok,
+                g.on_owner_lost,
+                max_queued=s.max_queued_conversions,
+                max_queued_bytes=s.max_queued_bytes,
+                conversion_timeout=s.conversion_timeout,
+                memory_limit_mb=s.worker_memory_limit_mb,
                 conversion_threads=s.conversion_threads,
                 conversion_nice=s.conversion_nice,
-                affinity=s.affinity, quick_bytes=s.quick_conversion_bytes, quick_turn_bytes=s.quick_turn_bytes,
+                affinity=s.affinity,
+                quick_bytes=s.quick_conversion_bytes,
+                quick_turn_bytes=s.quick_turn_bytes,
                 metrics=self.metrics,
-                remote_endpoint=s.remote_workers, remote_security=remote_security,
+                remote_endpoint=s.remote_workers,
+                remote_security=remote_security,
                 remote_timeout=s.remote_worker_timeout,
                 attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),
-            )  # fmt: skip
+            )
         else:
             self.conversion = InProcessConversion(
                 self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
             )
-        self.scheduler = SchedulerRanks(endpoints, g.on_outputs, g.on_rank_lost, g.on_scheduler_error,
-                                        lambda limits: self.conversion.limit_context(limits), curve=scheduler_keys,
-                                        policy=s.dp_policy)  # fmt: skip
+        self.scheduler = SchedulerRanks(
+            endpoints,
+            g.on_outputs,
+            g.on_rank_lost,
+            g.on_scheduler_error,
+            lambda limits: self.conversion.limit_context(limits),
+            curve=scheduler_keys,
+            policy=s.dp_policy,
+        )
         g.conversion, g.scheduler = self.conversion, self.scheduler
         # several gateways in front of several ranks: each turn's rank goes to the conversation's worker,
         # which the other gateways also ask, so a turn finds its history whichever gateway takes it
@@ -207,17 +235,29 @@ class Gateway:
     async def _start_simulator(self, endpoint: str) -> None:
         s = self.settings
         self.simulator = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engines.simulated", "--title=simulated scheduler", "--bind", endpoint,
-            "--prefill-tokens-per-s", str(s.sim_prefill_tokens_per_s),
-            "--inter-token-latency-ms", str(s.sim_inter_token_latency_ms),
-            "--max-running", str(s.sim_max_running), "--mode", s.sim_mode,
-            "--tokens-per-step", str(s.sim_tokens_per_step),
+            sys.executable,
+            "-m",
+            "engines.simulated",
+            "--title=simulated scheduler",
+            "--bind",
+            endpoint,
+            "--prefill-tokens-per-s",
+            str(s.sim_prefill_tokens_per_s),
+            "--inter-token-latency-ms",
+            str(s.sim_inter_token_latency_ms),
+            "--max-running",
+            str(s.sim_max_running),
+            "--mode",
+            s.sim_mode,
+            "--tokens-per-step",
+            str(s.sim_tokens_per_step),
             *(["--max-model-len", str(s.sim_max_model_len)] if s.sim_max_model_len else []),
-            "--model", s.model or "default",
+            "--model",
+            s.model or "default",
             *(["--replies", s.sim_replies] if s.sim_replies else []),
             *(["--busy-cores", str(s.sim_busy_cores)] if s.sim_busy_cores else []),
             env=child_env(),
-        )  # fmt: skip
+        )
 
     async def wait_ready(self, timeout: float = 120.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -315,8 +355,9 @@ class Gateway:
         while (len(self.generations) or self.conversion.busy or self.conversion.queued) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.closing = True  # from here on nothing new starts, not even a conversion finishing now
-        shutdown = ApiError(503, "The server is shutting down; the request was aborted.",
-                            "ServiceUnavailableError", None, "shutdown")
+        shutdown = ApiError(
+            503, "The server is shutting down; the request was aborted.", "ServiceUnavailableError", None, "shutdown"
+        )
         self.conversion.fail_pending(shutdown)
         for gen in list(self.generations.live):
             self.generations.fail(gen, shutdown, reason="shutdown")
@@ -352,13 +393,21 @@ class Gateway:
         await self.start()
         try:
             config = uvicorn.Config(
-                App(self), host=s.host, port=s.port, loop="none", lifespan="off",
-                http=protocol_class(s.header_timeout,
-                                    lambda: self.metrics.closed_connections.labels(reason="header_timeout").inc(),
-                                    s.send_buffer_bytes),
-                log_level=s.log_level, access_log=False, timeout_keep_alive=s.timeout_keep_alive,
+                App(self),
+                host=s.host,
+                port=s.port,
+                loop="none",
+                lifespan="off",
+                http=protocol_class(
+                    s.header_timeout,
+                    lambda: self.metrics.closed_connections.labels(reason="header_timeout").inc(),
+                    s.send_buffer_bytes,
+                ),
+                log_level=s.log_level,
+                access_log=False,
+                timeout_keep_alive=s.timeout_keep_alive,
                 timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
-            )  # fmt: skip
+            )
             try:  # with --gateways N every gateway binds the port (SO_REUSEPORT); the kernel spreads connections
                 listeners = listen_sockets(s.host, s.port, reuseport=s.gateways > 1)
             except OSError as exc:
@@ -373,12 +422,17 @@ class Gateway:
                 server_task.result()  # a bind error surfaces here
                 return 1
             if ready_task.done() and ready_task.result():
-                systemd_notify.notify(f"READY=1\nSTATUS=serving {self.model_name} on {s.host}:{s.port}\nMAINPID={os.getpid()}")
+                systemd_notify.notify(
+                    f"READY=1\nSTATUS=serving {self.model_name} on {s.host}:{s.port}\nMAINPID={os.getpid()}"
+                )
                 if on_ready:
                     on_ready(self)
             elif ready_task.done():
-                log.error("tokenmill did not become ready (workers alive: %d, scheduler connected: %s)",
-                          self.conversion.alive, self.scheduler.connected)
+                log.error(
+                    "tokenmill did not become ready (workers alive: %d, scheduler connected: %s)",
+                    self.conversion.alive,
+                    self.scheduler.connected,
+                )
             await stop_task
             if self.siblings is not None:
                 self.siblings.terminate()  # systemd signals gateway 0 only; the others drain too

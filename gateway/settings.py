@@ -83,13 +83,16 @@ class ServeSettings:
         if self.sim_busy_cores < 0:
             raise SystemExit("sim_busy_cores: 0 or more")
         if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):
-            raise SystemExit("--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
-                             "(remote workers join one gateway) nor with --conversion-mode inline/thread")
+            raise SystemExit(
+                "--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
+                "(remote workers join one gateway) nor with --conversion-mode inline/thread"
+            )
         endpoints = self.scheduler_endpoints
         duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
         if duplicates:
-            raise SystemExit(f"scheduler: {', '.join(duplicates)} listed more than once; each data-parallel rank "
-                             "is one endpoint")
+            raise SystemExit(
+                f"scheduler: {', '.join(duplicates)} listed more than once; each data-parallel rank is one endpoint"
+            )
 
     @property
     def scheduler_endpoints(self) -> list[str]:

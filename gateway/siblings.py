@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -32,8 +31,8 @@ from typing import Callable
 
 import zmq
 
-from tokenmill.transport.loop_socket import LoopSocket
 from tokenmill.process.procutil import child_env
+from tokenmill.transport.loop_socket import LoopSocket
 
 log = logging.getLogger("tokenmill.gateway")
 SIBLING_ENV = "TOKENMILL_GATEWAY_SIBLING"
@@ -70,8 +69,14 @@ class SiblingGateways:
         env = child_env()
         for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # systemd hears gateway 0 only
             env.pop(name, None)
-        env[SIBLING_ENV] = json.dumps({"index": index, "runtime_dir": self.runtime_dir, "schedulers": self.schedulers,
-                                       "settings": asdict(self.settings)})
+        env[SIBLING_ENV] = json.dumps(
+            {
+                "index": index,
+                "runtime_dir": self.runtime_dir,
+                "schedulers": self.schedulers,
+                "settings": asdict(self.settings),
+            }
+        )
         process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.server", env=env)
         self.processes[index] = process
         self.heard[index] = time.monotonic() + 30.0  # until it first answers: start-up is not a stall
@@ -105,8 +110,12 @@ class SiblingGateways:
                 if index in answered:
                     self.heard[index] = now
                 elif now - self.heard[index] > timeout and process.returncode is None and not self._closing:
-                    log.error("gateway %d (pid %d) has not answered for %.0f s: its event loop is stalled; "
-                              "killing it", index, process.pid, now - self.heard[index])  # fmt: skip
+                    log.error(
+                        "gateway %d (pid %d) has not answered for %.0f s: its event loop is stalled; killing it",
+                        index,
+                        process.pid,
+                        now - self.heard[index],
+                    )
                     self._killed.add(index)
                     self.heard[index] = now + 30.0
                     process.kill()  # _watch starts the replacement

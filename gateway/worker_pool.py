@@ -93,19 +93,40 @@ class WorkerPool:
         self.workers = [Worker(i, f"w{i}".encode()) for i in range(size)]
         self.by_identity = {w.identity: w for w in self.workers}
         self.policy = Dispatcher(
-            size, self._deliver, self._dispatch_later, affinity=affinity, quick_bytes=quick_bytes,
-            quick_depth=quick_depth, quick_turn_bytes=quick_turn_bytes,
-        )  # fmt: skip
+            size,
+            self._deliver,
+            self._dispatch_later,
+            affinity=affinity,
+            quick_bytes=quick_bytes,
+            quick_depth=quick_depth,
+            quick_turn_bytes=quick_turn_bytes,
+        )
         self.local = LocalWorkers(
-            settings, self._on_message, lambda worker: self.policy.worker_starting(worker.index),
-            self._on_worker_death, memory_limit_mb=memory_limit_mb, conversion_threads=conversion_threads,
-            conversion_nice=conversion_nice, attach=attach, metrics=metrics,
-        )  # fmt: skip
+            settings,
+            self._on_message,
+            lambda worker: self.policy.worker_starting(worker.index),
+            self._on_worker_death,
+            memory_limit_mb=memory_limit_mb,
+            conversion_threads=conversion_threads,
+            conversion_nice=conversion_nice,
+            attach=attach,
+            metrics=metrics,
+        )
         self.remote = RemoteWorkers(
-            remote_endpoint, settings, self.workers, self.by_identity, self._add_place,
-            lambda index: self.policy.workers[index].ready, self._on_message, self._on_worker_death,
-            size=size, security=remote_security, timeout=remote_timeout, ctx=ctx, metrics=metrics,
-        )  # fmt: skip
+            remote_endpoint,
+            settings,
+            self.workers,
+            self.by_identity,
+            self._add_place,
+            lambda index: self.policy.workers[index].ready,
+            self._on_message,
+            self._on_worker_death,
+            size=size,
+            security=remote_security,
+            timeout=remote_timeout,
+            ctx=ctx,
+            metrics=metrics,
+        )
         self._steal_timer: asyncio.TimerHandle | None = None
         self._ids = itertools.count(1)
         self.model_max_model_len: int | None = None  # as the workers loaded it
@@ -161,7 +182,9 @@ class WorkerPool:
         self.remote.stop()
         await self.local.stop()
         for job in list(self.policy.jobs.values()):
-            self._fail(job, m.ApiError(503, "The server is shutting down.", "ServiceUnavailableError", None, "shutdown"))
+            self._fail(
+                job, m.ApiError(503, "The server is shutting down.", "ServiceUnavailableError", None, "shutdown")
+            )
         await self.local.close()
         self.remote.close()
 
@@ -189,7 +212,13 @@ class WorkerPool:
             else:
                 self._fail(
                     job,
-                    m.ApiError(503, "The tokenizer worker converting this request died twice.", "ServiceUnavailableError", None, "worker_died"),
+                    m.ApiError(
+                        503,
+                        "The tokenizer worker converting this request died twice.",
+                        "ServiceUnavailableError",
+                        None,
+                        "worker_died",
+                    ),
                 )
         if worker.owned:
             owned, worker.owned = worker.owned, set()
@@ -205,8 +234,13 @@ class WorkerPool:
             if self.metrics:
                 self.metrics.rejections.labels(reason=reason).inc()
             raise ConversionRejected(
-                m.ApiError(429, "The server is overloaded: too many requests are waiting for conversion. Retry later.",
-                           "RateLimitError", None, "overloaded"),
+                m.ApiError(
+                    429,
+                    "The server is overloaded: too many requests are waiting for conversion. Retry later.",
+                    "RateLimitError",
+                    None,
+                    "overloaded",
+                ),
                 retry_after=1,
             )
 
@@ -256,15 +290,21 @@ class WorkerPool:
     def _overrun(self, worker: Worker, job: _Conversion) -> None:
         running = self.policy.converting(worker.index, job)
         if running and worker.host and not worker.retired:  # not ours to kill: stop it, and count it lost
-            log.error("request %s overran the conversion timeout on remote worker %d (%s); dropping the worker",
-                      job.request_id, worker.index, worker.host)
+            log.error(
+                "request %s overran the conversion timeout on remote worker %d (%s); dropping the worker",
+                job.request_id,
+                worker.index,
+                worker.host,
+            )
             job.timed_out = True
             if self.metrics:
                 self.metrics.conversion_timeouts.inc()
             worker.try_send([m.encoder.encode(m.Shutdown("a conversion overran the conversion timeout"))])
             self.remote.lose(worker, "it overran the conversion timeout")
         elif running and worker.process and worker.process.returncode is None:
-            log.error("request %s overran the conversion timeout; killing tokenizer worker %d", job.request_id, worker.index)
+            log.error(
+                "request %s overran the conversion timeout; killing tokenizer worker %d", job.request_id, worker.index
+            )
             job.timed_out = True
             if self.metrics:
                 self.metrics.conversion_timeouts.inc()
@@ -348,8 +388,10 @@ class WorkerPool:
             self.vocab_size = msg.vocab_size
             if self.limits is not None:
                 self._send_limits(worker)
-            self.parsers = {"tool_call_parser": msg.tool_call_parser or None,
-                            "reasoning_parser": msg.reasoning_parser or None}  # fmt: skip
+            self.parsers = {
+                "tool_call_parser": msg.tool_call_parser or None,
+                "reasoning_parser": msg.reasoning_parser or None,
+            }
             if self.metrics:
                 self.metrics.tokenize_cache_enabled.set(1 if msg.tokenize_cache else 0)
                 if msg.tool_call_parser:  # exported at 0 from the start, so dashboards and alerts see it
@@ -357,9 +399,14 @@ class WorkerPool:
             if not msg.tokenize_cache:
                 log.info("tokenization cache off in worker %d: %s", index, msg.tokenize_cache_reason)
             self._ready_changed.set()
-            log.info("tokenizer worker %d%s ready (pid %d; tool-call parser %s, reasoning parser %s)", index,
-                     f" on {worker.host}" if worker.host else "", msg.pid,
-                     msg.tool_call_parser or "none", msg.reasoning_parser or "none")
+            log.info(
+                "tokenizer worker %d%s ready (pid %d; tool-call parser %s, reasoning parser %s)",
+                index,
+                f" on {worker.host}" if worker.host else "",
+                msg.pid,
+                msg.tool_call_parser or "none",
+                msg.reasoning_parser or "none",
+            )
             self.policy.worker_ready(index, msg.conversion_threads)
 
     def _on_done(self, worker: Worker, done: m.ConvertDone, frames) -> None:
@@ -382,8 +429,16 @@ class WorkerPool:
 
     def state(self) -> list[dict]:
         return [
-            {"index": w.index, "pid": w.process.pid if w.process else w.pid or None, "alive": s.ready,
-             "host": w.host or None, "busy": bool(s.running) or bool(s.quick), "converting": len(s.running),
-             "quick_jobs": len(s.quick), "streams": len(w.owned)}
-            for w, s in zip(self.workers, self.policy.workers) if not w.retired
-        ]  # fmt: skip
+            {
+                "index": w.index,
+                "pid": w.process.pid if w.process else w.pid or None,
+                "alive": s.ready,
+                "host": w.host or None,
+                "busy": bool(s.running) or bool(s.quick),
+                "converting": len(s.running),
+                "quick_jobs": len(s.quick),
+                "streams": len(w.owned),
+            }
+            for w, s in zip(self.workers, self.policy.workers)
+            if not w.retired
+        ]

@@ -21,9 +21,9 @@ import zmq
 
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.worker import SETTINGS_ENV
+from tokenmill.process.procutil import child_env
 from tokenmill.transport.loop_socket import LoopSocket
 from tokenmill.transport.pipe_link import LinkDown, PipeLink
-from tokenmill.process.procutil import child_env
 
 log = logging.getLogger("tokenmill.pool")
 
@@ -111,12 +111,24 @@ class LocalWorkers:
         with theirs:
             worker.link = await PipeLink.open(ours, lambda link, frames: self.on_message(link, worker.identity, frames))
             worker.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tokenizer_workers.worker", f"--title=tokenizer worker {worker.index}",
-                "--link-fd", str(theirs.fileno()), "--index", str(worker.index),
-                "--memory-limit-mb", str(self.memory_limit_mb), "--conversion-threads", str(self.conversion_threads),
-                "--conversion-nice", str(self.conversion_nice),
-                *(arg for endpoint in self.attach for arg in ("--attach", endpoint)), env=env, pass_fds=(theirs.fileno(),),
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "tokenizer_workers.worker",
+                f"--title=tokenizer worker {worker.index}",
+                "--link-fd",
+                str(theirs.fileno()),
+                "--index",
+                str(worker.index),
+                "--memory-limit-mb",
+                str(self.memory_limit_mb),
+                "--conversion-threads",
+                str(self.conversion_threads),
+                "--conversion-nice",
+                str(self.conversion_nice),
+                *(arg for endpoint in self.attach for arg in ("--attach", endpoint)),
+                env=env,
+                pass_fds=(theirs.fileno(),),
+            )
         task = asyncio.create_task(self._watch(worker, worker.process))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -125,7 +137,9 @@ class LocalWorkers:
         code = await process.wait()
         if self.closing or worker.process is not process:
             return
-        log.warning("tokenizer worker %d (pid %d) exited with %s; starting a replacement", worker.index, process.pid, code)
+        log.warning(
+            "tokenizer worker %d (pid %d) exited with %s; starting a replacement", worker.index, process.pid, code
+        )
         self.on_exit(worker)
         if self.metrics:
             self.metrics.worker_restarts.inc()

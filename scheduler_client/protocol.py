@@ -40,7 +40,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=
     logit_bias: dict[int, float] = {}  # token ID -> bias added to its logit, in [-100, 100]
     # 1.2, likewise:
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated (None: any)
-    bad_words: list[list[int]] = []  # token sequences never generated: a sequence's last token is banned after its others
+    bad_words: list[
+        list[int]
+    ] = []  # token sequences never generated: a sequence's last token is banned after its others
 
 
 class Structured(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
@@ -67,8 +69,14 @@ SAMPLING_FEATURES_12 = ("allowed_token_ids", "bad_words")
 FEATURE_PROMPT_LOGPROBS = "prompt_logprobs"  # Generate.prompt_logprobs, and the first RequestOutput's prompt_* arrays
 FEATURE_KV_TRANSFER_PARAMS = "kv_transfer_params"  # Generate.kv_transfer_params, RequestOutput.kv_transfer_params
 FEATURE_EXTRA_ARGS = "extra_args"  # Generate.extra_args (vLLM's vllm_xargs)
-FEATURES_12 = (FEATURE_PRIORITY, FEATURE_CACHE_SALT, *SAMPLING_FEATURES_12, FEATURE_PROMPT_LOGPROBS,
-               FEATURE_KV_TRANSFER_PARAMS, FEATURE_EXTRA_ARGS)
+FEATURES_12 = (
+    FEATURE_PRIORITY,
+    FEATURE_CACHE_SALT,
+    *SAMPLING_FEATURES_12,
+    FEATURE_PROMPT_LOGPROBS,
+    FEATURE_KV_TRANSFER_PARAMS,
+    FEATURE_EXTRA_ARGS,
+)
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
 

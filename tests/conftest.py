@@ -55,8 +55,13 @@ def pytest_sessionfinish(session) -> None:
 def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
     """`tokenmill bench ARGS --json FILE` in its own process: (the JSON report, what it printed)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", *args, "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "bench", *args, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout)
     return json.loads(out.read_text()), proc.stdout
@@ -65,7 +70,9 @@ def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, s
 def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):
     """(status, headers, parsed JSON or raw bytes) without raising on 4xx/5xx."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw, status, hdrs = resp.read(), resp.status, dict(resp.headers)
@@ -87,8 +94,14 @@ class Server(ProcessHandle):
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), *args]
         self.workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
-        super().__init__("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", *self.args], pipe=True,
-                         env=env or {}, cwd=ROOT, new_session=True)  # fmt: skip
+        super().__init__(
+            "tokenmill",
+            [sys.executable, "-m", "tokenmill.cli", "serve", *self.args],
+            pipe=True,
+            env=env or {},
+            cwd=ROOT,
+            new_session=True,
+        )
         if ready:
             self.wait_ready(timeout)
 
@@ -106,12 +119,16 @@ class Server(ProcessHandle):
     def client(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw
+        )
 
     def async_client(self, **kw):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw
+        )
 
     def children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
@@ -124,8 +141,16 @@ class Server(ProcessHandle):
 @pytest.fixture(scope="session")
 def server():
     """The default model on the simulated scheduler, fast decode, small limits for the bad-input tests."""
-    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "1", "--max-model-len", "8192",
-                 "--max-body-bytes", str(1 << 20))  # fmt: skip
+    srv = Server(
+        "--workers",
+        "2",
+        "--sim-inter-token-latency-ms",
+        "1",
+        "--max-model-len",
+        "8192",
+        "--max-body-bytes",
+        str(1 << 20),
+    )
     yield srv
     srv.stop()
 

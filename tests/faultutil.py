@@ -23,8 +23,10 @@ from conftest import ROOT, http
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 CHAT_MODEL = "deepseek-v4"
-_WORDS = ("alpha beta gamma delta tokenizer river valley mill wheel harvest bell swallow kite "
-          "Köln 東京 naïve résumé 🙂 1234 0x1f {json} <tag> snake_case CamelCase").split()  # fmt: skip
+_WORDS = (
+    "alpha beta gamma delta tokenizer river valley mill wheel harvest bell swallow kite "
+    "Köln 東京 naïve résumé 🙂 1234 0x1f {json} <tag> snake_case CamelCase"
+).split()
 
 
 # ---- waiting ------------------------------------------------------------------------------
@@ -76,8 +78,12 @@ def metric(srv, name: str, **labels) -> float:
 def idle(srv) -> dict | None:
     """The /debug/state when nothing is in flight, else None (for wait_until)."""
     s = state(srv)
-    quiet = (s["generations"] == 0 and s["queued_conversions"] == 0 and s["conversions_in_flight"] == 0
-             and s.get("scheduler_requests", 0) == 0)  # fmt: skip
+    quiet = (
+        s["generations"] == 0
+        and s["queued_conversions"] == 0
+        and s["conversions_in_flight"] == 0
+        and s.get("scheduler_requests", 0) == 0
+    )
     return s if quiet else None
 
 
@@ -179,8 +185,13 @@ class RawRequest:
         host, port = url.removeprefix("http://").split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
-                f"Content-Length: {len(data)}", "Connection: close"]  # fmt: skip
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}:{port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(data)}",
+            "Connection: close",
+        ]
         head += [f"{k}: {v}" for k, v in (headers or {}).items()]
         self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
         self.file = self.sock.makefile("rb")
@@ -338,8 +349,11 @@ class Simulator:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill.cli", "simulate-scheduler", "--bind", self.endpoint, *self.args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from tokenizers import Tokenizer
-
 from conftest import ROOT, Server, free_port, http
+from tokenizers import Tokenizer
 from vllm_env import VLLM_PYTHON
 
 NAME = "tiny-llama"
@@ -39,8 +38,14 @@ MAKE_MODEL = ["-m", "tokenmill.tiny_model"]
 # on 2 cores); without a prefix cache a request's numerics do not depend on earlier requests.
 # enable_log_requests: the engine log (shown when a test fails) lists every request vLLM adds and ends.
 VLLM_SERVER_FLAGS = ["--enforce-eager", "--no-enable-prefix-caching"]
-ENGINE_FLAGS = ["--engine-arg", "enforce_eager=true", "--engine-arg", "enable_prefix_caching=false",
-                "--engine-arg", "enable_log_requests=true"]  # fmt: skip
+ENGINE_FLAGS = [
+    "--engine-arg",
+    "enforce_eager=true",
+    "--engine-arg",
+    "enable_prefix_caching=false",
+    "--engine-arg",
+    "enable_log_requests=true",
+]
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -74,9 +79,14 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, env={**os.environ, **VLLM_ENV}, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=lambda: _die_with_the_tests(nice),
-        )  # fmt: skip
+            args,
+            cwd=ROOT,
+            env={**os.environ, **VLLM_ENV},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_the_tests(nice),
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -107,12 +117,25 @@ class VLLMServer(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1",
-             "--port", str(self.port), *VLLM_SERVER_FLAGS],
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--served-model-name",
+                NAME,
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *VLLM_SERVER_FLAGS,
+            ],
             log_path,
             nice,
-        )  # fmt: skip
+        )
 
     def ready(self) -> bool:
         self.check_alive("vLLM's server")
@@ -130,11 +153,26 @@ class Engine(Proc):
         self.endpoint = endpoint
         self._seen = len(log_path.read_text(errors="replace")) if log_path.exists() else 0  # a restart appends
         super().__init__(
-            [str(VLLM_PYTHON), "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", str(model),
-             "--max-model-len", str(MAX_MODEL_LEN), "--bind", endpoint, "--stats-interval-s", "0.2", *ENGINE_FLAGS],
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                "tokenmill.cli",
+                "engine",
+                "--backend",
+                "vllm",
+                "--model",
+                str(model),
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--bind",
+                endpoint,
+                "--stats-interval-s",
+                "0.2",
+                *ENGINE_FLAGS,
+            ],
             log_path,
             nice,
-        )  # fmt: skip
+        )
 
     def ready(self) -> bool:
         self.check_alive("tokenmill engine --backend vllm")
@@ -200,8 +238,14 @@ class _EarlyStart:
         try:
             self.root = Path(tempfile.mkdtemp(prefix="tmvllm-"))  # short: ipc paths are limited to ~100 bytes
             model = self.root / NAME
-            made = subprocess.run(["nice", "-n", str(self.NICE), str(VLLM_PYTHON), *MAKE_MODEL, str(model)], cwd=ROOT,
-                                  env={**os.environ, **VLLM_ENV}, capture_output=True, text=True, timeout=300)  # fmt: skip
+            made = subprocess.run(
+                ["nice", "-n", str(self.NICE), str(VLLM_PYTHON), *MAKE_MODEL, str(model)],
+                cwd=ROOT,
+                env={**os.environ, **VLLM_ENV},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
             self.procs.append(VLLMServer(model, self.root / "vllm.log", nice=self.NICE))
             self.procs.append(Engine(model, f"ipc://{self.root}/engine.sock", self.root / "engine.log", nice=self.NICE))
@@ -239,11 +283,29 @@ def acquire() -> Stack:
     try:
         wait_all(*procs)
         model = root / NAME
-        front = Server("--model", str(model), "--scheduler", procs[1].endpoint, "--served-model-name", NAME,
-                       "--max-model-len", str(MAX_MODEL_LEN), "--workers", "1", timeout=120)  # fmt: skip
+        front = Server(
+            "--model",
+            str(model),
+            "--scheduler",
+            procs[1].endpoint,
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--workers",
+            "1",
+            timeout=120,
+        )
         procs.append(front)
-        s = Stack(root, model, procs[0], procs[1], front, Tokenizer.from_file(str(model / "tokenizer.json")),
-                  time.monotonic() - EARLY.t0)  # fmt: skip
+        s = Stack(
+            root,
+            model,
+            procs[0],
+            procs[1],
+            front,
+            Tokenizer.from_file(str(model / "tokenizer.json")),
+            time.monotonic() - EARLY.t0,
+        )
         if EARLY.standby:  # it starts while the tests before the kill test run (not earlier: beside the
             # CPU-bound bench tests, a third vLLM start cost them more than it saves here)
             s.standby = Engine(model, f"ipc://{root}/standby.sock", root / "standby.log", nice=_EarlyStart.NICE)

@@ -13,7 +13,6 @@ import json
 import threading
 import time
 import zlib
-from array import array
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -121,7 +120,6 @@ FIM_MARKERS = ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")
 
 
 class Converter:
-
     def __init__(self, settings: ConverterSettings, model: Model | None = None):
         self.settings = settings
         self.model = model or load_model(settings.model_dir, settings.chat_template_file, settings.max_model_len)
@@ -149,8 +147,11 @@ class Converter:
         the templates, their special tokens and the context length (a remote worker is refused on a
         difference, since it would answer differently from the rest of the pool)."""
         digest = hashlib.sha256(self.tokenizer.to_str().encode())
-        digest.update(json.dumps([self.model.templates, self.model.special_tokens, self.model.max_model_len],
-                                 sort_keys=True, default=str).encode())
+        digest.update(
+            json.dumps(
+                [self.model.templates, self.model.special_tokens, self.model.max_model_len], sort_keys=True, default=str
+            ).encode()
+        )
         return digest.hexdigest()[:32]
 
     def limit_context(self, limits: Limits) -> None:
@@ -165,8 +166,16 @@ class Converter:
         segments = self.segments
         evicted = segments.cache.evictions
         ids, stats = segments.encode(prompt)
-        report = CacheReport(stats.hits, stats.misses, stats.cached_tokens, stats.fresh_tokens, stats.mismatches,
-                             segments.cache.evictions - evicted, segments.bytes_used, stats.prefix_hits)  # fmt: skip
+        report = CacheReport(
+            stats.hits,
+            stats.misses,
+            stats.cached_tokens,
+            stats.fresh_tokens,
+            stats.mismatches,
+            segments.cache.evictions - evicted,
+            segments.bytes_used,
+            stats.prefix_hits,
+        )
         return ids, report
 
     # ---- entry point ----------------------------------------------------------------
@@ -182,8 +191,13 @@ class Converter:
         except RecursionError:
             return self._error(job, 400, "The request (or its chat template) recursed too deeply.", None, "too_deep")
         except MemoryError:
-            return self._error(job, 400, "The request (or its chat template) needed more memory than a worker may use.",
-                               None, "too_much_memory")
+            return self._error(
+                job,
+                400,
+                "The request (or its chat template) needed more memory than a worker may use.",
+                None,
+                "too_much_memory",
+            )
 
     def _error(self, job: ConvertJob, status: int, message: str, param=None, code=None) -> Conversion:
         kind = "NotFoundError" if status == 404 else "BadRequestError"
@@ -197,13 +211,18 @@ class Converter:
         oa.check_sampling(req)
         functions = _legacy_functions(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        self._check_max_tokens(max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        self._check_max_tokens(
+            max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
         # everything that can be refused is refused before rendering
         forced_spec, forced = gp.forced_tools(req, self.engine)
         spec = gp.structured(req, self.engine)
         if forced_spec is not None and spec is not None:
-            raise oa.InvalidRequest("A forced tool_choice constrains the output already; drop the other output "
-                                    "constraint or use tool_choice 'auto'.", "tool_choice")
+            raise oa.InvalidRequest(
+                "A forced tool_choice constrains the output already; drop the other output "
+                "constraint or use tool_choice 'auto'.",
+                "tool_choice",
+            )
         params = self._generation(req, max_tokens, forced_spec or spec, chat=True)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         t0 = time.perf_counter()
@@ -238,15 +257,20 @@ class Converter:
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
         if req.echo and req.logprobs is not None:
-            raise oa.InvalidRequest("echo with logprobs is not supported by this server: the prompt's tokens and "
-                                    "logprobs ahead of the generated ones are not built.", "echo")
+            raise oa.InvalidRequest(
+                "echo with logprobs is not supported by this server: the prompt's tokens and "
+                "logprobs ahead of the generated ones are not built.",
+                "echo",
+            )
         params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
         if req.suffix is not None:
             prompts = self._fill_in_the_middle(req, prompts)
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
+        encoded = (
+            iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)) if texts else iter(())
+        )
         id_lists = [next(encoded) if isinstance(p, str) else p for p in prompts]
         echo = None
         # as vLLM: the prompt as given, a token-ID prompt decoded (special tokens kept), before truncation;
@@ -297,10 +321,17 @@ class Converter:
             raise oa.InvalidRequest(f"n must be between 1 and {self.settings.max_n}.", "n")
         sampling = gp.sampling(req, self.engine, self.vocab_size, max_tokens)
         gp.token_masks(req, self.engine, self.tokenizer, self.vocab_size, sampling)
-        return _Generation(sampling, spec, gp.logprobs(req, chat, self.engine), req.n,
-                           gp.priority(req, self.engine), gp.cache_salt(req, self.engine),
-                           gp.prompt_logprobs(req, chat, self.engine, self.vocab_size),
-                           gp.kv_transfer_params(req, self.engine), gp.extra_args(req, self.engine))
+        return _Generation(
+            sampling,
+            spec,
+            gp.logprobs(req, chat, self.engine),
+            req.n,
+            gp.priority(req, self.engine),
+            gp.cache_salt(req, self.engine),
+            gp.prompt_logprobs(req, chat, self.engine, self.vocab_size),
+            gp.kv_transfer_params(req, self.engine),
+            gp.extra_args(req, self.engine),
+        )
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
@@ -325,7 +356,9 @@ class Converter:
             raise oa.InvalidRequest(f"{param} must be at least 1, got {max_tokens}.", param)
 
     def _check_token_ids(self, ids: list, param: str) -> None:
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None
+        )
         if bad is not None:
             raise oa.InvalidRequest(f"Token ID {bad!r} is out of range [0, {self.vocab_size}).", param)
 
@@ -349,9 +382,11 @@ class Converter:
         if fmt == "auto":
             fmt = self.templates.content_format(source)
         if req.continue_final_message and req.add_generation_prompt:  # as vLLM 0.32 and transformers refuse it
-            raise oa.InvalidRequest("continue_final_message and add_generation_prompt are not compatible: set "
-                                    "add_generation_prompt to false to continue the final message.",
-                                    "continue_final_message")  # fmt: skip
+            raise oa.InvalidRequest(
+                "continue_final_message and add_generation_prompt are not compatible: set "
+                "add_generation_prompt to false to continue the final message.",
+                "continue_final_message",
+            )
         try:
             template_messages = to_template_messages(messages, fmt, source)
         except ValueError as exc:
@@ -412,21 +447,38 @@ class Converter:
         if keep == -1:
             keep = limit - 1
         elif keep < 1:
-            raise oa.InvalidRequest(f"truncate_prompt_tokens must be -1 (as many as fit) or at least 1, got {keep}.",
-                                    "truncate_prompt_tokens")
+            raise oa.InvalidRequest(
+                f"truncate_prompt_tokens must be -1 (as many as fit) or at least 1, got {keep}.",
+                "truncate_prompt_tokens",
+            )
         elif keep > limit:
-            raise oa.InvalidRequest(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={limit}. "
-                                    "Please request a smaller truncation size.", "truncate_prompt_tokens")
+            raise oa.InvalidRequest(
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={limit}. "
+                "Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
         return keep, side != "right"
 
-    def _plan(self, job, req, id_lists, max_tokens, what, render_s, tokenize_s, params: "_Generation",
-              echo: list[str] | None = None) -> Conversion:
+    def _plan(
+        self,
+        job,
+        req,
+        id_lists,
+        max_tokens,
+        what,
+        render_s,
+        tokenize_s,
+        params: "_Generation",
+        echo: list[str] | None = None,
+    ) -> Conversion:
         """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
         choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does."""
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
-        named_stops = frozenset(req.stop_token_ids or ()) - frozenset(() if req.ignore_eos else self.model.eos_token_ids)
+        named_stops = frozenset(req.stop_token_ids or ()) - frozenset(
+            () if req.ignore_eos else self.model.eos_token_ids
+        )
         stops = oa.stop_strings(req)
         seed = params.sampling.seed
         keep, left = self._truncation(req)
@@ -475,14 +527,23 @@ class Converter:
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                detok.append(DetokSpec(rid, stops, include_stop=bool(req.include_stop_str_in_output),
-                                       skip_special_tokens=req.skip_special_tokens, logprobs=params.logprobs, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-                                       chat=what == "messages", prefix=echo[p] if echo else "",
-                                       token_ids=bool(req.return_token_ids),
-                                       spaces_between=req.spaces_between_special_tokens is not False,
-                                       stop_reason_ids=named_stops,
-                                       prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                                       prompt_ids=ids if i == 0 and params.prompt_logprobs is not None else None))
+                detok.append(
+                    DetokSpec(
+                        rid,
+                        stops,
+                        include_stop=bool(req.include_stop_str_in_output),
+                        skip_special_tokens=req.skip_special_tokens,
+                        logprobs=params.logprobs,
+                        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+                        chat=what == "messages",
+                        prefix=echo[p] if echo else "",
+                        token_ids=bool(req.return_token_ids),
+                        spaces_between=req.spaces_between_special_tokens is not False,
+                        stop_reason_ids=named_stops,
+                        prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                        prompt_ids=ids if i == 0 and params.prompt_logprobs is not None else None,
+                    )
+                )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = ConvertDone(
             job.job_id,
@@ -532,17 +593,21 @@ def _legacy_functions(req) -> bool:
         return False
     if req.tools is not None:
         raise oa.InvalidRequest("Give either tools or functions (their deprecated form), not both.", "functions")
-    if not functions or not all(isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] for f in functions):
+    if not functions or not all(
+        isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] for f in functions
+    ):
         raise oa.InvalidRequest("functions must be a non-empty list of objects, each with a name.", "functions")
     if call is not None and req.tool_choice is not None:
-        raise oa.InvalidRequest("Give either tool_choice or function_call (its deprecated form), not both.",
-                                "function_call")
+        raise oa.InvalidRequest(
+            "Give either tool_choice or function_call (its deprecated form), not both.", "function_call"
+        )
     if call in ("none", "auto"):
         req.tool_choice = call
     elif isinstance(call, dict) and set(call) == {"name"}:
         if call["name"] not in {f["name"] for f in functions}:
-            raise oa.InvalidRequest(f"function_call names {call['name']!r}, which is not among the functions.",
-                                    "function_call")
+            raise oa.InvalidRequest(
+                f"function_call names {call['name']!r}, which is not among the functions.", "function_call"
+            )
         req.tool_choice = {"type": "function", "function": {"name": call["name"]}}
     elif call is not None:
         raise oa.InvalidRequest("function_call must be 'none', 'auto' or {'name': ...}.", "function_call")

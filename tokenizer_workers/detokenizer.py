@@ -18,7 +18,6 @@ from bisect import bisect_left
 from collections import OrderedDict
 
 import msgspec
-
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -32,11 +31,38 @@ _json = msgspec.json.Encoder()
 
 
 class _Stream:
-    __slots__ = ("stream", "ids", "stop", "hold", "skip_special", "streamed", "pending", "parser", "drop_ids",
-                 "include_reasoning", "parser_name", "top_n", "chat", "text_offset", "count", "include_stop",
-                 "tail", "tail_len", "tokens_as_ids",
-                 "prefix", "show_ids", "stop_end", "added", "last_added", "plain", "stop_hit", "stop_reason_ids",
-                 "last_token", "prompt_top_n", "prompt_ids")  # fmt: skip
+    __slots__ = (
+        "stream",
+        "ids",
+        "stop",
+        "hold",
+        "skip_special",
+        "streamed",
+        "pending",
+        "parser",
+        "drop_ids",
+        "include_reasoning",
+        "parser_name",
+        "top_n",
+        "chat",
+        "text_offset",
+        "count",
+        "include_stop",
+        "tail",
+        "tail_len",
+        "tokens_as_ids",
+        "prefix",
+        "show_ids",
+        "stop_end",
+        "added",
+        "last_added",
+        "plain",
+        "stop_hit",
+        "stop_reason_ids",
+        "last_token",
+        "prompt_top_n",
+        "prompt_ids",
+    )
 
     def __init__(self, spec: DetokSpec, drop_ids: frozenset = frozenset(), added: dict | None = None):
         self.parser: OutputParser | None = spec.parser
@@ -126,8 +152,9 @@ class Detokenizer:
             if state.prompt_ids is not None and item.prompt_logprobs is not None:
                 if self._texts is None:
                     self._texts = TokenTexts(self.tokenizer)
-                delta.prompt_logprobs = prompt_logprobs(self._texts, state.prompt_top_n, state.prompt_ids,
-                                                        item.prompt_logprobs)  # fmt: skip
+                delta.prompt_logprobs = prompt_logprobs(
+                    self._texts, state.prompt_top_n, state.prompt_ids, item.prompt_logprobs
+                )
                 state.prompt_ids = None
             out.append(delta)
         return out
@@ -213,13 +240,15 @@ class Detokenizer:
             elif state.last_token is not None and state.last_token in state.stop_reason_ids:
                 reason = state.last_token  # a stop token ended it (the engine stops at once on one)
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown,
-                              stop_reason=reason)  # fmt: skip
+            return DetokDelta(
+                rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown, stop_reason=reason
+            )
         pieces = self._parse(state, text, stopped or finished)
         if prefix:  # chat's echo is content, ahead of what the parser makes of the output
             pieces.insert(0, OutPiece("content", prefix))
-        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown,
-                          stop_reason=reason)
+        return DetokDelta(
+            rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown, stop_reason=reason
+        )
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser

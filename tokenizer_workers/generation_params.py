@@ -16,7 +16,8 @@ import math
 from typing import Any
 
 from scheduler_client import protocol
-from scheduler_client.structured import StructuredError, check as check_structured
+from scheduler_client.structured import StructuredError
+from scheduler_client.structured import check as check_structured
 from tokenizer_workers.openai_requests import InvalidRequest
 from tokenizer_workers.output_parsers.base import functions as tool_functions
 
@@ -29,10 +30,21 @@ MAX_CACHE_SALT_CHARS = 128
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 # structured_outputs keys that choose the constraint (vLLM's StructuredOutputsParams), and the kind each means
-_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                    "json_object": "json_object", "structural_tag": "structural_tag"}  # fmt: skip
+_STRUCTURED_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+    "structural_tag": "structural_tag",
+}
 # vLLM's guided_* fields (older releases) and the kind each means
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class Engine:
@@ -46,8 +58,9 @@ class Engine:
     def require(self, feature: str, param: str, what: str) -> None:
         if feature not in self.features:
             why = "does not say it can" if self.known else "speaks scheduler protocol 1.0, which cannot carry it"
-            raise InvalidRequest(f"{what} is not available: the engine behind this server {why} "
-                                 f"({feature}).", param, code="unsupported")  # fmt: skip
+            raise InvalidRequest(
+                f"{what} is not available: the engine behind this server {why} ({feature}).", param, code="unsupported"
+            )
 
 
 def sampling(req, engine: Engine, vocab_size: int, max_tokens: int | None) -> protocol.SamplingParams:
@@ -74,8 +87,9 @@ def sampling(req, engine: Engine, vocab_size: int, max_tokens: int | None) -> pr
         if req.min_tokens < 0:
             raise InvalidRequest("min_tokens must be at least 0.", "min_tokens")
         if max_tokens is not None and req.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).",
-                                 "min_tokens")
+            raise InvalidRequest(
+                f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens"
+            )
         engine.require("min_tokens", "min_tokens", "min_tokens")
         params.min_tokens = req.min_tokens
     if req.logit_bias:
@@ -92,11 +106,13 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
         except ValueError:
             raise InvalidRequest(f"logit_bias keys must be token IDs, got {key!r}.", "logit_bias") from None
         if not 0 <= token < vocab_size:
-            raise InvalidRequest(f"logit_bias has token ID {token}, outside the vocabulary [0, {vocab_size}).",
-                                 "logit_bias")
+            raise InvalidRequest(
+                f"logit_bias has token ID {token}, outside the vocabulary [0, {vocab_size}).", "logit_bias"
+            )
         if not (isinstance(value, (int, float)) and math.isfinite(value) and -100 <= value <= 100):
-            raise InvalidRequest(f"logit_bias values must be between -100 and 100, got {value!r} for {token}.",
-                                 "logit_bias")
+            raise InvalidRequest(
+                f"logit_bias values must be between -100 and 100, got {value!r} for {token}.", "logit_bias"
+            )
         out[token] = float(value)
     return out
 
@@ -109,8 +125,10 @@ def token_masks(req, engine: Engine, tokenizer, vocab_size: int, params: protoco
             raise InvalidRequest("allowed_token_ids must not be empty.", "allowed_token_ids")
         bad = [t for t in allowed if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequest(f"allowed_token_ids has token IDs outside the vocabulary [0, {vocab_size}): "
-                                 f"{bad[:10]}.", "allowed_token_ids")
+            raise InvalidRequest(
+                f"allowed_token_ids has token IDs outside the vocabulary [0, {vocab_size}): {bad[:10]}.",
+                "allowed_token_ids",
+            )
         engine.require("allowed_token_ids", "allowed_token_ids", "allowed_token_ids")
         params.allowed_token_ids = list(allowed)
     if req.bad_words:
@@ -129,23 +147,27 @@ def bad_words_ids(words: list[str], tokenizer, vocab_size: int) -> list[list[int
     for word in dict.fromkeys(words):
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
         if not bare:
-            raise InvalidRequest(f"bad_words entries must tokenize to at least one token; {word!r} does not.",
-                                 "bad_words")
+            raise InvalidRequest(
+                f"bad_words entries must tokenize to at least one token; {word!r} does not.", "bad_words"
+            )
         out.append(bare)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             out.append(spaced)
         if len(out) > MAX_BAD_WORDS:
-            raise InvalidRequest(f"Too many bad words after tokenization: {len(out)}. The max number is "
-                                 f"{MAX_BAD_WORDS}.", "bad_words")
+            raise InvalidRequest(
+                f"Too many bad words after tokenization: {len(out)}. The max number is {MAX_BAD_WORDS}.", "bad_words"
+            )
     outside = [t for seq in out for t in seq if not 0 <= t < vocab_size]
     if outside:
-        raise InvalidRequest(f"bad_words tokenize to token IDs outside the vocabulary [0, {vocab_size}): "
-                             f"{outside[:10]}.", "bad_words")
+        raise InvalidRequest(
+            f"bad_words tokenize to token IDs outside the vocabulary [0, {vocab_size}): {outside[:10]}.", "bad_words"
+        )
     total = sum(len(seq) for seq in out)
     if total > MAX_BAD_WORDS_TOKENS:
-        raise InvalidRequest(f"Too many total bad word tokens: {total}. The max is {MAX_BAD_WORDS_TOKENS}.",
-                             "bad_words")
+        raise InvalidRequest(
+            f"Too many total bad word tokens: {total}. The max is {MAX_BAD_WORDS_TOKENS}.", "bad_words"
+        )
     return out
 
 
@@ -169,8 +191,11 @@ def cache_salt(req, engine: Engine) -> str | None:
     if not salt:
         raise InvalidRequest("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     if len(salt) > MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
-        raise InvalidRequest(f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must "
-                             "not contain '@', '/', '\\', or NUL.", "cache_salt")
+        raise InvalidRequest(
+            f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must "
+            "not contain '@', '/', '\\', or NUL.",
+            "cache_salt",
+        )
     engine.require(protocol.FEATURE_CACHE_SALT, "cache_salt", "cache_salt")
     return salt
 
@@ -199,8 +224,10 @@ def prompt_logprobs(req, chat: bool, engine: Engine, vocab_size: int) -> int | N
     count = vocab_size if value == -1 else value
     if explicit:
         if count > engine.max_logprobs:
-            raise InvalidRequest(f"Requested prompt logprobs of {count}, which is greater than max allowed: "
-                                 f"{engine.max_logprobs}", "prompt_logprobs")  # fmt: skip
+            raise InvalidRequest(
+                f"Requested prompt logprobs of {count}, which is greater than max allowed: {engine.max_logprobs}",
+                "prompt_logprobs",
+            )
         if req.stream:
             return None
         engine.require(protocol.FEATURE_PROMPT_LOGPROBS, "prompt_logprobs", "prompt_logprobs")
@@ -241,11 +268,19 @@ def extra_args(req, engine: Engine) -> dict | None:
     out = {}
     for key, item in value.items():
         if isinstance(item, list) and all(_xarg(v) for v in item) or _xarg(item):
-            out[key] = [int(v) if isinstance(v, bool) else v for v in item] if isinstance(item, list) else \
-                int(item) if isinstance(item, bool) else item
+            out[key] = (
+                [int(v) if isinstance(v, bool) else v for v in item]
+                if isinstance(item, list)
+                else int(item)
+                if isinstance(item, bool)
+                else item
+            )
         else:
-            raise InvalidRequest(f"vllm_xargs.{key} must be a string, a number, or a list of those (integers between "
-                                 "-2**63 and 2**64 - 1).", f"vllm_xargs.{key}")
+            raise InvalidRequest(
+                f"vllm_xargs.{key} must be a string, a number, or a list of those (integers between "
+                "-2**63 and 2**64 - 1).",
+                f"vllm_xargs.{key}",
+            )
     if not out:
         return None
     engine.require(protocol.FEATURE_EXTRA_ARGS, "vllm_xargs", "vllm_xargs")
@@ -323,27 +358,34 @@ def _response_format(rf: dict) -> protocol.Structured | None:
     if kind == "json_schema":
         body = rf.get("json_schema")
         if not isinstance(body, dict):
-            raise InvalidRequest("response_format.json_schema must be an object with a schema.",
-                                 "response_format.json_schema")
+            raise InvalidRequest(
+                "response_format.json_schema must be an object with a schema.", "response_format.json_schema"
+            )
         schema = body.get("schema", body.get("json_schema"))
         if schema is None:
             raise InvalidRequest("response_format.json_schema.schema is missing.", "response_format.json_schema.schema")
         return _spec("json_schema", schema, "response_format.json_schema.schema")
     if kind == "structural_tag":
         return protocol.Structured("structural_tag", json.dumps(rf, ensure_ascii=False))
-    raise InvalidRequest(f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
-                         f"got {kind!r}.", "response_format.type")
+    raise InvalidRequest(
+        f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}.",
+        "response_format.type",
+    )
 
 
 def _structured_outputs(so: dict) -> tuple[str, protocol.Structured]:
     chosen = [key for key in _STRUCTURED_KEYS if so.get(key) not in (None, False)]
     others = [key for key, value in so.items() if key not in _STRUCTURED_KEYS and value not in (None, False)]
     if others:
-        raise InvalidRequest(f"structured_outputs.{others[0]} is not supported by this server: the engine's "
-                             "constrained-decoding backend decides it.", f"structured_outputs.{others[0]}")
+        raise InvalidRequest(
+            f"structured_outputs.{others[0]} is not supported by this server: the engine's "
+            "constrained-decoding backend decides it.",
+            f"structured_outputs.{others[0]}",
+        )
     if len(chosen) != 1:
-        raise InvalidRequest("structured_outputs must set exactly one of " + ", ".join(_STRUCTURED_KEYS) + ".",
-                             "structured_outputs")
+        raise InvalidRequest(
+            "structured_outputs must set exactly one of " + ", ".join(_STRUCTURED_KEYS) + ".", "structured_outputs"
+        )
     key = chosen[0]
     return key, _spec(_STRUCTURED_KEYS[key], so[key], f"structured_outputs.{key}")
 
@@ -377,8 +419,9 @@ def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str |
     if choice in (None, "auto", "none"):
         return None, None
     if choice != "required" and not isinstance(choice, dict):
-        raise InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.",
-                             "tool_choice")
+        raise InvalidRequest(
+            f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}.", "tool_choice"
+        )
     functions = tool_functions(req.tools)
     if not functions:
         raise InvalidRequest("tool_choice needs tools: none were given.", "tool_choice")
@@ -395,9 +438,15 @@ def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str |
                     if name in defs and defs[name] != schema:
                         raise InvalidRequest(f"Tools define {name!r} in $defs differently.", "tools")
                     defs[name] = schema
-            items.append({"properties": {"name": {"type": "string", "enum": [fn["name"]]},
-                                         "parameters": params or {"type": "object", "properties": {}}},
-                          "required": ["name", "parameters"]})  # fmt: skip
+            items.append(
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": [fn["name"]]},
+                        "parameters": params or {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                }
+            )
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -408,8 +457,10 @@ def forced_tools(req, engine: Engine) -> tuple[protocol.Structured | None, str |
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise InvalidRequest("tool_choice must be 'auto', 'none', 'required' or "
-                                 "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+            raise InvalidRequest(
+                "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}.",
+                "tool_choice",
+            )
         match = next((f for f in functions if f["name"] == name), None)
         if match is None:
             raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")

@@ -80,8 +80,9 @@ def token_id_name(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def chat_entries(texts: TokenTexts, top_n: int, token_ids: bytes, logprobs: bytes, top_ids: bytes,
-                 top_logprobs: bytes, names=None) -> bytes:
+def chat_entries(
+    texts: TokenTexts, top_n: int, token_ids: bytes, logprobs: bytes, top_ids: bytes, top_logprobs: bytes, names=None
+) -> bytes:
     """The ``logprobs.content`` entries of these tokens, comma-joined (no brackets). ``names``
     (return_tokens_as_token_ids) names the tokens instead of their text; as in vLLM, the chosen
     token's ``bytes`` stay its text's, the top entries' are their names'."""
@@ -93,15 +94,27 @@ def chat_entries(texts: TokenTexts, top_n: int, token_ids: bytes, logprobs: byte
         if top_n:
             for other, other_lp in list(ranked.items())[:top_n]:
                 other_text = names(other)
-                top.append({"token": other_text, "logprob": max(other_lp, _FLOOR),
-                            "bytes": list(other_text.encode("utf-8", "replace"))})  # fmt: skip
-        entries.append({"token": names(tid), "logprob": max(lp, _FLOOR), "bytes": list(text.encode("utf-8", "replace")),
-                        "top_logprobs": top})  # fmt: skip
+                top.append(
+                    {
+                        "token": other_text,
+                        "logprob": max(other_lp, _FLOOR),
+                        "bytes": list(other_text.encode("utf-8", "replace")),
+                    }
+                )
+        entries.append(
+            {
+                "token": names(tid),
+                "logprob": max(lp, _FLOOR),
+                "bytes": list(text.encode("utf-8", "replace")),
+                "top_logprobs": top,
+            }
+        )
     return _json.encode(entries)[1:-1]
 
 
-def completion_lists(texts: TokenTexts, top_n: int, offset: int, token_ids: bytes, logprobs: bytes,
-                     top_ids: bytes, top_logprobs: bytes) -> tuple[list[bytes], int]:
+def completion_lists(
+    texts: TokenTexts, top_n: int, offset: int, token_ids: bytes, logprobs: bytes, top_ids: bytes, top_logprobs: bytes
+) -> tuple[list[bytes], int]:
     """[text_offset, token_logprobs, tokens, top_logprobs] fragments of these tokens, and the
     text offset after them (offsets count the tokens' own texts, as vLLM's do)."""
     offsets, lps, tokens, tops = [], [], [], []
@@ -132,7 +145,10 @@ def prompt_logprobs(texts: TokenTexts, top_n: int, prompt_ids, packed) -> bytes:
         entry = {str(tid): {"logprob": max(lps[i], _FLOOR), "rank": ranks[i], "decoded_token": texts(tid)}}
         for k in range(per):
             other = tops[i * per + k]
-            entry[str(other)] = {"logprob": max(top_lps[i * per + k], _FLOOR), "rank": k + 1,
-                                 "decoded_token": texts(other)}  # fmt: skip
+            entry[str(other)] = {
+                "logprob": max(top_lps[i * per + k], _FLOOR),
+                "rank": k + 1,
+                "decoded_token": texts(other),
+            }
         out.append(entry)
     return _json.encode(out)

@@ -116,7 +116,9 @@ def _named_special_tokens(config: dict) -> dict[str, object]:
     core = {key: config[key] for key in _CORE_SPECIAL_KEYS if _token_text(config.get(key)) is not None}
     # Model-specific keys: those given as AddedToken objects first, then plain strings, then the
     # named extra_special_tokens (from_pretrained collects the strings, __init__ the converted objects).
-    specific = [(key, value) for key, value in config.items() if key.endswith("_token") and key not in _CORE_SPECIAL_KEYS]
+    specific = [
+        (key, value) for key, value in config.items() if key.endswith("_token") and key not in _CORE_SPECIAL_KEYS
+    ]
     model_specific = {key: value for key, value in specific if isinstance(value, dict) and _token_text(value)}
     model_specific.update((key, value) for key, value in specific if isinstance(value, str))
     named_extra, _ = _extra_special_tokens(config)

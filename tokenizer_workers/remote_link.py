@@ -71,11 +71,15 @@ class RemoteWorkerLink:
             if self.monitor in events:
                 event = recv_monitor_message(self.monitor)
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    raise SystemExit(f"the gateway refused this worker's CURVE key {self.public_key} (status "
-                                     f"{event['value']}): add its public key to the gateway's authorized_workers "
-                                     "directory (docs/security.md)")
-                log.error("CURVE handshake with the gateway failed (%s): is gateway.key the gateway's public key?",
-                          event["event"])
+                    raise SystemExit(
+                        f"the gateway refused this worker's CURVE key {self.public_key} (status "
+                        f"{event['value']}): add its public key to the gateway's authorized_workers "
+                        "directory (docs/security.md)"
+                    )
+                log.error(
+                    "CURVE handshake with the gateway failed (%s): is gateway.key the gateway's public key?",
+                    event["event"],
+                )
             if sock in events:
                 frames = sock.recv_multipart()
                 try:

@@ -127,8 +127,14 @@ class SegmentCache:
 class SegmentEncoder:
     """Encodes rendered prompts (add_special_tokens=False) piece by piece, through the cache."""
 
-    def __init__(self, tokenizer: Tokenizer, budget_bytes: int, min_chars: int = 256, verify: bool = False,
-                 split_chars: int = 32768):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        budget_bytes: int,
+        min_chars: int = 256,
+        verify: bool = False,
+        split_chars: int = 32768,
+    ):
         self.tokenizer = tokenizer
         self.lock = threading.Lock()  # a worker's threads (conversion and IO) share the cache; encoding runs outside it
         self.min_chars = min_chars
@@ -214,13 +220,23 @@ class SegmentEncoder:
         out.append(text[start:])
         return out
 
-    def _encode_pieces(self, parts: list[str | int], stats: EncodeStats, use_cache: bool,
-                       out: array | None = None, marks: array | None = None) -> array:
+    def _encode_pieces(
+        self,
+        parts: list[str | int],
+        stats: EncodeStats,
+        use_cache: bool,
+        out: array | None = None,
+        marks: array | None = None,
+    ) -> array:
         """IDs of the pieces appended to out; marks gets len(out) after each added token."""
         found: dict[int, array] = {}
         todo_idx, todo_text, todo_keys = [], [], []
-        keys = [hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-                if use_cache and isinstance(part, str) and len(part) >= self.min_chars else None for part in parts]
+        keys = [
+            hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+            if use_cache and isinstance(part, str) and len(part) >= self.min_chars
+            else None
+            for part in parts
+        ]
         with self.lock:
             for i, part in enumerate(parts):
                 if isinstance(part, int):
@@ -238,7 +254,9 @@ class SegmentEncoder:
                 todo_idx.append(i)
                 todo_text.append(part)
         if todo_text:  # one call: encode_batch releases the GIL and spreads pieces over cores
-            encodings = self.tokenizer.encode_batch_fast(todo_text, add_special_tokens=False)  # no offsets: less to free
+            encodings = self.tokenizer.encode_batch_fast(
+                todo_text, add_special_tokens=False
+            )  # no offsets: less to free
             for n, (i, key) in enumerate(zip(todo_idx, todo_keys)):
                 # Freeing an Encoding holds the GIL (~10 ms for a whole 250k-token prompt's worth): free
                 # them one at a time, so the IO thread detokenizing running streams gets the GIL between.
@@ -307,8 +325,24 @@ class SegmentEncoder:
 
     def soft_split_test(self) -> bool:
         """Encoding cut at every soft boundary equals encoding whole, on text built to stress them."""
-        lines = ["def f(x):", "    return x  ", "Hello, world!", "x = 12345678", "  \t", "'s fine", "日本語 text",
-                 "emoji 🙂 ok", "a\r", "::", "", " ", "Zebra", "z", "-- dash", "#include <stdio.h>"]  # fmt: skip
+        lines = [
+            "def f(x):",
+            "    return x  ",
+            "Hello, world!",
+            "x = 12345678",
+            "  \t",
+            "'s fine",
+            "日本語 text",
+            "emoji 🙂 ok",
+            "a\r",
+            "::",
+            "",
+            " ",
+            "Zebra",
+            "z",
+            "-- dash",
+            "#include <stdio.h>",
+        ]
         text = "".join(lines[(i * 5 + i // 3) % len(lines)] + ("\n" * (1 + i % 3)) for i in range(400))
         cuts = [m.end() for m in _SOFT_BOUNDARY.finditer(text)]
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
@@ -321,8 +355,27 @@ class SegmentEncoder:
         """Piecewise against whole on texts built to stress piece boundaries."""
         t0 = time.perf_counter()
         specials = list(self.ids_of)[:12] + sorted(self.ids_of, key=len)[:4]
-        edges = ["", " ", "  ", "\n", "\n\n", "\t", "\r\n", " x", "x ", "héllo wörld", "🙂🚀", "日本語のテキスト",
-                 "  indented\n", "123456", "a.b,c", "\u00a0", "'s", " 's", "\u200b"]  # fmt: skip
+        edges = [
+            "",
+            " ",
+            "  ",
+            "\n",
+            "\n\n",
+            "\t",
+            "\r\n",
+            " x",
+            "x ",
+            "héllo wörld",
+            "🙂🚀",
+            "日本語のテキスト",
+            "  indented\n",
+            "123456",
+            "a.b,c",
+            "\u00a0",
+            "'s",
+            " 's",
+            "\u200b",
+        ]
         texts = []
         for i, s in enumerate(specials):
             for j, left in enumerate(edges):

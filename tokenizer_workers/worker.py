@@ -49,8 +49,8 @@ from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.remote_link import RemoteWorkerLink
-from tokenmill.transport.pipe_link import PipePeer
 from tokenmill.process.procutil import die_with_supervisor, limit_memory, set_process_name
+from tokenmill.transport.pipe_link import PipePeer
 
 log = logging.getLogger("tokenmill.worker")
 SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
@@ -86,9 +86,17 @@ class Worker:
     HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
     MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
 
-    def __init__(self, index: int, endpoint: str | int, settings: ConverterSettings | None, ctx: zmq.Context | None = None,
-                 remote: RemoteWorkerLink | None = None, attach: tuple[str, ...] = (), conversion_threads: int = 2,
-                 conversion_nice: int = 0):
+    def __init__(
+        self,
+        index: int,
+        endpoint: str | int,
+        settings: ConverterSettings | None,
+        ctx: zmq.Context | None = None,
+        remote: RemoteWorkerLink | None = None,
+        attach: tuple[str, ...] = (),
+        conversion_threads: int = 2,
+        conversion_nice: int = 0,
+    ):
         self.index = index
         self.conversion_threads = max(1, conversion_threads)
         self.conversion_nice = conversion_nice  # added to the process's niceness for the conversion threads
@@ -122,7 +130,9 @@ class Worker:
             self._take_settings(settings)
             self.links.append(_Link(sock, self.endpoint, index, joined=True, beats=True))
         else:
-            self.links.append(_Link(PipePeer(self.endpoint), "the spawning gateway", self.index, joined=True, beats=False))
+            self.links.append(
+                _Link(PipePeer(self.endpoint), "the spawning gateway", self.index, joined=True, beats=False)
+            )
             for endpoint in self.attach:
                 sock = self._socket()
                 sock.setsockopt(zmq.IDENTITY, f"a{self.index}-{os.getpid()}".encode())
@@ -208,11 +218,22 @@ class Worker:
 
     def _send_ready(self, link: _Link) -> None:
         parsers = self.converter.parsers
-        link.sock.send(m.encoder.encode(m.WorkerReady(link.index, os.getpid(), self.converter.max_model_len,
-                                                   self.converter.segments.enabled,
-                                                   self.converter.segments.self_test_reason, parsers.tool_name,
-                                                   parsers.reasoning_name, self.converter.vocab_size,
-                                                   self._fingerprint, self.conversion_threads)))  # fmt: skip
+        link.sock.send(
+            m.encoder.encode(
+                m.WorkerReady(
+                    link.index,
+                    os.getpid(),
+                    self.converter.max_model_len,
+                    self.converter.segments.enabled,
+                    self.converter.segments.self_test_reason,
+                    parsers.tool_name,
+                    parsers.reasoning_name,
+                    self.converter.vocab_size,
+                    self._fingerprint,
+                    self.conversion_threads,
+                )
+            )
+        )
 
     def _take_settings(self, settings: ConverterSettings) -> None:
         """A joined gateway's settings: the first ones this worker loads; later ones must be the same."""
@@ -221,8 +242,10 @@ class Worker:
         if self.settings is None:
             self.settings = settings
         elif msgspec.structs.replace(settings, fingerprint=self.settings.fingerprint) != self.settings:
-            raise SystemExit("a gateway's converter settings differ from those this worker loaded its model with; "
-                             "exiting so that a restart loads them")
+            raise SystemExit(
+                "a gateway's converter settings differ from those this worker loaded its model with; "
+                "exiting so that a restart loads them"
+            )
 
     def _handle_all(self, link: _Link, messages: list[list[memoryview]]) -> bool:
         """Messages that arrived together: detokenization batches first, then the rest in order. A
@@ -277,8 +300,9 @@ class Worker:
             if self._loaded.is_set() and self._load_error is None:
                 self._send_ready(link)
         elif isinstance(msg, m.Rejoin) and link.beats and link.joined:
-            log.warning("worker %d: the gateway at %s no longer counts this worker; joining again", self.index,
-                        link.endpoint)
+            log.warning(
+                "worker %d: the gateway at %s no longer counts this worker; joining again", self.index, link.endpoint
+            )
             self.detokenizer.release(list(link.streams))  # that gateway failed those streams
             link.streams.clear()
             link.joined, link.said_hello = False, 0.0
@@ -297,7 +321,9 @@ class Worker:
         if self.conversion_nice:
             try:  # niceness is per thread on Linux: this one (and the pool it may create) only
                 tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.conversion_nice))
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.conversion_nice)
+                )
             except (OSError, AttributeError):
                 pass
         if loads:
@@ -385,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_supervisor()
     limit_memory(args.memory_limit_mb)
     set_process_name(f"tm-worker-{args.index}")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s"
+    )
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the gateway decides
     # Hand the GIL between the conversion thread and the IO thread every millisecond (not 5):
@@ -393,8 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
     try:
-        worker = Worker(args.index, args.link_fd, settings, attach=tuple(args.attach),
-                        conversion_threads=args.conversion_threads, conversion_nice=args.conversion_nice)
+        worker = Worker(
+            args.index,
+            args.link_fd,
+            settings,
+            attach=tuple(args.attach),
+            conversion_threads=args.conversion_threads,
+            conversion_nice=args.conversion_nice,
+        )
         worker.run()  # returns when the gateway is gone
         code = 0
     except SystemExit as exc:  # refused, or settings that differ: the message says why

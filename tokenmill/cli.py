@@ -12,11 +12,20 @@ import sys
 COMMANDS = {
     "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
     "simulate-scheduler": ("engines.simulated", "Run the simulated GPU scheduler on its own."),
-    "engine": ("engines.server", "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol."),
+    "engine": (
+        "engines.server",
+        "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol.",
+    ),
     "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),
     "worker": ("tokenmill.commands.worker", "Run a tokenizer worker that joins a gateway's pool from another host."),
-    "curve-keys": ("tokenmill.commands.curve_keys", "Create CURVE keys for a tcp:// scheduler link, or for remote workers."),
-    "bench": ("tokenmill.bench.command", "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways, busy."),
+    "curve-keys": (
+        "tokenmill.commands.curve_keys",
+        "Create CURVE keys for a tcp:// scheduler link, or for remote workers.",
+    ),
+    "bench": (
+        "tokenmill.bench.command",
+        "Benchmark the front end: long-context load (default), multiturn, parsers, vllm, streams, dp, gateways, busy.",
+    ),
 }
 
 

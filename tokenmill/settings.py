@@ -37,81 +37,160 @@ def _kwargs(text) -> dict:
 
 # name -> (type, help); defaults come from ServeSettings.
 OPTIONS: dict[str, tuple[Any, str]] = {
-    "model": (str, "HuggingFace model directory (tokenizer.json, tokenizer_config.json, ...). Default: the embedded DeepSeek-V4 tokenizer."),
+    "model": (
+        str,
+        "HuggingFace model directory (tokenizer.json, tokenizer_config.json, ...). Default: the embedded DeepSeek-V4 tokenizer.",
+    ),
     "host": (str, "Address to listen on."),
     "port": (int, "Port to listen on."),
-    "gateways": (int, "Gateway processes sharing the port (SO_REUSEPORT), each with its own event loop and "
-                 "scheduler sessions, all sharing the tokenizer workers; /metrics on any shows the node's totals."),
-    "gateway_stall_timeout": (float, "With --gateways above 1: seconds a gateway's event loop may go without answering "
-                              "gateway 0's pings before it is killed and replaced (0 = never; systemd's watchdog "
-                              "covers gateway 0)."),
-    "workers": (int, "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
-                "0 = none: only remote workers convert)."),
-    "conversion_threads": (int, "Requests each tokenizer worker converts at once, one thread each, sharing its "
-                           "tokenization cache: a long prompt starts beside another instead of waiting for it."),
-    "conversion_nice": (int, "Niceness (0-19) the workers' conversion threads add to their process's. 0 shares the "
-                        "CPU evenly with an engine that keeps cores busy; above 0, conversion takes what the "
-                        "engine leaves (docs/front-end-cost.md, \"A busy engine\")."),
-    "scheduler": (str, "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
-                  "data-parallel ranks (each request goes to one). Default: start the simulated scheduler."),
+    "gateways": (
+        int,
+        "Gateway processes sharing the port (SO_REUSEPORT), each with its own event loop and "
+        "scheduler sessions, all sharing the tokenizer workers; /metrics on any shows the node's totals.",
+    ),
+    "gateway_stall_timeout": (
+        float,
+        "With --gateways above 1: seconds a gateway's event loop may go without answering "
+        "gateway 0's pings before it is killed and replaced (0 = never; systemd's watchdog "
+        "covers gateway 0).",
+    ),
+    "workers": (
+        int,
+        "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "
+        "0 = none: only remote workers convert).",
+    ),
+    "conversion_threads": (
+        int,
+        "Requests each tokenizer worker converts at once, one thread each, sharing its "
+        "tokenization cache: a long prompt starts beside another instead of waiting for it.",
+    ),
+    "conversion_nice": (
+        int,
+        "Niceness (0-19) the workers' conversion threads add to their process's. 0 shares the "
+        "CPU evenly with an engine that keeps cores busy; above 0, conversion takes what the "
+        'engine leaves (docs/front-end-cost.md, "A busy engine").',
+    ),
+    "scheduler": (
+        str,
+        "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
+        "data-parallel ranks (each request goes to one). Default: start the simulated scheduler.",
+    ),
     "chat_template": (str, "Chat template file that overrides the model's."),
     "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
     "served_model_name": (str, "Model name clients must use. Default: the model directory's name."),
-    "default_chat_template_kwargs": (_kwargs, "JSON object of template variables for every request (a request's chat_template_kwargs win)."),
-    "chat_template_content_format": (str, "How list-of-parts message content reaches the template: auto, string, or openai."),
+    "default_chat_template_kwargs": (
+        _kwargs,
+        "JSON object of template variables for every request (a request's chat_template_kwargs win).",
+    ),
+    "chat_template_content_format": (
+        str,
+        "How list-of-parts message content reaches the template: auto, string, or openai.",
+    ),
     "trust_request_chat_template": (_bool, "Accept a chat_template given in a request."),
-    "runtime_dir": (str, "Directory for ipc:// sockets (mode 0700). Default: $RUNTIME_DIRECTORY or a new temporary directory."),
-    "remote_workers": (str, "Endpoint (tcp://ADDR:PORT) where tokenizer workers on other hosts join the pool "
-                       "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/security.md)."),
-    "remote_worker_timeout": (float, "Seconds of silence after which a remote worker counts as lost (its conversion "
-                              "is dispatched again, its streams end with an error)."),
+    "runtime_dir": (
+        str,
+        "Directory for ipc:// sockets (mode 0700). Default: $RUNTIME_DIRECTORY or a new temporary directory.",
+    ),
+    "remote_workers": (
+        str,
+        "Endpoint (tcp://ADDR:PORT) where tokenizer workers on other hosts join the pool "
+        "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/security.md).",
+    ),
+    "remote_worker_timeout": (
+        float,
+        "Seconds of silence after which a remote worker counts as lost (its conversion "
+        "is dispatched again, its streams end with an error).",
+    ),
     "api_key": (str, "Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize."),
     "max_body_bytes": (int, "Largest request body accepted (413 above)."),
     "max_queued_conversions": (int, "Requests allowed to wait for a worker (429 above)."),
     "max_queued_bytes": (int, "Request body bytes allowed to wait for a worker (429 above)."),
     "conversion_timeout": (float, "Seconds one conversion may take before its worker is killed and replaced."),
-    "worker_memory_limit_mb": (int, "Address-space cap per tokenizer worker; a runaway template gets MemoryError (0 = none)."),
+    "worker_memory_limit_mb": (
+        int,
+        "Address-space cap per tokenizer worker; a runaway template gets MemoryError (0 = none).",
+    ),
     "shutdown_timeout": (float, "Seconds SIGTERM waits for in-flight requests before aborting them."),
     "timeout_keep_alive": (int, "Seconds an idle keep-alive connection stays open."),
     "max_header_bytes": (int, "Largest total size of a request's headers (431 above)."),
     "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
-    "header_timeout": (float, "Seconds a client may take from connecting, or from the first byte of its next request, "
-                       "to the end of the request's headers; the connection is closed after (slow loris; 0 = no limit)."),
-    "send_buffer_bytes": (int, "Kernel send buffer per client connection (SO_SNDBUF); 0 = the kernel's autotuning, "
-                          "which may hold up to net.ipv4.tcp_wmem's maximum (4 MiB) for a client that stops reading."),
-    "stream_buffer_limit": (int, "Characters of generated text one client may leave unread; past it the request is "
-                            "aborted (code slow_client) and its connection closed (0 = no limit)."),
+    "header_timeout": (
+        float,
+        "Seconds a client may take from connecting, or from the first byte of its next request, "
+        "to the end of the request's headers; the connection is closed after (slow loris; 0 = no limit).",
+    ),
+    "send_buffer_bytes": (
+        int,
+        "Kernel send buffer per client connection (SO_SNDBUF); 0 = the kernel's autotuning, "
+        "which may hold up to net.ipv4.tcp_wmem's maximum (4 MiB) for a client that stops reading.",
+    ),
+    "stream_buffer_limit": (
+        int,
+        "Characters of generated text one client may leave unread; past it the request is "
+        "aborted (code slow_client) and its connection closed (0 = no limit).",
+    ),
     "insecure_tcp": (_bool, "Allow tcp:// scheduler or remote-worker endpoints without CURVE encryption."),
-    "curve_keys_dir": (str, "Directory with CURVE keys for a tcp:// scheduler, and for remote workers "
-                       "(see docs/security.md)."),
-    "tokenize_cache_bytes": (int, "Per-worker byte budget of the exact tokenization cache: three quarters for "
-                             "pieces, one quarter for recent whole prompts (0 = off). A worker's threads share it."),
-    "verify_tokenize_cache": (_bool, "Also tokenize every chat prompt whole and count mismatches (slow; for checking)."),
+    "curve_keys_dir": (
+        str,
+        "Directory with CURVE keys for a tcp:// scheduler, and for remote workers (see docs/security.md).",
+    ),
+    "tokenize_cache_bytes": (
+        int,
+        "Per-worker byte budget of the exact tokenization cache: three quarters for "
+        "pieces, one quarter for recent whole prompts (0 = off). A worker's threads share it.",
+    ),
+    "verify_tokenize_cache": (
+        _bool,
+        "Also tokenize every chat prompt whole and count mismatches (slow; for checking).",
+    ),
     "affinity": (_bool, "Send requests of one conversation to the worker that holds its cached segments."),
-    "quick_conversion_bytes": (int, "Request bodies up to this size are converted by a worker's IO thread at once, "
-                               "without waiting for a free worker or the tokenization cache (0 = never)."),
-    "quick_turn_bytes": (int, "A conversation's next turn up to this size, at most --quick-conversion-bytes larger than "
-                         "its last turn, is converted at once by the IO thread of the worker that holds its cache "
-                         "(most of it is cached: cheaper than a hand-off to a conversion thread; 0 = never)."),
-    "dp_policy": (str, "With several --scheduler ranks: affinity (a conversation stays on the rank holding its "
-                  "prefix cache, within 1.25x a fair share of the load), least_loaded, or round_robin."),
+    "quick_conversion_bytes": (
+        int,
+        "Request bodies up to this size are converted by a worker's IO thread at once, "
+        "without waiting for a free worker or the tokenization cache (0 = never).",
+    ),
+    "quick_turn_bytes": (
+        int,
+        "A conversation's next turn up to this size, at most --quick-conversion-bytes larger than "
+        "its last turn, is converted at once by the IO thread of the worker that holds its cache "
+        "(most of it is cached: cheaper than a hand-off to a conversion thread; 0 = never).",
+    ),
+    "dp_policy": (
+        str,
+        "With several --scheduler ranks: affinity (a conversation stays on the rank holding its "
+        "prefix cache, within 1.25x a fair share of the load), least_loaded, or round_robin.",
+    ),
     "max_n": (int, "The most choices (n) one request may ask for; each is a scheduler request (OpenAI allows 128)."),
-    "tool_call_parser": (str, "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
-                         "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
-                         "auto (from the chat template), or none. Default: auto for the embedded model, else none."),
-    "reasoning_parser": (str, "Separate reasoning from content: deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, "
-                         "openai_gptoss, granite, auto, or none. Default: auto for the embedded model, else none."),
+    "tool_call_parser": (
+        str,
+        "Parse tool calls out of chat outputs into tool_calls: a format (hermes, qwen3_coder, "
+        "llama3_json, mistral, deepseek_v3, deepseek_v31, deepseek_v4, kimi_k2, glm45, openai), "
+        "auto (from the chat template), or none. Default: auto for the embedded model, else none.",
+    ),
+    "reasoning_parser": (
+        str,
+        "Separate reasoning from content: deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, "
+        "openai_gptoss, granite, auto, or none. Default: auto for the embedded model, else none.",
+    ),
     "conversion_mode": (str, "pool (worker processes), or the benchmark baselines inline and thread."),
     "sim_prefill_tokens_per_s": (float, "Simulated scheduler: prefill speed."),
     "sim_inter_token_latency_ms": (float, "Simulated scheduler: time between decode steps."),
     "sim_max_running": (int, "Simulated scheduler: requests decoded together (the rest wait)."),
     "sim_max_model_len": (int, "Simulated scheduler: the engine's context length, reported in its Welcome (0 = none)."),
-    "sim_busy_cores": (int, "Simulated scheduler: cores kept busy while any request runs, as a GPU engine's "
-                       "CPU side spins (0 = none)."),
-    "sim_tokens_per_step": (int, "Simulated scheduler: tokens per request per decode step (speculative decoding emits several)."),
+    "sim_busy_cores": (
+        int,
+        "Simulated scheduler: cores kept busy while any request runs, as a GPU engine's CPU side spins (0 = none).",
+    ),
+    "sim_tokens_per_step": (
+        int,
+        "Simulated scheduler: tokens per request per decode step (speculative decoding emits several).",
+    ),
     "sim_mode": (str, "Simulated scheduler: random tokens, or echo the prompt."),
-    "sim_replies": (str, 'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
-                    "(docs/scheduler-protocol.md §10)."),
+    "sim_replies": (
+        str,
+        'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
+        "(docs/scheduler-protocol.md §10).",
+    ),
     "log_level": (str, "debug, info, warning or error."),
 }
 _PARSER_NAMES = ("auto", "none")
@@ -144,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 REMOVED = {  # settings earlier versions took: why they are gone, for an operator upgrading a config file
     "worker_endpoint": "is no longer a setting: the gateway reaches the workers it spawns over a socket pair, "
-                       "which needs no endpoint; workers on other hosts join with remote_workers (docs/security.md)",
+    "which needs no endpoint; workers on other hosts join with remote_workers (docs/security.md)",
 }
 
 

@@ -54,10 +54,18 @@ def make(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False, initializer_range=0.02,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(1)

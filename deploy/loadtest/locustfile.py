@@ -143,7 +143,9 @@ class ShortChatUser(ChatUser):
 
     @task
     def short_chat(self) -> None:
-        self.chat("short chat", [{"role": "user", "content": self.rng.choice(SHORT_PROMPTS)}], max_tokens=min(32, MAX_TOKENS))
+        self.chat(
+            "short chat", [{"role": "user", "content": self.rng.choice(SHORT_PROMPTS)}], max_tokens=min(32, MAX_TOKENS)
+        )
 
 
 class LongContextUser(ChatUser):
@@ -162,8 +164,9 @@ class LongContextUser(ChatUser):
             if _tokens_per_word is None:
                 sample = words(2000, f"{SEED}-calibration")
                 body = {"model": self.model, "prompt": sample, "add_special_tokens": False}
-                with self.client.post("/tokenize", json=body, headers=headers(), name="/tokenize (calibration)",
-                                      catch_response=True) as resp:  # fmt: skip
+                with self.client.post(
+                    "/tokenize", json=body, headers=headers(), name="/tokenize (calibration)", catch_response=True
+                ) as resp:
                     try:
                         _tokens_per_word = resp.json()["count"] / 2000
                     except (ValueError, KeyError, TypeError):
@@ -266,13 +269,31 @@ class StreamingChatUser(ChatUser):
                 return
             resp.success()
             end = time.perf_counter()
-        events.request.fire(request_type="E2E", name=name, response_time=(end - start) * 1000,
-                            response_length=size, exception=None, context={})  # fmt: skip
-        events.request.fire(request_type="TTFT", name=name, response_time=(arrivals[0] - start) * 1000,
-                            response_length=0, exception=None, context={})  # fmt: skip
+        events.request.fire(
+            request_type="E2E",
+            name=name,
+            response_time=(end - start) * 1000,
+            response_length=size,
+            exception=None,
+            context={},
+        )
+        events.request.fire(
+            request_type="TTFT",
+            name=name,
+            response_time=(arrivals[0] - start) * 1000,
+            response_length=0,
+            exception=None,
+            context={},
+        )
         for before, after in zip(arrivals, arrivals[1:]):
-            events.request.fire(request_type="ITL", name=name, response_time=(after - before) * 1000,
-                                response_length=0, exception=None, context={})  # fmt: skip
+            events.request.fire(
+                request_type="ITL",
+                name=name,
+                response_time=(after - before) * 1000,
+                response_length=0,
+                exception=None,
+                context={},
+            )
 
 
 class MultiTurnUser(ChatUser):

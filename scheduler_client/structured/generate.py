@@ -317,8 +317,28 @@ def _valid(v: Any, s: Any, root: Any, depth: int = 0) -> bool:
     return True
 
 
-_WORDS = ("alpha", "river", "stone", "light", "amber", "north", "quiet", "cedar", "delta", "ember", "field",
-          "harbor", "island", "meadow", "orbit", "pixel", "signal", "timber", "velvet", "willow")
+_WORDS = (
+    "alpha",
+    "river",
+    "stone",
+    "light",
+    "amber",
+    "north",
+    "quiet",
+    "cedar",
+    "delta",
+    "ember",
+    "field",
+    "harbor",
+    "island",
+    "meadow",
+    "orbit",
+    "pixel",
+    "signal",
+    "timber",
+    "velvet",
+    "willow",
+)
 _LOWER_KEYS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains")
 _UPPER_KEYS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
@@ -474,8 +494,9 @@ class _SchemaGen:
         types = _type_list(s.get("type"))
         if types:
             t = self.pick_type(types, depth)
-        elif any(k in s for k in ("properties", "required", "additionalProperties", "patternProperties",
-                                  "minProperties")):  # fmt: skip
+        elif any(
+            k in s for k in ("properties", "required", "additionalProperties", "patternProperties", "minProperties")
+        ):
             t = "object"
         elif any(k in s for k in ("items", "prefixItems", "minItems", "maxItems", "contains")):
             t = "array"
@@ -484,8 +505,11 @@ class _SchemaGen:
         elif any(k in s for k in NUMBER_KEYS):
             t = "number"
         else:
-            t = rng.choice(("string", "integer", "boolean") if self.minimal(depth) else
-                           ("string", "integer", "boolean", "number", "object", "array"))
+            t = rng.choice(
+                ("string", "integer", "boolean")
+                if self.minimal(depth)
+                else ("string", "integer", "boolean", "number", "object", "array")
+            )
         return getattr(self, "gen_" + t)(s, depth)
 
     def pick_type(self, types: list[str], depth: int) -> str:
@@ -809,8 +833,10 @@ class _TagGen:
     def text(self, tag: dict) -> str:
         if "format" in tag:
             return self.fmt(tag["format"], 0)
-        tags = [{"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]}, "end": s["end"]}
-                for s in tag["structures"]]
+        tags = [
+            {"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]}, "end": s["end"]}
+            for s in tag["structures"]
+        ]
         return self.fmt({"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}, 0)
 
     def filler(self, avoid: list[str]) -> str:
@@ -852,8 +878,11 @@ class _TagGen:
             return self.tag(node, depth)
         if kind in ("triggered_tags", "token_triggered_tags"):
             tags = node["tags"]
-            avoid = [*node.get("triggers", []), *(t for t in node.get("trigger_tokens", []) if isinstance(t, str)),
-                     *node.get("excludes", [])]
+            avoid = [
+                *node.get("triggers", []),
+                *(t for t in node.get("trigger_tokens", []) if isinstance(t, str)),
+                *node.get("excludes", []),
+            ]
             count = 1 if node.get("stop_after_first") else rng.randint(0, 2)
             if node.get("at_least_one"):
                 count = max(count, 1)

@@ -12,11 +12,24 @@ import string
 from typing import Any
 
 from scheduler_client.structured.spec import MAX_COUNT, MAX_NESTING, SpecProblem
+
 INF = float("inf")
 _NAME_START = set(string.ascii_letters + "_")
 _NAME_CHARS = set(string.ascii_letters + string.digits + "_-.")
-_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "b": "\b", "f": "\f",
-                   "v": "\v", "a": "\a", "e": "\x1b", "0": "\0"}
+_SIMPLE_ESCAPES = {
+    "n": "\n",
+    "t": "\t",
+    "r": "\r",
+    "\\": "\\",
+    '"': '"',
+    "'": "'",
+    "b": "\b",
+    "f": "\f",
+    "v": "\v",
+    "a": "\a",
+    "e": "\x1b",
+    "0": "\0",
+}
 _CLASS_ESCAPES = {**_SIMPLE_ESCAPES, "[": "[", "]": "]", "-": "-", "^": "^", "/": "/"}
 _HEX_ESCAPES = {"x": (1, 2), "u": (4, 4), "U": (8, 8)}
 
@@ -29,7 +42,7 @@ class Grammar:
 
     def __init__(self, text: str) -> None:
         if not isinstance(text, str) or not text.strip():
-            raise SpecProblem("", "the grammar is empty; expected rules such as root ::= \"yes\" | \"no\"")
+            raise SpecProblem("", 'the grammar is empty; expected rules such as root ::= "yes" | "no"')
         self.text = text
         self.i = 0
         self.rules: dict[str, Any] = {}
@@ -39,8 +52,11 @@ class Grammar:
         self.heights = self.compute_heights()
         self.alt_heights: dict[int, list[float]] = {}  # per alternation node: its options' heights
         if self.heights["root"] == INF:
-            raise SpecProblem("", "the root rule can never finish: every way through it needs a rule that recurses "
-                                 "without end (or an empty character class)")
+            raise SpecProblem(
+                "",
+                "the root rule can never finish: every way through it needs a rule that recurses "
+                "without end (or an empty character class)",
+            )
 
     # ---------------------------------------------------------------- parsing
 
@@ -106,7 +122,7 @@ class Grammar:
                 ch = text[self.i]
                 self.fail(f"unexpected {ch!r}" + (" (no '(' to close)" if ch == ")" else ""))
         if not self.rules:
-            raise SpecProblem("", "the grammar holds only comments; expected rules such as root ::= \"yes\" | \"no\"")
+            raise SpecProblem("", 'the grammar holds only comments; expected rules such as root ::= "yes" | "no"')
         if "root" not in self.rules:
             raise SpecProblem("", "there is no rule named 'root' (the grammar starts at root ::= ...)")
         for name, pos in self.refs:
@@ -133,7 +149,9 @@ class Grammar:
             self.skip()
             if self.i >= len(text) or text[self.i] in "|)" or self.starts_rule(self.i):
                 break
-            if text.startswith("(=", self.i) or (text[self.i] == "(" and text[self.i + 1:].lstrip(" \t").startswith("=")):
+            if text.startswith("(=", self.i) or (
+                text[self.i] == "(" and text[self.i + 1 :].lstrip(" \t").startswith("=")
+            ):
                 start = self.i
                 if not top or depth:
                     self.fail("a lookahead (= ...) may only end a rule", start)
@@ -154,8 +172,10 @@ class Grammar:
             found = "the end of the grammar" if self.i >= len(text) else repr(text[self.i])
             if self.i < len(text) and self.starts_rule(self.i):
                 found = "the next rule"
-            self.fail(f"expected an element (a string, a character class, a rule name or '('), found {found}"
-                      + ("; write \"\" for the empty string" if self.i >= len(text) or text[self.i] in "|)" else ""))
+            self.fail(
+                f"expected an element (a string, a character class, a rule name or '('), found {found}"
+                + ('; write "" for the empty string' if self.i >= len(text) or text[self.i] in "|)" else "")
+            )
         return items[0] if len(items) == 1 else ("seq", items)
 
     def element(self, depth: int) -> Any:
@@ -184,10 +204,11 @@ class Grammar:
             self.i += len(name)
             return ("ref", name)
         if ch == ".":
-            self.fail("'.' (any character) is not supported in this grammar dialect; use a character class "
-                      "such as [^\\n]")
+            self.fail(
+                "'.' (any character) is not supported in this grammar dialect; use a character class such as [^\\n]"
+            )
         if ch == "'":
-            self.fail("strings are written in double quotes (\"...\")")
+            self.fail('strings are written in double quotes ("...")')
         if ch in "*+?{":
             self.fail(f"{ch!r} must follow an element (to repeat a repetition, add parentheses)")
         self.fail(f"unexpected character {ch!r}")
@@ -235,7 +256,7 @@ class Grammar:
             self.i += 1
         if start == self.i:
             self.fail("expected a number in the repetition {m,n} (write {0,n} for 'at most n')")
-        return int(self.text[start:self.i])
+        return int(self.text[start : self.i])
 
     def escape(self, table: dict[str, str]) -> str:
         text = self.text
@@ -252,7 +273,7 @@ class Grammar:
             j = self.i + 1
             while j < len(text) and j - self.i - 1 < hi and text[j] in string.hexdigits:
                 j += 1
-            digits = text[self.i + 1:j]
+            digits = text[self.i + 1 : j]
             if len(digits) < lo:
                 self.fail(f"\\{ch} needs {lo} hex digit{'s' if lo > 1 else ''}", start)
             code = int(digits, 16)

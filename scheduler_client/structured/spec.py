@@ -18,7 +18,6 @@ from re import _parser as _sre_parse
 from typing import Any
 from urllib.parse import unquote
 
-
 MAX_COUNT = 100_000  # the largest repeat count / length bound accepted (an instance must be writable)
 MAX_NESTING = 64  # schema / grammar / structural-tag nesting
 
@@ -110,7 +109,9 @@ def _regex_unsupported(tree, depth: int) -> str | None:
         if op in REPEATS:
             lo, hi, sub = av
             if lo > MAX_COUNT or (hi is not _sre.MAXREPEAT and hi > MAX_COUNT):
-                return f"repeat count {max(lo, hi if hi is not _sre.MAXREPEAT else 0)} is too large (at most {MAX_COUNT})"
+                return (
+                    f"repeat count {max(lo, hi if hi is not _sre.MAXREPEAT else 0)} is too large (at most {MAX_COUNT})"
+                )
             subs = [sub]
         elif op is _sre.SUBPATTERN:
             subs = [av[-1]]
@@ -149,8 +150,11 @@ def resolve_ref(root: Any, ref: str, path: str = "") -> Any:
     if ref == "#" or ref == "":
         return root
     if not ref.startswith("#/"):
-        raise SpecProblem(path, f"'$ref' {ref!r} is not a local reference: only references into this schema "
-                               "(\"#\", \"#/$defs/Name\", \"#/definitions/Name\") are supported")
+        raise SpecProblem(
+            path,
+            f"'$ref' {ref!r} is not a local reference: only references into this schema "
+            '("#", "#/$defs/Name", "#/definitions/Name") are supported',
+        )
     node = root
     for raw in ref[2:].split("/"):
         part = unquote(raw).replace("~1", "/").replace("~0", "~")

@@ -112,18 +112,46 @@ def _load_json(spec: str) -> Any:
 
 # =========================================================================== JSON schema
 
-_SCHEMA_KEYS = ("additionalProperties", "items", "additionalItems", "contains", "not", "propertyNames", "if",
-                "then", "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_KEYS = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
-_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-               "minContains", "maxContains")
-_MIN_MAX = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
-            ("minimum", "maximum"), ("minContains", "maxContains"))
+_COUNT_KEYS = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
+_MIN_MAX = (
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+    ("minimum", "maximum"),
+    ("minContains", "maxContains"),
+)
 
 
 def _key_path(path: str, key: str) -> str:
-    return f"{path}.{key}" if key.replace("_", "").replace("$", "").replace("-", "").isalnum() else f"{path}[{json.dumps(key)}]"
+    return (
+        f"{path}.{key}"
+        if key.replace("_", "").replace("$", "").replace("-", "").isalnum()
+        else f"{path}[{json.dumps(key)}]"
+    )
 
 
 class _SchemaChecker:
@@ -160,7 +188,9 @@ class _SchemaChecker:
         if "patternProperties" in node:
             value = node["patternProperties"]
             if not isinstance(value, dict):
-                raise SpecProblem(path, f"'patternProperties' must be an object mapping regexes to schemas, got {show(value)}")
+                raise SpecProblem(
+                    path, f"'patternProperties' must be an object mapping regexes to schemas, got {show(value)}"
+                )
             for pattern, sub in value.items():
                 _, problem = parse_regex(pattern)
                 if problem is not None:
@@ -190,8 +220,11 @@ class _SchemaChecker:
         if "required" in node:
             value = node["required"]
             if isinstance(value, bool):
-                raise SpecProblem(path, f"'required' must be a list of property names, got {show(value)}; it belongs to "
-                                       "the object schema, e.g. {\"type\": \"object\", \"required\": [\"name\"]}")
+                raise SpecProblem(
+                    path,
+                    f"'required' must be a list of property names, got {show(value)}; it belongs to "
+                    'the object schema, e.g. {"type": "object", "required": ["name"]}',
+                )
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
                 raise SpecProblem(path, f"'required' must be a list of property names (strings), got {show(value)}")
         if "enum" in node:
@@ -217,7 +250,9 @@ class _SchemaChecker:
         for low, high in _MIN_MAX:
             lo, hi = node.get(low), node.get(high)
             if is_number(lo) and is_number(hi) and lo > hi:
-                raise SpecProblem(path, f"'{low}' {show(lo)} is greater than '{high}' {show(hi)}: nothing can satisfy both")
+                raise SpecProblem(
+                    path, f"'{low}' {show(lo)} is greater than '{high}' {show(hi)}: nothing can satisfy both"
+                )
         lo, hi = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
         if is_number(lo) and is_number(hi) and lo >= hi:
             raise SpecProblem(path, f"'exclusiveMinimum' {show(lo)} is not below 'exclusiveMaximum' {show(hi)}")
@@ -235,12 +270,18 @@ class _SchemaChecker:
         if "$ref" in node:
             resolve_ref(self.root, node["$ref"], path)
         props = node.get("properties")
-        if node.get("additionalProperties") is False and isinstance(node.get("required"), list) \
-                and not node.get("patternProperties"):  # fmt: skip
+        if (
+            node.get("additionalProperties") is False
+            and isinstance(node.get("required"), list)
+            and not node.get("patternProperties")
+        ):
             for name in node["required"]:
                 if not isinstance(props, dict) or name not in props:
-                    raise SpecProblem(path, f"required property {name!r} is not in 'properties' and additionalProperties is "
-                                           "false, so no object can satisfy the schema")
+                    raise SpecProblem(
+                        path,
+                        f"required property {name!r} is not in 'properties' and additionalProperties is "
+                        "false, so no object can satisfy the schema",
+                    )
         if isinstance(t, str) and "enum" in node:
             if not any(is_type(v, t) for v in node["enum"]):
                 raise SpecProblem(path, f"no value of 'enum' is of type {t!r}")
@@ -248,9 +289,29 @@ class _SchemaChecker:
 
 # =========================================================================== structural tags
 
-_FORMAT_TYPES = ("const_string", "json_schema", "any_text", "grammar", "regex", "qwen_xml_parameter", "sequence",
-                 "or", "tag", "triggered_tags", "token_triggered_tags", "tags_with_separator", "optional", "plus",
-                 "star", "token", "exclude_token", "any_tokens", "repeat", "dispatch", "token_dispatch")
+_FORMAT_TYPES = (
+    "const_string",
+    "json_schema",
+    "any_text",
+    "grammar",
+    "regex",
+    "qwen_xml_parameter",
+    "sequence",
+    "or",
+    "tag",
+    "triggered_tags",
+    "token_triggered_tags",
+    "tags_with_separator",
+    "optional",
+    "plus",
+    "star",
+    "token",
+    "exclude_token",
+    "any_tokens",
+    "repeat",
+    "dispatch",
+    "token_dispatch",
+)
 
 
 def _need(node: dict, key: str, path: str, what: str, test) -> Any:
@@ -280,10 +341,10 @@ def _check_structural_tag(tag: Any) -> None:
         return
     if "structures" not in tag:
         raise SpecProblem("", "needs 'format' (or the older 'structures' with 'triggers')")
-    structures = _need(tag, "structures", "", "a non-empty list of {begin, schema, end}",
-                       lambda v: isinstance(v, list) and bool(v))
-    triggers = _need(tag, "triggers", "", "a non-empty list of strings",
-                     lambda v: _is_str_list(v, True) and all(v))
+    structures = _need(
+        tag, "structures", "", "a non-empty list of {begin, schema, end}", lambda v: isinstance(v, list) and bool(v)
+    )
+    triggers = _need(tag, "triggers", "", "a non-empty list of strings", lambda v: _is_str_list(v, True) and all(v))
     for i, item in enumerate(structures):
         path = f"structures[{i}]"
         if not isinstance(item, dict):
@@ -336,15 +397,26 @@ def _check_format_body(node: dict, kind: str, path: str, depth: int) -> None:
         pattern = _need(node, "pattern", path, "a regular expression (a string)", lambda v: isinstance(v, str))
         compile_regex(pattern, f"{path}.pattern")
     elif kind in ("sequence", "or"):
-        elements = _need(node, "elements", path, "a non-empty list of formats",
-                         lambda v: isinstance(v, list) and bool(v))
+        elements = _need(
+            node, "elements", path, "a non-empty list of formats", lambda v: isinstance(v, list) and bool(v)
+        )
         for i, sub in enumerate(elements):
             _check_format(sub, f"{path}.elements[{i}]", depth + 1)
     elif kind == "tag":
-        _need(node, "begin", path, "a string or a token format",
-              lambda v: isinstance(v, str) or (isinstance(v, dict) and v.get("type") == "token"))
-        _need(node, "end", path, "a string, a list of strings or a token format",
-              lambda v: isinstance(v, str) or _is_str_list(v, True) or (isinstance(v, dict) and v.get("type") == "token"))
+        _need(
+            node,
+            "begin",
+            path,
+            "a string or a token format",
+            lambda v: isinstance(v, str) or (isinstance(v, dict) and v.get("type") == "token"),
+        )
+        _need(
+            node,
+            "end",
+            path,
+            "a string, a list of strings or a token format",
+            lambda v: isinstance(v, str) or _is_str_list(v, True) or (isinstance(v, dict) and v.get("type") == "token"),
+        )
         _need(node, "content", path, "a format", lambda v: isinstance(v, dict))
         _check_format(node["content"], f"{path}.content", depth + 1)
     elif kind in ("triggered_tags", "token_triggered_tags", "tags_with_separator"):
@@ -352,33 +424,55 @@ def _check_format_body(node: dict, kind: str, path: str, depth: int) -> None:
         for i, sub in enumerate(tags):
             _check_tag(sub, f"{path}.tags[{i}]", depth + 1)
         if kind == "triggered_tags":
-            triggers = _need(node, "triggers", path, "a non-empty list of strings",
-                             lambda v: _is_str_list(v, True) and all(v))
+            triggers = _need(
+                node, "triggers", path, "a non-empty list of strings", lambda v: _is_str_list(v, True) and all(v)
+            )
             for i, sub in enumerate(tags):
                 begin = sub["begin"]
                 if isinstance(begin, str) and not any(begin.startswith(t) for t in triggers):
-                    raise SpecProblem(f"{path}.tags[{i}]", f"'begin' {begin!r} does not start with any of the triggers "
-                                                          f"{show(triggers)}")
+                    raise SpecProblem(
+                        f"{path}.tags[{i}]",
+                        f"'begin' {begin!r} does not start with any of the triggers {show(triggers)}",
+                    )
         elif kind == "token_triggered_tags":
-            _need(node, "trigger_tokens", path, "a non-empty list of token IDs or strings",
-                  lambda v: isinstance(v, list) and bool(v) and all(_is_token(x) for x in v))
+            _need(
+                node,
+                "trigger_tokens",
+                path,
+                "a non-empty list of token IDs or strings",
+                lambda v: isinstance(v, list) and bool(v) and all(_is_token(x) for x in v),
+            )
         else:
             _need(node, "separator", path, "a string", lambda v: isinstance(v, str))
     elif kind in ("optional", "plus", "star"):
         _need(node, "content", path, "a format", lambda v: isinstance(v, dict))
         _check_format(node["content"], f"{path}.content", depth + 1)
     elif kind == "repeat":
-        lo = _need(node, "min", path, "a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT)
-        _need(node, "max", path, "an integer >= min, or -1 for no limit",
-              lambda v: isinstance(v, int) and not isinstance(v, bool) and (v == -1 or lo <= v))
+        lo = _need(
+            node,
+            "min",
+            path,
+            "a non-negative integer",
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT,
+        )
+        _need(
+            node,
+            "max",
+            path,
+            "an integer >= min, or -1 for no limit",
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and (v == -1 or lo <= v),
+        )
         _need(node, "content", path, "a format", lambda v: isinstance(v, dict))
         _check_format(node["content"], f"{path}.content", depth + 1)
     elif kind == "token":
         _need(node, "token", path, "a token ID or string", _is_token)
     elif kind in ("exclude_token", "any_tokens"):
-        if "exclude_tokens" in node and not (isinstance(node["exclude_tokens"], list)
-                                             and all(_is_token(x) for x in node["exclude_tokens"])):  # fmt: skip
-            raise SpecProblem(path, f"'exclude_tokens' must be a list of token IDs or strings, got {show(node['exclude_tokens'])}")
+        if "exclude_tokens" in node and not (
+            isinstance(node["exclude_tokens"], list) and all(_is_token(x) for x in node["exclude_tokens"])
+        ):
+            raise SpecProblem(
+                path, f"'exclude_tokens' must be a list of token IDs or strings, got {show(node['exclude_tokens'])}"
+            )
     elif kind in ("dispatch", "token_dispatch"):
         rules = _need(node, "rules", path, "a list of [pattern, format] pairs", lambda v: isinstance(v, list))
         for i, rule in enumerate(rules):

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from conftest import run_bench
 
-POLICY_KEYS = {"cached_share", "late_ttft_p50_ms", "late_ttft_p99_ms", "ideal_cached_share", "missed_turns",
-               "requests_per_rank", "errors"}  # fmt: skip
+POLICY_KEYS = {
+    "cached_share",
+    "late_ttft_p50_ms",
+    "late_ttft_p99_ms",
+    "ideal_cached_share",
+    "missed_turns",
+    "requests_per_rank",
+    "errors",
+}
 
 
 def test_bench_dp_sim_affinity_keeps_the_prefix_cache(tmp_path):

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from conftest import run_bench
 
-NODE_KEYS = {"gateways", "gateway_pids_seen", "ready_s", "processes", "pss_mib", "gateways_pss_mib", "idle_cpu_share",
-             "metrics_scrape_p50_ms", "small", "streams"}  # fmt: skip
+NODE_KEYS = {
+    "gateways",
+    "gateway_pids_seen",
+    "ready_s",
+    "processes",
+    "pss_mib",
+    "gateways_pss_mib",
+    "idle_cpu_share",
+    "metrics_scrape_p50_ms",
+    "small",
+    "streams",
+}
 
 
 def test_bench_gateways_compares_one_and_two_gateways(tmp_path):
-    report, stdout = run_bench(tmp_path, "gateways", "--quick", "--levels", "64", "--window", "1", "--workers", "1",
-                               timeout=240)  # fmt: skip
+    report, stdout = run_bench(
+        tmp_path, "gateways", "--quick", "--levels", "64", "--window", "1", "--workers", "1", timeout=240
+    )
     one, two = report["nodes"]
     for node, gateways in ((one, 1), (two, 2)):
         assert NODE_KEYS <= set(node), sorted(NODE_KEYS - set(node))

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from conftest import run_bench
 
-ROW_KEYS = {"mode", "streams", "tokens_per_step", "delivered_ratio", "emitted_ratio", "gap_p50_ms", "gap_p99_ms",
-            "cpu_ms_per_1k_tokens", "health_p99_ms", "client_cpu_share", "events_per_token"}  # fmt: skip
+ROW_KEYS = {
+    "mode",
+    "streams",
+    "tokens_per_step",
+    "delivered_ratio",
+    "emitted_ratio",
+    "gap_p50_ms",
+    "gap_p99_ms",
+    "cpu_ms_per_1k_tokens",
+    "health_p99_ms",
+    "client_cpu_share",
+    "events_per_token",
+}
 
 
 def test_bench_streams_json_has_every_row_and_key(tmp_path):
@@ -14,7 +25,8 @@ def test_bench_streams_json_has_every_row_and_key(tmp_path):
     rows = report["levels"]
     # per mode: 64 streams, 64 slow readers, and 64 streams at 4 tokens per step
     assert sorted((r["mode"], r["tokens_per_step"], r["slow_read_ms"]) for r in rows) == sorted(
-        (m, tps, slow) for m in ("pool", "inline") for tps, slow in ((1, 0), (1, 100), (4, 0)))
+        (m, tps, slow) for m in ("pool", "inline") for tps, slow in ((1, 0), (1, 100), (4, 0))
+    )
     for row in rows:
         assert ROW_KEYS <= set(row), sorted(ROW_KEYS - set(row))
         assert row["errors"] == [], row

@@ -17,7 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Server
 
 LOCUSTFILE = ROOT / "deploy" / "loadtest" / "locustfile.py"
@@ -40,15 +39,39 @@ def run_locust(host: str, out: Path, *, users: int, run_time: str, env: dict | N
     """Run locust headless; (return code, output, stats rows keyed by (type, name), failure rows)."""
     prefix = out / "run"
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
-        "-u", str(users), "-r", str(users), "--run-time", run_time, "--stop-timeout", "10",
-        "--csv", str(prefix), "--exit-code-on-error", "1", "--only-summary", "--loglevel", "WARNING",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        host,
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "--run-time",
+        run_time,
+        "--stop-timeout",
+        "10",
+        "--csv",
+        str(prefix),
+        "--exit-code-on-error",
+        "1",
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
         *classes,
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(
-        cmd, cwd=out, capture_output=True, text=True, timeout=90,
+        cmd,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=90,
         env={**os.environ, "LOADTEST_LONG_CONTEXT_TOKENS": "20000", "LOADTEST_MAX_TOKENS": "48", **(env or {})},
-    )  # fmt: skip
+    )
     output = proc.stdout + proc.stderr
     stats_file = Path(f"{prefix}_stats.csv")
     assert stats_file.exists(), f"locust wrote no stats (exit {proc.returncode}):\n{output[-4000:]}"
@@ -116,7 +139,9 @@ class BadHandler(BaseHTTPRequestHandler):
         elif kind == "plain":
             self.reply(200, [b'{"choices": []}', b"not json"][n - 1])
         else:
-            chunk = b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+            chunk = (
+                b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+            )
             self.reply(200, [chunk, chunk + b"data: {oops\n\n"][n - 1], "text/event-stream")
 
 
@@ -127,14 +152,19 @@ def test_bad_answers_are_failures(tmp_path):
     thread.start()
     try:
         host = f"http://127.0.0.1:{server.server_address[1]}"
-        code, output, stats, failures = run_locust(host, tmp_path, users=4, run_time="5s",
-                                                   classes=["ShortChatUser", "StreamingChatUser"])  # fmt: skip
+        code, output, stats, failures = run_locust(
+            host, tmp_path, users=4, run_time="5s", classes=["ShortChatUser", "StreamingChatUser"]
+        )
     finally:
         server.shutdown()
         server.server_close()
     assert code != 0, "locust exited 0 although requests failed"
-    assert int(stats[("POST", "short chat")]["Request Count"]) == int(stats[("POST", "short chat")]["Failure Count"]) > 0
-    assert int(stats[("POST", "chat stream")]["Request Count"]) == int(stats[("POST", "chat stream")]["Failure Count"]) > 0
+    assert (
+        int(stats[("POST", "short chat")]["Request Count"]) == int(stats[("POST", "short chat")]["Failure Count"]) > 0
+    )
+    assert (
+        int(stats[("POST", "chat stream")]["Request Count"]) == int(stats[("POST", "chat stream")]["Failure Count"]) > 0
+    )
     assert ("TTFT", "chat stream") not in stats  # a failed stream records no latencies
     errors = " | ".join(f["Error"] for f in failures)
     for expected in ["HTTP 500", "malformed answer", "stream ended without data: [DONE]", "malformed stream"]:

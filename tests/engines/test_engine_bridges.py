@@ -41,10 +41,11 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
-from engines import MissingBackend, backend_module
 from conftest import ROOT
 from protocol_client import AsyncProtocolClient
+
+from engines import MissingBackend, backend_module
+from engines.scheduler_server import Rejected
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
 from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
 from engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
@@ -65,7 +66,6 @@ from scheduler_client.protocol import (
     bytes_to_floats,
     frame_to_ids,
 )
-from engines.scheduler_server import Rejected
 
 WAIT = 10.0
 IN_FLIGHT_GOAL = 8
@@ -145,8 +145,9 @@ class FakeSGLangEngine:
         finally:
             call.close()
 
-    async def async_generate(self, input_ids=None, sampling_params=None, stream=False, rid=None,
-                             return_logprob=False, top_logprobs_num=None):  # fmt: skip
+    async def async_generate(
+        self, input_ids=None, sampling_params=None, stream=False, rid=None, return_logprob=False, top_logprobs_num=None
+    ):
         self.on_engine_loop("async_generate")
         assert stream is True, "the bridge streams"
         if len(input_ids) > 100:
@@ -155,8 +156,12 @@ class FakeSGLangEngine:
             )
         if "min_new_tokens" in sampling_params and self.kwargs.get("skip_tokenizer_init"):
             raise ValueError("min_new_tokens=1 is unavailable when skip_tokenizer_init=True")  # as SGLang says
-        self.requests[rid] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                              "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}  # fmt: skip
+        self.requests[rid] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob,
+            "top_logprobs_num": top_logprobs_num,
+        }
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         if self._all_in is None:
@@ -236,13 +241,30 @@ def sglang_backend(**engine_kwargs) -> tuple[SGLangBackend, FakeSGLangEngine]:
     return backend, made[0]
 
 
-def request(rid: str, prompt=(1, 2, 3), n: int = 5, stop=(), ignore_eos: bool = False, logprobs=None,
-            structured=None, priority: int = 0, cache_salt: str | None = None, **sampling) -> EngineRequest:  # fmt: skip
+def request(
+    rid: str,
+    prompt=(1, 2, 3),
+    n: int = 5,
+    stop=(),
+    ignore_eos: bool = False,
+    logprobs=None,
+    structured=None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    **sampling,
+) -> EngineRequest:
     return EngineRequest(
-        rid=rid, prompt=list(prompt), max_new_tokens=n, sampling=SamplingParams(**sampling),
-        stop_token_ids=list(stop), ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
-        priority=priority, cache_salt=cache_salt,
-    )  # fmt: skip
+        rid=rid,
+        prompt=list(prompt),
+        max_new_tokens=n,
+        sampling=SamplingParams(**sampling),
+        stop_token_ids=list(stop),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        structured=structured,
+        priority=priority,
+        cache_salt=cache_salt,
+    )
 
 
 async def collect(stream) -> tuple[list[int], str | None, str | None]:
@@ -333,9 +355,14 @@ def test_sglang_sampling_params_and_seed():
     try:
         greedy = SGLangBackend.sampling_params(request("g", n=9, stop=(5, 6), temperature=0.0, top_k=0))
         assert greedy == {
-            "max_new_tokens": 9, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop_token_ids": [5, 6],
-        }  # fmt: skip
+            "max_new_tokens": 9,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop_token_ids": [5, 6],
+        }
         sampled = SGLangBackend.sampling_params(
             request("s", stop=(5,), ignore_eos=True, temperature=0.7, top_p=0.9, top_k=40, presence_penalty=0.5)
         )
@@ -407,10 +434,19 @@ def test_sglang_protocol_1_1_params_and_features():
     assert (params["min_p"], params["repetition_penalty"], params["min_new_tokens"]) == (0.05, 1.3, 4)  # capped
     assert params["logit_bias"] == {"7": -100.0, "42": 2.5}  # SGLang keys logit_bias by token ID strings
     plain = SGLangBackend.sampling_params(request("y"))
-    assert not {"min_p", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf",
-                "structural_tag"} & set(plain)  # fmt: skip
+    assert not {
+        "min_p",
+        "repetition_penalty",
+        "min_new_tokens",
+        "logit_bias",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+    } & set(plain)
     assert {kind: SGLangBackend.sampling_params(request("s", structured=st)) for kind, st in STRUCTURED.items()} == {
-        kind: {**plain, **extra} for kind, extra in {
+        kind: {**plain, **extra}
+        for kind, extra in {
             "json_schema": {"json_schema": SCHEMA},
             "json_object": {"json_schema": '{"type": "object"}'},
             "regex": {"regex": "[a-z]+"},
@@ -418,7 +454,7 @@ def test_sglang_protocol_1_1_params_and_features():
             "choice": {"ebnf": 'root ::= "yes" | "no"'},
             "structural_tag": {"structural_tag": '{"type": "structural_tag", "format": {}}'},
         }.items()
-    }  # fmt: skip
+    }
     assert structured_params(STRUCTURED["regex"]) == {"regex": "[a-z]+"}
 
     with_tokenizer, _ = sglang_backend(skip_tokenizer_init=False)
@@ -473,8 +509,11 @@ def test_sglang_logprobs(cumulative):
 
 def test_parse_engine_args():
     assert parse_engine_args(["tp_size=2", "mem-fraction-static=0.85", "attention_backend=triton", "x=true"]) == {
-        "tp_size": 2, "mem_fraction_static": 0.85, "attention_backend": "triton", "x": True,
-    }  # fmt: skip
+        "tp_size": 2,
+        "mem_fraction_static": 0.85,
+        "attention_backend": "triton",
+        "x": True,
+    }
     with pytest.raises(ValueError):
         parse_engine_args(["no-equals-sign"])
 
@@ -499,8 +538,9 @@ class FakeAsyncLLM:
     def __init__(self, policy: str = "fcfs", **model_config_fields) -> None:
         fields = {"max_model_len": 2048, "get_vocab_size": lambda: 6000, "max_logprobs": 20, **model_config_fields}
         model_config = SimpleNamespace(**fields)
-        self.vllm_config = SimpleNamespace(model_config=model_config,
-                                           scheduler_config=SimpleNamespace(max_num_seqs=32, policy=policy))
+        self.vllm_config = SimpleNamespace(
+            model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=32, policy=policy)
+        )
         self.prompts: dict[str, dict] = {}
         self.priorities: dict[str, int] = {}
         self.model_config = model_config
@@ -521,8 +561,9 @@ class FakeAsyncLLM:
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum number of tokens per batch"
             )
         if (params.get("logprobs") or 0) > 10:  # as vLLM with --max-logprobs 10
-            raise FakeValidationError("Requested sample logprobs of 11, which is greater than max allowed: 10",
-                                      parameter="logprobs")  # fmt: skip
+            raise FakeValidationError(
+                "Requested sample logprobs of 11, which is greater than max allowed: 10", parameter="logprobs"
+            )
         structured = params.get("structured_outputs") or {}
         if structured.get("json") == "{not json":  # as xgrammar's schema check in vLLM's input processor
             raise ValueError("Invalid JSON grammar specification.")
@@ -540,8 +581,11 @@ class FakeAsyncLLM:
                     return
                 token = next_token(ids, generated)
                 generated.append(token)
-                logprobs = None if params.get("logprobs") is None else vllm_logprobs(
-                    token, params["logprobs"], params.get("flat_logprobs", False))  # fmt: skip
+                logprobs = (
+                    None
+                    if params.get("logprobs") is None
+                    else vllm_logprobs(token, params["logprobs"], params.get("flat_logprobs", False))
+                )
                 if not params["ignore_eos"] and token == 999:
                     reason = "stop"
                 elif token in params["stop_token_ids"]:
@@ -552,8 +596,9 @@ class FakeAsyncLLM:
                     reason = None
                 out = _out([token], reason, logprobs)
                 if len(generated) == 1 and params.get("prompt_logprobs") is not None:  # the first output's
-                    out.prompt_logprobs = vllm_prompt_logprobs(ids, params["prompt_logprobs"],
-                                                               params.get("flat_logprobs", False))  # fmt: skip
+                    out.prompt_logprobs = vllm_prompt_logprobs(
+                        ids, params["prompt_logprobs"], params.get("flat_logprobs", False)
+                    )
                 kv = (params.get("extra_args") or {}).get("kv_transfer_params")
                 if reason and kv:  # a KV connector's answer
                     out.kv_transfer_params = {"remote_block_ids": [1, 2], "asked": kv}
@@ -579,8 +624,13 @@ def vllm_logprobs(token: int, n: int, flat: bool, best: int | None = None):
     chosen = ranked[rank - 1][0] if rank <= len(ranked) else -30.0
     entries = [(token, chosen, rank)] + [(t, lp, r) for r, (lp, t) in enumerate(ranked[:n], 1)]
     if flat:
-        return SimpleNamespace(start_indices=[0], end_indices=[len(entries)], token_ids=[e[0] for e in entries],
-                               logprobs=[e[1] for e in entries], ranks=[e[2] for e in entries])  # fmt: skip
+        return SimpleNamespace(
+            start_indices=[0],
+            end_indices=[len(entries)],
+            token_ids=[e[0] for e in entries],
+            logprobs=[e[1] for e in entries],
+            ranks=[e[2] for e in entries],
+        )
     return [{t: SimpleNamespace(logprob=lp, rank=r, decoded_token=None) for t, lp, r in entries}]
 
 
@@ -605,7 +655,9 @@ def _out(tokens: list[int], reason: str | None, logprobs=None):
     return SimpleNamespace(outputs=[completion], finished=reason is not None, num_cached_tokens=0)
 
 
-def vllm_backend(engine_args: dict | None = None, policy: str = "fcfs", **model_config) -> tuple[VLLMBackend, FakeAsyncLLM]:
+def vllm_backend(
+    engine_args: dict | None = None, policy: str = "fcfs", **model_config
+) -> tuple[VLLMBackend, FakeAsyncLLM]:
     engine = FakeAsyncLLM(policy, **model_config)
     backend = VLLMBackend(
         engine=engine,
@@ -632,11 +684,29 @@ def test_vllm_tokens_finish_reasons_and_params():
         params = engine.params["b"]
         assert params["ignore_eos"] is True and params["stop_token_ids"] == [full[3]]
         assert (params["temperature"], params["top_k"], params["max_tokens"], params["n"]) == (0.0, -1, 8, 1)
-        await collect(backend.generate(request("c", prompt, n=3, temperature=0.8, top_k=20, top_p=0.5, seed=42,
-                                               presence_penalty=0.1, frequency_penalty=-0.2)))  # fmt: skip
+        await collect(
+            backend.generate(
+                request(
+                    "c",
+                    prompt,
+                    n=3,
+                    temperature=0.8,
+                    top_k=20,
+                    top_p=0.5,
+                    seed=42,
+                    presence_penalty=0.1,
+                    frequency_penalty=-0.2,
+                )
+            )
+        )
         params = engine.params["c"]
-        assert (params["seed"], params["top_k"], params["top_p"], params["presence_penalty"], params["frequency_penalty"]) == (
-            42, 20, 0.5, 0.1, -0.2)  # fmt: skip
+        assert (
+            params["seed"],
+            params["top_k"],
+            params["top_p"],
+            params["presence_penalty"],
+            params["frequency_penalty"],
+        ) == (42, 20, 0.5, 0.1, -0.2)
 
     asyncio.run(main())
     asyncio.run(backend.close())
@@ -671,9 +741,18 @@ def test_vllm_protocol_1_1_params_and_features():
     info = backend.info()
     # vLLM's default FCFS; no KV connector
     assert info.features == set(FEATURES) - {"priority", "kv_transfer_params"} and info.max_logprobs == 20
-    params = backend.sampling_params(request("p", n=8, min_p=0.05, repetition_penalty=1.3, min_tokens=50,
-                                             logit_bias={5: -100.0}, logprobs=2,
-                                             structured=STRUCTURED["regex"]))  # fmt: skip
+    params = backend.sampling_params(
+        request(
+            "p",
+            n=8,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            min_tokens=50,
+            logit_bias={5: -100.0},
+            logprobs=2,
+            structured=STRUCTURED["regex"],
+        )
+    )
     assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.05, 1.3, 8)  # capped
     assert params["logit_bias"] == {5: -100.0}
     assert (params["logprobs"], params["flat_logprobs"]) == (2, True)
@@ -683,10 +762,13 @@ def test_vllm_protocol_1_1_params_and_features():
     assert (plain["min_tokens"], plain["logit_bias"]) == (0, None)
     assert not {"logprobs", "flat_logprobs", "structured_outputs"} & set(plain)
     assert {kind: structured_outputs(st) for kind, st in STRUCTURED.items()} == {
-        "json_schema": {"json": SCHEMA}, "json_object": {"json_object": True}, "regex": {"regex": "[a-z]+"},
-        "grammar": {"grammar": 'root ::= "x" | "y"'}, "choice": {"choice": ["yes", "no"]},
+        "json_schema": {"json": SCHEMA},
+        "json_object": {"json_object": True},
+        "regex": {"regex": "[a-z]+"},
+        "grammar": {"grammar": 'root ::= "x" | "y"'},
+        "choice": {"choice": ["yes", "no"]},
         "structural_tag": {"structural_tag": '{"type": "structural_tag", "format": {}}'},
-    }  # fmt: skip
+    }
 
     no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})  # vLLM refuses structured outputs then
     assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority", "kv_transfer_params"}
@@ -724,8 +806,9 @@ def test_vllm_sampling_params_carry_bad_words_token_ids():
     (bad_words_token_ids), through the msgpack trip to the engine core, and update_from_tokenizer
     leaves them alone (bad_words, the strings, stay empty)."""
     pytest.importorskip("vllm")
-    from engines.vllm_backend import vllm_sampling_params
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from engines.vllm_backend import vllm_sampling_params
 
     params = vllm_sampling_params(max_tokens=3, allowed_token_ids=[1, 2], bad_words_token_ids=[[5, 6], [7]])
     params.update_from_tokenizer(None)  # returns at once: no strings to tokenize
@@ -746,8 +829,13 @@ def test_vllm_logprobs_conversion():
         assert convert_logprobs(None, [], 3) == ([], [], [])
     # several positions in one delta (a slow consumer): FlatLogprobs' start/end indices
     a, b = vllm_logprobs(100, 2, True), vllm_logprobs(205, 2, True, best=200)
-    both = SimpleNamespace(start_indices=[0, 3], end_indices=[3, 6], token_ids=a.token_ids + b.token_ids,
-                           logprobs=a.logprobs + b.logprobs, ranks=a.ranks + b.ranks)  # fmt: skip
+    both = SimpleNamespace(
+        start_indices=[0, 3],
+        end_indices=[3, 6],
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=a.logprobs + b.logprobs,
+        ranks=a.ranks + b.ranks,
+    )
     assert convert_logprobs(both, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
     a, b = vllm_logprobs(100, 2, False), vllm_logprobs(205, 2, False, best=200)
     assert convert_logprobs(a + b, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
@@ -787,12 +875,19 @@ def test_vllm_validation_error_is_a_rejection():
 class Frontend(AsyncProtocolClient):
     """A DEALER talking the protocol to an in-process EngineServer."""
 
-    async def generate(self, rid: str, prompt, n: int, stop=(), ignore_eos=False, logprobs=None, structured=None,
-                       **sampling) -> None:  # fmt: skip
+    async def generate(
+        self, rid: str, prompt, n: int, stop=(), ignore_eos=False, logprobs=None, structured=None, **sampling
+    ) -> None:
         await self.send_generate(
-            rid, prompt, max_new_tokens=n, sampling=SamplingParams(**sampling), stop_token_ids=list(stop),
-            ignore_eos=ignore_eos, logprobs=logprobs, structured=structured,
-        )  # fmt: skip
+            rid,
+            prompt,
+            max_new_tokens=n,
+            sampling=SamplingParams(**sampling),
+            stop_token_ids=list(stop),
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            structured=structured,
+        )
 
     async def results(self, rids) -> dict[str, tuple[list[int], str, object]]:
         """rid -> (tokens, finish reason or "rejected", final output or Error); each request's logprobs
@@ -919,8 +1014,14 @@ class ScriptedBackend(Backend):
         self.requests: dict[str, EngineRequest] = {}
 
     def info(self) -> EngineInfo:
-        return EngineInfo(name="scripted", vocab_size=100, max_running_requests=4, max_model_len=50,
-                          features=self.features, max_logprobs=self.max_logprobs)  # fmt: skip
+        return EngineInfo(
+            name="scripted",
+            vocab_size=100,
+            max_running_requests=4,
+            max_model_len=50,
+            features=self.features,
+            max_logprobs=self.max_logprobs,
+        )
 
     async def generate(self, request: EngineRequest):
         self.requests[request.rid] = request
@@ -1104,11 +1205,13 @@ def test_engine_server_refuses_what_the_backend_cannot_honour():
             done = await fe.results(["bias", "regex", "rep", "min-tokens", "too-many", "engine-says", "schema"])
             errors = {rid: (r[2].code, r[2].param) for rid, r in done.items() if r[1] == "rejected"}
             assert errors == {
-                "bias": ("unsupported", "sampling.logit_bias"), "regex": ("unsupported", "structured"),
+                "bias": ("unsupported", "sampling.logit_bias"),
+                "regex": ("unsupported", "structured"),
                 "rep": ("unsupported", "sampling.repetition_penalty"),
                 "min-tokens": ("unsupported", "sampling.min_tokens"),
-                "too-many": ("bad_request", "logprobs"), "engine-says": ("bad_request", "sampling.min_p"),
-            }  # fmt: skip
+                "too-many": ("bad_request", "logprobs"),
+                "engine-says": ("bad_request", "sampling.min_p"),
+            }
             assert "regex" in done["regex"][2].message
             assert done["schema"][1] == "length"  # everything it uses is listed
             assert len(partial.requests) == 2  # only "engine-says" and "schema" reached the backend
@@ -1176,8 +1279,17 @@ def test_vllm_errors_name_the_field():
             assert welcome.max_logprobs == 20
             await fe.generate("many", (1, 2), 3, logprobs=11)  # within Welcome's 20, beyond this vLLM's 10
             await fe.generate("schema", (1, 2), 3, structured=Structured(kind="json_schema", spec="{not json"))
-            await fe.generate("ok", (1, 2), 2, logprobs=1, min_p=0.1, min_tokens=1, logit_bias={7: 2.0},
-                              repetition_penalty=1.1, structured=STRUCTURED["choice"])  # fmt: skip
+            await fe.generate(
+                "ok",
+                (1, 2),
+                2,
+                logprobs=1,
+                min_p=0.1,
+                min_tokens=1,
+                logit_bias={7: 2.0},
+                repetition_penalty=1.1,
+                structured=STRUCTURED["choice"],
+            )
             done = await fe.results(["many", "schema", "ok"])
             assert (done["many"][2].code, done["many"][2].param) == ("bad_request", "logprobs")
             assert "greater than max allowed" in done["many"][2].message
@@ -1233,9 +1345,23 @@ def test_engine_command_reports_a_missing_backend(tmp_path):
     except ImportError:
         pass
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", "x", "--bind", f"ipc://{tmp_path}/e.sock"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "engine",
+            "--backend",
+            "vllm",
+            "--model",
+            "x",
+            "--bind",
+            f"ipc://{tmp_path}/e.sock",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'tokenmill[vllm]'" in proc.stderr
 
@@ -1247,8 +1373,11 @@ def test_vllm_prompt_logprobs_kv_transfer_params_and_extra_args():
     kv_transfer_params -> the final RequestOutput's. kv_transfer_params is listed only with a KV connector."""
     engine = FakeAsyncLLM()
     engine.vllm_config.kv_transfer_config = SimpleNamespace(kv_connector="NixlConnector")
-    backend = VLLMBackend(engine=engine, engine_args={"model": "fake/model"},
-                          make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"})
+    backend = VLLMBackend(
+        engine=engine,
+        engine_args={"model": "fake/model"},
+        make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"},
+    )
     backend.prepare()
     assert {"prompt_logprobs", "kv_transfer_params", "extra_args"} <= backend.info().features
     assert "kv_transfer_params" not in vllm_backend()[0].info().features  # no connector
@@ -1273,8 +1402,14 @@ def test_vllm_prompt_logprobs_kv_transfer_params_and_extra_args():
         fe = Frontend(endpoint)
         try:
             await fe.hello()
-            gen = Generate(request_id="r", prompt_token_count=4, max_new_tokens=3, prompt_logprobs=2,
-                           kv_transfer_params={"do_remote_decode": True}, extra_args={"a": 1})  # fmt: skip
+            gen = Generate(
+                request_id="r",
+                prompt_token_count=4,
+                max_new_tokens=3,
+                prompt_logprobs=2,
+                kv_transfer_params={"do_remote_decode": True},
+                extra_args={"a": 1},
+            )
             await fe.sock.send_multipart([encode(gen), ids_to_frame(prompt)])
             outputs = []
             while not outputs or outputs[-1].finish_reason is None:

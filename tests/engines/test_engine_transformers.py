@@ -33,9 +33,9 @@ pytest.importorskip(
 )
 
 import openai  # noqa: E402
-
 from conftest import ROOT, Server  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
+
 from scheduler_client.protocol import (  # noqa: E402
     Error,
     Outputs,
@@ -60,10 +60,22 @@ class Engine:
         self.log_path = self.dir / "engine.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "engine", "--backend", "transformers", "--random-weights",
-             "--bind", self.endpoint, *options],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.cli",
+                "engine",
+                "--backend",
+                "transformers",
+                "--random-weights",
+                "--bind",
+                self.endpoint,
+                *options,
+            ],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -115,8 +127,9 @@ class Probe(ProtocolClient):
         return self.stats[-1]
 
     def generate(self, rid: str, prompt: list[int], max_new_tokens: int, stop=(), **sampling) -> tuple[list[int], str]:
-        self.send_generate(rid, prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(**sampling),
-                           stop_token_ids=list(stop))
+        self.send_generate(
+            rid, prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(**sampling), stop_token_ids=list(stop)
+        )
         tokens: list[int] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -176,9 +189,13 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -294,12 +311,17 @@ def test_logprobs_are_the_models_raw_logprobs(probe, reference_model):
     with the top 3, and one without logprobs. The logprobs are log_softmax of the model's logits before
     temperature / top-k / top-p (vLLM's raw_logprobs), each request's own; greedy picks the top entry."""
     greedy_prompt, sampled_prompt, plain_prompt = [11, 2024, 7, 99, 1500], [300, 301, 302], [5, 6, 7, 8, 9, 10, 11]
-    got, most = generate_together(probe, {
-        "lp-greedy": (greedy_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}, "logprobs": 5}),
-        "lp-sampled": (sampled_prompt, {"max_new_tokens": 10, "logprobs": 3,
-                                        "sampling": {"temperature": 0.9, "top_p": 0.95}}),
-        "lp-none": (plain_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}}),
-    })  # fmt: skip
+    got, most = generate_together(
+        probe,
+        {
+            "lp-greedy": (greedy_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}, "logprobs": 5}),
+            "lp-sampled": (
+                sampled_prompt,
+                {"max_new_tokens": 10, "logprobs": 3, "sampling": {"temperature": 0.9, "top_p": 0.95}},
+            ),
+            "lp-none": (plain_prompt, {"max_new_tokens": 10, "sampling": {"temperature": 0.0}}),
+        },
+    )
     assert {rid: g["finish"] for rid, g in got.items()} == dict.fromkeys(got, "length")
     assert most >= 2, "the requests never shared an engine step"
 
@@ -367,10 +389,15 @@ def test_chat_and_completions(front, probe):
     again = client.completions.create(model=model, prompt="The river wound slowly", max_tokens=6, temperature=0)
     assert again.choices[0].text == text.choices[0].text  # deterministic: greedy on fixed weights
 
-    chunks = list(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Stream, please"}], max_tokens=7, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Stream, please"}],
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert chunks[-1].usage.completion_tokens == 7
@@ -411,9 +438,13 @@ def test_logprobs_through_the_openai_api(front, reference_model):
         assert abs(max(lp.top_logprobs[i].values()) - reference[i].max().item()) < 1e-4
 
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
-        logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=model,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:  # greedy: the chosen token is the best entry

@@ -78,11 +78,27 @@ class _Oracle:
     def start(self) -> None:
         if self.proc is not None or vllm_env.missing_reason():
             return
-        lines = [json.dumps({"tool_parser": c.tool_parser, "reasoning_parser": c.reasoning_parser, "tools": c.tools,
-                             "text": c.text, "markers": markers(c), "chat_template_kwargs": c.chat_template_kwargs},
-                            ensure_ascii=False) for c in CASES]  # fmt: skip
-        self.proc = subprocess.Popen([str(vllm_env.VLLM_PYTHON), str(vllm_env.ROOT / "tests" / "oracles" / "vllm_parsers.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        lines = [
+            json.dumps(
+                {
+                    "tool_parser": c.tool_parser,
+                    "reasoning_parser": c.reasoning_parser,
+                    "tools": c.tools,
+                    "text": c.text,
+                    "markers": markers(c),
+                    "chat_template_kwargs": c.chat_template_kwargs,
+                },
+                ensure_ascii=False,
+            )
+            for c in CASES
+        ]
+        self.proc = subprocess.Popen(
+            [str(vllm_env.VLLM_PYTHON), str(vllm_env.ROOT / "tests" / "oracles" / "vllm_parsers.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         atexit.register(self.proc.kill)  # a session that ends early leaves no oracle behind
 
         def talk() -> None:
@@ -119,8 +135,11 @@ def vllm_results() -> dict:
 
 
 def _normalized(result: dict) -> dict:
-    return {"reasoning": result.get("reasoning") or None, "content": result.get("content") or None,
-            "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in result.get("tool_calls") or []]}
+    return {
+        "reasoning": result.get("reasoning") or None,
+        "content": result.get("content") or None,
+        "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in result.get("tool_calls") or []],
+    }
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -173,7 +192,9 @@ def tokenizer():
     return load_model(None).tokenizer
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(case=st.sampled_from(CASES), data=st.data())
 def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
     """The worker's path: token IDs in frames of any size (cuts inside multi-byte characters too),
@@ -188,8 +209,16 @@ def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
     sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids)))
     detok = Detokenizer(tokenizer)
     parser = make_parser(case)
-    detok.open(DetokSpec("r", [], skip_special_tokens=True, parser=parser, include_reasoning=True,
-                                  tool_parser_name=case.tool_parser or ""))
+    detok.open(
+        DetokSpec(
+            "r",
+            [],
+            skip_special_tokens=True,
+            parser=parser,
+            include_reasoning=True,
+            tool_parser_name=case.tool_parser or "",
+        )
+    )
     pieces, start = [], 0
     for size in sizes:
         if start >= len(ids):
@@ -228,6 +257,7 @@ AUTO = {  # template -> (tool-call parser, reasoning parser) that --*-parser aut
 @pytest.mark.parametrize("name", sorted(AUTO))
 def test_auto_picks_the_format_from_the_template(name):
     from conftest import require_shared
+
     from tokenizer_workers.output_parsers import choose_parsers
 
     template = (require_shared() / "chat_templates" / name).read_text(encoding="utf-8")
@@ -248,7 +278,7 @@ DEEP_CALLS = {
     "hermes": f'<tool_call>\n{{"name": "search", "arguments": {DEEP}}}\n</tool_call>',
     "deepseek_v31": f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{DEEP}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
-               f"{DEEP}<|tool_call_end|><|tool_calls_section_end|>",
+    f"{DEEP}<|tool_call_end|><|tool_calls_section_end|>",
     "llama3_json": f'{{"name": "search", "parameters": {DEEP}}}',
     "mistral": f"[TOOL_CALLS]search[ARGS]{DEEP}",
 }

@@ -36,7 +36,6 @@ from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
-
 from vllm_env import missing_reason
 
 _why = missing_reason()
@@ -44,11 +43,12 @@ if _why:
     pytest.skip(_why, allow_module_level=True)
 
 import openai  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
 import vllm_stack  # noqa: E402
-from conftest import ROOT, Server, free_port, http  # noqa: E402
+from conftest import Server, http  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from vllm_stack import EOS, EOS_TEXT, MAX_MODEL_LEN, NAME, VOCAB, Engine, Stack, wait_all  # noqa: E402
+
 from scheduler_client.protocol import (  # noqa: E402
     FEATURES,
     Error,
@@ -62,7 +62,6 @@ from scheduler_client.protocol import (  # noqa: E402
     frame_to_ids,
     ids_to_frame,
 )
-from vllm_stack import EOS, EOS_TEXT, MAX_MODEL_LEN, NAME, VOCAB, Engine, Stack, wait_all  # noqa: E402
 
 # the shared stack (tests/vllm_stack.py): started once per session, as soon as the tests are collected
 start_early = vllm_stack.start_early
@@ -85,8 +84,15 @@ def _usage(u) -> tuple[int, int, int] | None:
 
 
 # request fields the openai client does not know: they go in extra_body
-NOT_OPENAI = {"chat_template_kwargs", "continue_final_message", "add_generation_prompt", "skip_special_tokens",
-              "stop_token_ids", "ignore_eos", "top_k"}  # fmt: skip
+NOT_OPENAI = {
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_generation_prompt",
+    "skip_special_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "top_k",
+}
 
 
 def _extra(body: dict) -> dict:
@@ -104,9 +110,11 @@ def chat(client: openai.OpenAI, stream: bool = False, ids: bool = False, **body)
         r = client.chat.completions.create(model=NAME, extra_body=extra or None, **body)
         c = r.choices[0]
         return Out(c.message.content or "", c.finish_reason, _usage(r.usage), getattr(c, "token_ids", None))
-    chunks = list(client.chat.completions.create(
-        model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
+        )
+    )
     return _joined(chunks, lambda c: c.delta.content, ids)
 
 
@@ -118,9 +126,11 @@ def complete(client: openai.OpenAI, stream: bool = False, ids: bool = False, **b
         r = client.completions.create(model=NAME, extra_body=extra or None, **body)
         c = r.choices[0]
         return Out(c.text, c.finish_reason, _usage(r.usage), getattr(c, "token_ids", None))
-    chunks = list(client.completions.create(
-        model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
-    ))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=NAME, stream=True, stream_options={"include_usage": True}, extra_body=extra or None, **body
+        )
+    )
     return _joined(chunks, lambda c: c.text, ids)
 
 
@@ -203,40 +213,78 @@ def wait_for(predicate, timeout: float, what: str, detail=lambda: ""):
 
 # ---- conversations --------------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 CONVERSATIONS = {
     "plain": {"messages": [{"role": "user", "content": "Hello!"}]},
-    "system_multi_turn": {"messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour"},
-        {"role": "user", "content": "Ça va ?"}]},
-    "unicode": {"messages": [{"role": "user", "content":
-        "Emoji 🎉👩‍👩‍👧, CJK 漢字かな, Arabic مرحبا, é vs e\u0301, zero\u200bwidth, tabs\tand\n"
-        "newlines"}]},
+    "system_multi_turn": {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Bonjour"},
+            {"role": "user", "content": "Ça va ?"},
+        ]
+    },
+    "unicode": {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Emoji 🎉👩‍👩‍👧, CJK 漢字かな, Arabic مرحبا, é vs e\u0301, zero\u200bwidth, tabs\tand\n"
+                "newlines",
+            }
+        ]
+    },
     "tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]},
-    "tool_round_trip": {"messages": [
-        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"}], "tools": [WEATHER]},
-    "thinking": {"messages": [{"role": "user", "content": "Think first."}],
-                 "chat_template_kwargs": {"enable_thinking": True}},
-    "thinking_off": {"messages": [{"role": "user", "content": "Do not think."}],
-                     "chat_template_kwargs": {"enable_thinking": False}},
-    "earlier_reasoning": {"messages": [
-        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning": "hmm"},
-        {"role": "user", "content": "Q2"}], "chat_template_kwargs": {"thinking": True}},
-    "content_parts": {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}]},
+    "tool_round_trip": {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
+        ],
+        "tools": [WEATHER],
+    },
+    "thinking": {
+        "messages": [{"role": "user", "content": "Think first."}],
+        "chat_template_kwargs": {"enable_thinking": True},
+    },
+    "thinking_off": {
+        "messages": [{"role": "user", "content": "Do not think."}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
+    "earlier_reasoning": {
+        "messages": [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1", "reasoning": "hmm"},
+            {"role": "user", "content": "Q2"},
+        ],
+        "chat_template_kwargs": {"thinking": True},
+    },
+    "content_parts": {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}
+        ]
+    },
     "developer_role": {"messages": [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "x"}]},
     "special_tokens_in_text": {"messages": [{"role": "user", "content": "<｜end▁of▁sentence｜> and <think>"}]},
-    "continue_final_message": {"messages": [
-        {"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}],
-        "continue_final_message": True, "add_generation_prompt": False},
-}  # fmt: skip
+    "continue_final_message": {
+        "messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
+}
 
 
 # ---- equivalence ----------------------------------------------------------------------------------
@@ -252,8 +300,11 @@ def test_tokenize_ids_equal_vllm(stack, name):
 
 
 def test_tokenize_prompt_equals_vllm(stack):
-    for body in ({"prompt": "Hello world, ça va? 漢字"}, {"prompt": "x", "add_special_tokens": True},
-                 {"prompt": "<think>hi</think>", "add_special_tokens": False}):  # fmt: skip
+    for body in (
+        {"prompt": "Hello world, ça va? 漢字"},
+        {"prompt": "x", "add_special_tokens": True},
+        {"prompt": "<think>hi</think>", "add_special_tokens": False},
+    ):
         assert tokenize(stack.front.url, body) == tokenize(stack.vllm.url, body), body
 
 
@@ -352,8 +403,9 @@ def test_eos_ends_with_stop_like_vllm(stack):
     """The model says " goodbye" then EOS: finish "stop", the EOS counted but not shown."""
     requests = streamed_and_not(complete, prompt=FAREWELL, max_tokens=8, temperature=0)
     messages = [{"role": "user", "content": "Leave"}, {"role": "assistant", "content": FAREWELL}]
-    requests += streamed_and_not(chat, max_tokens=8, temperature=0, continue_final_message=True,
-                                 add_generation_prompt=False, messages=messages)  # fmt: skip
+    requests += streamed_and_not(
+        chat, max_tokens=8, temperature=0, continue_final_message=True, add_generation_prompt=False, messages=messages
+    )
     for v, t in pairs(stack, *requests):
         assert v.ids == GOODBYE_IDS and (v.text, v.finish, v.usage[1]) == (" goodbye", "stop", 2)
         assert assert_equivalent(stack, v, t) is None
@@ -408,10 +460,14 @@ def test_incomplete_utf8_at_the_end(stack):
     """Known difference: the model's last token is the first two bytes of a three-byte character.
     tokenmill returns tokenizer.decode of the tokens (a U+FFFD), vLLM drops the held-back bytes."""
     requests = streamed_and_not(complete, prompt="We are halfway", max_tokens=1, temperature=0)
-    requests += streamed_and_not(chat, max_tokens=1, temperature=0, continue_final_message=True,
-                                 add_generation_prompt=False, messages=[
-                                     {"role": "user", "content": "How far?"},
-                                     {"role": "assistant", "content": "We are halfway"}])  # fmt: skip
+    requests += streamed_and_not(
+        chat,
+        max_tokens=1,
+        temperature=0,
+        continue_final_message=True,
+        add_generation_prompt=False,
+        messages=[{"role": "user", "content": "How far?"}, {"role": "assistant", "content": "We are halfway"}],
+    )
     for v, t in pairs(stack, *requests):
         assert v.ids == [689] and (v.finish, v.usage[1]) == ("length", 1)
         assert (v.text, t.text) == ("", "\ufffd")
@@ -442,11 +498,21 @@ def test_prompt_longer_than_max_model_len_is_a_clean_400(stack):
     long = "word " * 5000
     # vLLM's messages; for a prompt of exactly max_model_len IDs it clamps max_tokens to 0, then refuses that
     context = "maximum context length is 4096 tokens"
-    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 4}, "messages",
-              context),
-             ("/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt", context),
-             ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt",
-              "max_tokens must be at least 1, got 0")]  # fmt: skip
+    cases = [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": long}], "max_tokens": 4},
+            "messages",
+            context,
+        ),
+        ("/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt", context),
+        (
+            "/v1/completions",
+            {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1},
+            "prompt",
+            "max_tokens must be at least 1, got 0",
+        ),
+    ]
     for path, body, param, vllm_says in cases:
         t = _error(http("POST", stack.front.url + path, {"model": NAME, **body}))
         v = _error(http("POST", stack.vllm.url + path, {"model": NAME, **body}))
@@ -473,14 +539,27 @@ def test_a_gateway_without_max_model_len_takes_the_engines(stack):
     """A gateway started without --max-model-len loads the model's 65,536 positions from config.json,
     but the engine's Welcome says 4,096: requests are checked against the smaller, so an over-long
     prompt is the same clear 400 naming the field, before it reaches the engine."""
-    bare = Server("--model", str(stack.model), "--scheduler", stack.engine.endpoint, "--served-model-name", NAME,
-                  "--workers", "1", timeout=120)  # fmt: skip
+    bare = Server(
+        "--model",
+        str(stack.model),
+        "--scheduler",
+        stack.engine.endpoint,
+        "--served-model-name",
+        NAME,
+        "--workers",
+        "1",
+        timeout=120,
+    )
     try:
         assert http("GET", bare.url + "/v1/models")[2]["data"][0]["max_model_len"] == MAX_MODEL_LEN
         body = {"model": NAME, "prompt": [5] * 5000, "max_tokens": 4}
         e = _error(http("POST", bare.url + "/v1/completions", body))
-        assert (e["status"], e["type"], e["param"], e["code"]) == (400, "BadRequestError", "prompt",
-                                                                   "context_length_exceeded")  # fmt: skip
+        assert (e["status"], e["type"], e["param"], e["code"]) == (
+            400,
+            "BadRequestError",
+            "prompt",
+            "context_length_exceeded",
+        )
         assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e["message"]
         ok = complete(bare.client(), prompt="Hi", max_tokens=2, temperature=0)
         assert ok.finish == "length"
@@ -541,8 +620,13 @@ def engine_generate(endpoint: str, prompt: list[int], max_new_tokens: int = 1, s
         sent = False
         for message in front.messages(30):
             if isinstance(message, Welcome) and not sent:
-                gen = Generate(request_id="oov", prompt_token_count=len(prompt), max_new_tokens=max_new_tokens,
-                               sampling=SamplingParams(temperature=0.0), stop_token_ids=[EOS, *(stop_token_ids or [])])  # fmt: skip
+                gen = Generate(
+                    request_id="oov",
+                    prompt_token_count=len(prompt),
+                    max_new_tokens=max_new_tokens,
+                    sampling=SamplingParams(temperature=0.0),
+                    stop_token_ids=[EOS, *(stop_token_ids or [])],
+                )
                 front.send(gen, ids_to_frame(prompt))
                 sent = True
             elif isinstance(message, Error):
@@ -604,8 +688,14 @@ def engine_run(endpoint: str, requests: dict[str, tuple[list[int], dict]], timeo
 
 def vllm_completion(stack: Stack, prompt: list[int], **body) -> dict:
     """vLLM's own server, the same request by token IDs: its choice, with token IDs (and logprobs keyed by IDs)."""
-    body = {"model": NAME, "prompt": prompt, "temperature": 0, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, **body}  # fmt: skip
+    body = {
+        "model": NAME,
+        "prompt": prompt,
+        "temperature": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        **body,
+    }
     status, _, answer = http("POST", stack.vllm.url + "/v1/completions", body, timeout=120)
     assert status == 200, answer
     return answer["choices"][0]
@@ -640,11 +730,14 @@ def test_logprobs_equal_vllm(stack):
     token banned (logit_bias), the chosen one is vLLM's second and its logprob equals that entry; a
     sampled token has its entry's logprob wherever it is among the top."""
     n = 8
-    got = engine_run(stack.engine.endpoint, {
-        "top3": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 3}),
-        "chosen": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 0}),
-        "sampled": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 1, "seed": 3}, "logprobs": 5}),
-    })  # fmt: skip
+    got = engine_run(
+        stack.engine.endpoint,
+        {
+            "top3": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 3}),
+            "chosen": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 0}, "logprobs": 0}),
+            "sampled": (RIVER, {"max_new_tokens": n, "sampling": {"temperature": 1, "seed": 3}, "logprobs": 5}),
+        },
+    )
     top3 = got["top3"]
     assert (top3.finish, len(top3.tokens), len(top3.logprobs)) == ("length", n, n)
     assert len(top3.top_ids) == len(top3.top_logprobs) == 3 * n
@@ -679,13 +772,19 @@ def test_logprobs_equal_vllm(stack):
     assert top3.logprobs == pytest.approx(v["logprobs"]["token_logprobs"], abs=1e-4)
     for i, entries in enumerate(v["logprobs"]["top_logprobs"]):  # vLLM's server: {"token_id:N": logprob}
         theirs = sorted(((round(lp, 4), _token_id(k)) for k, lp in entries.items()), reverse=True)
-        ours = sorted(zip((round(x, 4) for x in top3.top_logprobs[3 * i : 3 * i + 3]), top3.top_ids[3 * i : 3 * i + 3]),
-                      reverse=True)  # fmt: skip
+        ours = sorted(
+            zip((round(x, 4) for x in top3.top_logprobs[3 * i : 3 * i + 3]), top3.top_ids[3 * i : 3 * i + 3]),
+            reverse=True,
+        )
         assert theirs == ours, i
 
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
-          "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}}}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "n"],
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
+}
 CHOICES = ["yes", "no", "maybe so"]
 
 
@@ -698,22 +797,50 @@ def test_structured_outputs_equal_vllm(stack):
     prompts = {"river": RIVER, "cat": stack.tokenizer.encode("Describe a cat").ids}
     requests = {}
     for name, prompt in prompts.items():
-        requests[f"json-{name}"] = (prompt, {"max_new_tokens": 60, "sampling": {**greedy, "logit_bias": no_space},
-                                             "structured": Structured(kind="json_schema", spec=json.dumps(SCHEMA))})
-        requests[f"choice-{name}"] = (prompt, {"max_new_tokens": 20, "sampling": greedy,
-                                               "structured": Structured(kind="choice", choices=CHOICES)})
-    requests["regex"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
-                                 "structured": Structured(kind="regex", spec="[0-9]{3}-[a-z]{2}")})
-    requests["grammar"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
-                                   "structured": Structured(kind="grammar", spec='root ::= "ab" ("c" | "d")')})
+        requests[f"json-{name}"] = (
+            prompt,
+            {
+                "max_new_tokens": 60,
+                "sampling": {**greedy, "logit_bias": no_space},
+                "structured": Structured(kind="json_schema", spec=json.dumps(SCHEMA)),
+            },
+        )
+        requests[f"choice-{name}"] = (
+            prompt,
+            {"max_new_tokens": 20, "sampling": greedy, "structured": Structured(kind="choice", choices=CHOICES)},
+        )
+    requests["regex"] = (
+        RIVER,
+        {"max_new_tokens": 20, "sampling": greedy, "structured": Structured(kind="regex", spec="[0-9]{3}-[a-z]{2}")},
+    )
+    requests["grammar"] = (
+        RIVER,
+        {
+            "max_new_tokens": 20,
+            "sampling": greedy,
+            "structured": Structured(kind="grammar", spec='root ::= "ab" ("c" | "d")'),
+        },
+    )
     tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hello"}}
-    requests["tag"] = (RIVER, {"max_new_tokens": 20, "sampling": greedy,
-                               "structured": Structured(kind="structural_tag", spec=json.dumps(tag))})
-    requests["object"] = (RIVER, {"max_new_tokens": 12, "sampling": {**greedy, "logit_bias": no_space},
-                                  "structured": Structured(kind="json_object")})
+    requests["tag"] = (
+        RIVER,
+        {
+            "max_new_tokens": 20,
+            "sampling": greedy,
+            "structured": Structured(kind="structural_tag", spec=json.dumps(tag)),
+        },
+    )
+    requests["object"] = (
+        RIVER,
+        {
+            "max_new_tokens": 12,
+            "sampling": {**greedy, "logit_bias": no_space},
+            "structured": Structured(kind="json_object"),
+        },
+    )
     requests["bad-schema"] = (RIVER, {"max_new_tokens": 5, "structured": Structured(kind="json_schema", spec="{not")})
     requests["bad-regex"] = (RIVER, {"max_new_tokens": 5, "structured": Structured(kind="regex", spec="(unclosed")})
-    got = engine_run(stack.engine.endpoint, requests)  # fmt: skip
+    got = engine_run(stack.engine.endpoint, requests)
 
     def text(rid: str) -> str:
         r = got[rid]
@@ -758,8 +885,14 @@ def test_sampling_fields_equal_vllm(stack):
     }
     requests = {}
     for rid, (prompt, body) in cases.items():
-        sampling = {"temperature": body.get("temperature", 0), **{k: v for k, v in body.items()
-                    if k in ("seed", "min_p", "repetition_penalty", "min_tokens", "logit_bias")}}  # fmt: skip
+        sampling = {
+            "temperature": body.get("temperature", 0),
+            **{
+                k: v
+                for k, v in body.items()
+                if k in ("seed", "min_p", "repetition_penalty", "min_tokens", "logit_bias")
+            },
+        }
         requests[rid] = (prompt, {"max_new_tokens": body["max_tokens"], "sampling": sampling})
     got = engine_run(stack.engine.endpoint, requests)
     assert (got["eos"].tokens, got["eos"].finish) == (GOODBYE_IDS, "stop")
@@ -813,8 +946,9 @@ def test_client_disconnect_aborts_the_request_in_vllm(stack):
         return f"running {metric(stack, RUNNING)}; engine log:\n{stack.engine.log()[-3000:]}"
 
     cancelled = engine_cancelled_total(stack.engine.endpoint)
-    stream = stack.t.completions.create(model=NAME, prompt="Go on and on", max_tokens=3000, stream=True,
-                                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = stack.t.completions.create(
+        model=NAME, prompt="Go on and on", max_tokens=3000, stream=True, temperature=0, extra_body={"ignore_eos": True}
+    )
     received = 0
     for _chunk in stream:
         received += 1
@@ -826,8 +960,12 @@ def test_client_disconnect_aborts_the_request_in_vllm(stack):
     time.sleep(1.5)  # an idle vLLM polls its queues for a second after its last step
     idle = cpu_over(stack.engine, 2.0)  # decoding here costs 1-2 CPU seconds a second
     assert idle < 0.3, f"vLLM is still busy after the disconnect: {idle:.2f} CPU seconds in 2 s"
-    wait_for(lambda: engine_cancelled_total(stack.engine.endpoint) == cancelled + 1, 10,
-             "the engine to count the cancelled request", detail)  # fmt: skip
+    wait_for(
+        lambda: engine_cancelled_total(stack.engine.endpoint) == cancelled + 1,
+        10,
+        "the engine to count the cancelled request",
+        detail,
+    )
     aborted_lines = stack.engine.log().count(" aborted.")
     assert aborted_lines >= 1  # vLLM logs the disconnected one
     ok = complete(stack.t, prompt="Hi", max_tokens=2, temperature=0)
@@ -869,8 +1007,14 @@ def test_engine_killed_mid_stream_then_restarted(stack):
     engine restarted at its endpoint, without another vLLM start (~30 s) in the test."""
     expected = complete(stack.v, prompt="After the storm", max_tokens=6, temperature=0)
     conn = HTTPConnection("127.0.0.1", stack.front.port, timeout=60)
-    body = {"model": NAME, "prompt": "Go on and on", "max_tokens": 3000, "stream": True, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": NAME,
+        "prompt": "Go on and on",
+        "max_tokens": 3000,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -886,8 +1030,9 @@ def test_engine_killed_mid_stream_then_restarted(stack):
     assert error["code"] == "scheduler_unavailable" and error["type"] == "ServiceUnavailableError", error
     assert all("choices" in e for e in events[:-2])
 
-    status, headers, answer = http("POST", stack.front.url + "/v1/completions",
-                                   {"model": NAME, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+    status, headers, answer = http(
+        "POST", stack.front.url + "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 2}
+    )
     assert status == 503 and answer["error"]["code"] == "scheduler_unavailable", answer
     assert "retry-after" in {k.lower() for k in headers}
     assert http("GET", stack.front.url + "/ready")[0] == 503
@@ -925,13 +1070,23 @@ def test_openai_answers_with_1_1_fields_equal_vllms_server(stack):
     bodies = {
         "n": dict(messages=messages, n=3, seed=21, temperature=1, max_tokens=8),
         "logprobs": dict(messages=messages, logprobs=True, top_logprobs=3, temperature=0, max_tokens=8),
-        "schema": dict(messages=messages, temperature=0, max_tokens=60, logit_bias=no_space,
-                       response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}),
+        "schema": dict(
+            messages=messages,
+            temperature=0,
+            max_tokens=60,
+            logit_bias=no_space,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        ),
         "choice": dict(messages=messages, temperature=0, max_tokens=20, structured_outputs={"choice": CHOICES}),
-        "tool": dict(messages=messages, temperature=0, max_tokens=60, logit_bias=no_space,
-                     tools=[{"type": "function", "function": {"name": "describe", "parameters": SCHEMA}}],
-                     tool_choice={"type": "function", "function": {"name": "describe"}}),
-    }  # fmt: skip
+        "tool": dict(
+            messages=messages,
+            temperature=0,
+            max_tokens=60,
+            logit_bias=no_space,
+            tools=[{"type": "function", "function": {"name": "describe", "parameters": SCHEMA}}],
+            tool_choice={"type": "function", "function": {"name": "describe"}},
+        ),
+    }
     got = {}
     for side, url in (("vllm", stack.vllm.url), ("tokenmill", stack.front.url)):
         for name, body in bodies.items():
@@ -946,8 +1101,10 @@ def test_openai_answers_with_1_1_fields_equal_vllms_server(stack):
     assert [t["usage"][k] for k in counts] == [v["usage"][k] for k in counts]
 
     def entries(out):
-        return [(e["token"], e["bytes"], e["logprob"], [(x["token"], x["logprob"]) for x in e["top_logprobs"]])
-                for e in out["choices"][0]["logprobs"]["content"]]  # fmt: skip
+        return [
+            (e["token"], e["bytes"], e["logprob"], [(x["token"], x["logprob"]) for x in e["top_logprobs"]])
+            for e in out["choices"][0]["logprobs"]["content"]
+        ]
 
     ve, te = entries(got["vllm", "logprobs"]), entries(got["tokenmill", "logprobs"])
     assert len(te) == len(ve) == 8
@@ -956,9 +1113,14 @@ def test_openai_answers_with_1_1_fields_equal_vllms_server(stack):
         assert [x[0] for x in ttop] == [x[0] for x in vtop]
         assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(ttop, vtop))
     for name in ("schema", "choice"):
-        assert got["tokenmill", name]["choices"][0]["message"]["content"] == got["vllm", name]["choices"][0]["message"]["content"]
+        assert (
+            got["tokenmill", name]["choices"][0]["message"]["content"]
+            == got["vllm", name]["choices"][0]["message"]["content"]
+        )
     assert json.loads(got["tokenmill", "schema"]["choices"][0]["message"]["content"]).keys() == {"name", "n"}
     [tc] = got["tokenmill", "tool"]["choices"][0]["message"]["tool_calls"]
     assert tc["function"]["name"] == "describe"
-    assert json.loads(tc["function"]["arguments"]) == json.loads(got["vllm", "tool"]["choices"][0]["message"]["content"])
+    assert json.loads(tc["function"]["arguments"]) == json.loads(
+        got["vllm", "tool"]["choices"][0]["message"]["content"]
+    )
     assert got["tokenmill", "tool"]["choices"][0]["finish_reason"] == "stop"  # a named function, as OpenAI and vLLM

@@ -43,7 +43,6 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
-
 from vllm_env import missing_reason
 
 _why = missing_reason()
@@ -58,10 +57,27 @@ from vllm_stack import NAME  # noqa: E402
 start_early = vllm_stack.start_early
 stack = vllm_stack.module_fixture()
 
-NULL_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning", "stop_reason", "token_ids",
-             "prompt_token_ids", "prompt_logprobs", "routed_experts", "service_tier", "prompt_text",
-             "kv_transfer_params", "ec_transfer_params", "metrics", "prompt_tokens_details",
-             "completion_tokens_details", "reasoning_content", "tool_calls"}  # fmt: skip
+NULL_KEYS = {
+    "refusal",
+    "annotations",
+    "audio",
+    "function_call",
+    "reasoning",
+    "stop_reason",
+    "token_ids",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "routed_experts",
+    "service_tier",
+    "prompt_text",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+    "reasoning_content",
+    "tool_calls",
+}
 DROPPED = {"created", "system_fingerprint"}
 TOLERANCE = 1e-3
 
@@ -71,8 +87,11 @@ TOLERANCE = 1e-3
 
 def post(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, object]:
     """(status, headers, answer): the parsed JSON, or a stream's data events (parsed, "[DONE]" kept)."""
-    req = urllib.request.Request(url + path, json.dumps({"model": NAME, **body}).encode(),
-                                 {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    req = urllib.request.Request(
+        url + path,
+        json.dumps({"model": NAME, **body}).encode(),
+        {"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             status, hdrs, raw = resp.status, dict(resp.headers), resp.read().decode()
@@ -281,27 +300,44 @@ RIVER = "The river wound slowly"  # greedy: " hurd它是一种جا folks stochas
 FAREWELL = "We wave farewell"  # the model's cue: " goodbye", then EOS
 LEAVE = [{"role": "user", "content": "Leave"}, {"role": "assistant", "content": FAREWELL}]
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 OTHER_BRANCH = "being made honoured on another branch (issue 29); its row comes with it"
-GUIDED = ("vLLM 0.32 no longer defines the guided_* fields and ignores them (the output is unconstrained); "
-          "tokenmill honours them as the older names of structured_outputs, as vLLM did before")
-ECHO_IDS = ("vLLM's streamed echo puts the prompt's token IDs on each choice's first chunk even without "
-            "return_token_ids; tokenmill only when return_token_ids asks for them")
-ECHO_LOGPROBS = ("vLLM's chat echo computes the prompt's logprobs (its prompt_logprobs defaults to top_logprobs "
-                 "when echo is set) and returns them unasked; the scheduler protocol returns logprobs of generated "
-                 "tokens only")
-FUNCTIONS = ("vLLM 0.32 ignores OpenAI's deprecated functions and function_call (the model sees no tools); "
-             "tokenmill maps them to tools and tool_choice as OpenAI does, so the prompt and the answer differ")
-STOP_TOKEN_TEXT = ("tokenmill's text is the decode of the tokens it counts, the stop token's included; vLLM's "
-                   "detokenizer leaves the stopping token out (docs/engines.md)")
+GUIDED = (
+    "vLLM 0.32 no longer defines the guided_* fields and ignores them (the output is unconstrained); "
+    "tokenmill honours them as the older names of structured_outputs, as vLLM did before"
+)
+ECHO_IDS = (
+    "vLLM's streamed echo puts the prompt's token IDs on each choice's first chunk even without "
+    "return_token_ids; tokenmill only when return_token_ids asks for them"
+)
+ECHO_LOGPROBS = (
+    "vLLM's chat echo computes the prompt's logprobs (its prompt_logprobs defaults to top_logprobs "
+    "when echo is set) and returns them unasked; the scheduler protocol returns logprobs of generated "
+    "tokens only"
+)
+FUNCTIONS = (
+    "vLLM 0.32 ignores OpenAI's deprecated functions and function_call (the model sees no tools); "
+    "tokenmill maps them to tools and tool_choice as OpenAI does, so the prompt and the answer differ"
+)
+STOP_TOKEN_TEXT = (
+    "tokenmill's text is the decode of the tokens it counts, the stop token's included; vLLM's "
+    "detokenizer leaves the stopping token out (docs/engines.md)"
+)
 
 
-UTF8_TAIL = ("the generated tokens end inside a UTF-8 sequence: tokenmill's text is the decode of its tokens "
-             "(ending in U+FFFD), vLLM drops the bytes its detokenizer held back (docs/engines.md)")
+UTF8_TAIL = (
+    "the generated tokens end inside a UTF-8 sequence: tokenmill's text is the decode of its tokens "
+    "(ending in U+FFFD), vLLM drops the bytes its detokenizer held back (docs/engines.md)"
+)
 
 
 def refused_by_vllm(tokenmill, why: str) -> Diff:
@@ -336,184 +372,541 @@ ROWS = [
     Row("prompt-text", ("prompt",), "completions", {"prompt": RIVER, **MAX}),
     Row("prompt-ids", ("prompt",), "completions", {"prompt": [671, 12334, 21928, 13257], **MAX}),
     Row("prompt-list", ("prompt",), "completions", {"prompt": [RIVER, FAREWELL], **MAX}),
-    Row("max-completion-tokens", ("max_completion_tokens",), "chat",
-        {"messages": HELLO, "max_completion_tokens": 3, "temperature": 0}),
-    Row("sampling", ("top_p", "top_k", "seed"), "chat",
-        {"messages": HELLO, "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 5}),
-    Row("penalties", ("presence_penalty", "frequency_penalty"), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 1.0}),
-    Row("stream-include-usage", ("stream", "stream_options"), "chat",
-        {"messages": HELLO, **MAX, "stream_options": {"include_usage": True}}, streams=(True,)),
-    Row("stream-options-alone", ("stream_options",), "chat",
-        {"messages": HELLO, **MAX, "stream_options": {"include_usage": True}}, streams=(False,),
-        check=lambda a: a == {"status": 400}),
+    Row(
+        "max-completion-tokens",
+        ("max_completion_tokens",),
+        "chat",
+        {"messages": HELLO, "max_completion_tokens": 3, "temperature": 0},
+    ),
+    Row(
+        "sampling",
+        ("top_p", "top_k", "seed"),
+        "chat",
+        {"messages": HELLO, "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 5},
+    ),
+    Row(
+        "penalties",
+        ("presence_penalty", "frequency_penalty"),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 1.0},
+    ),
+    Row(
+        "stream-include-usage",
+        ("stream", "stream_options"),
+        "chat",
+        {"messages": HELLO, **MAX, "stream_options": {"include_usage": True}},
+        streams=(True,),
+    ),
+    Row(
+        "stream-options-alone",
+        ("stream_options",),
+        "chat",
+        {"messages": HELLO, **MAX, "stream_options": {"include_usage": True}},
+        streams=(False,),
+        check=lambda a: a == {"status": 400},
+    ),
     # --- stopping
-    Row("stop-string", ("stop",), "completions", {"prompt": RIVER, "max_tokens": 12, "temperature": 0,
-                                                  "stop": ["chastic mar", "nowhere"],
-                                                  "stream_options": {"include_usage": True}}, check=_finish("stop")),
-    Row("stop-string-continuous-usage", ("stop", "stream_options.continuous_usage_stats"), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"],
-         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, streams=(True,),
-        check=_finish("stop")),
-    Row("stop-string-chat", ("stop",), "chat", {"messages": STORY, "max_tokens": 12, "temperature": 0,
-                                                "stop": "height"}, check=_finish("stop")),
-    Row("include-stop-str", ("include_stop_str_in_output",), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": [" folks", "chastic"],
-         "include_stop_str_in_output": True}, check=_finish("stop")),
-    Row("include-stop-str-chat", ("include_stop_str_in_output",), "chat",
+    Row(
+        "stop-string",
+        ("stop",),
+        "completions",
+        {
+            "prompt": RIVER,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": ["chastic mar", "nowhere"],
+            "stream_options": {"include_usage": True},
+        },
+        check=_finish("stop"),
+    ),
+    Row(
+        "stop-string-continuous-usage",
+        ("stop", "stream_options.continuous_usage_stats"),
+        "completions",
+        {
+            "prompt": RIVER,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": ["chastic mar"],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        streams=(True,),
+        check=_finish("stop"),
+    ),
+    Row(
+        "stop-string-chat",
+        ("stop",),
+        "chat",
+        {"messages": STORY, "max_tokens": 12, "temperature": 0, "stop": "height"},
+        check=_finish("stop"),
+    ),
+    Row(
+        "include-stop-str",
+        ("include_stop_str_in_output",),
+        "completions",
+        {
+            "prompt": RIVER,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stop": [" folks", "chastic"],
+            "include_stop_str_in_output": True,
+        },
+        check=_finish("stop"),
+    ),
+    Row(
+        "include-stop-str-chat",
+        ("include_stop_str_in_output",),
+        "chat",
         {"messages": STORY, "max_tokens": 12, "temperature": 0, "stop": ["height"], "include_stop_str_in_output": True},
-        check=_finish("stop")),
-    Row("eos", ("stop_token_ids",), "completions", {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0},
-        check=_finish("stop")),
-    Row("stop-token-ids", ("stop_token_ids",), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop_token_ids": [25035]}, check=_finish("stop"),
-        diffs=(Diff("choices.0.text", " hurd它是一种جا", " hurd它是一种جا folks", STOP_TOKEN_TEXT),)),
-    Row("stop-token-ids-eos", ("stop_token_ids", "ignore_eos"), "completions",
-        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "stop_token_ids": [1]}, check=_finish("stop")),
-    Row("stop-token-ids-eos-ignored", ("stop_token_ids", "ignore_eos"), "completions",
+        check=_finish("stop"),
+    ),
+    Row(
+        "eos",
+        ("stop_token_ids",),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0},
+        check=_finish("stop"),
+    ),
+    Row(
+        "stop-token-ids",
+        ("stop_token_ids",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop_token_ids": [25035]},
+        check=_finish("stop"),
+        diffs=(Diff("choices.0.text", " hurd它是一种جا", " hurd它是一种جا folks", STOP_TOKEN_TEXT),),
+    ),
+    Row(
+        "stop-token-ids-eos",
+        ("stop_token_ids", "ignore_eos"),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "stop_token_ids": [1]},
+        check=_finish("stop"),
+    ),
+    Row(
+        "stop-token-ids-eos-ignored",
+        ("stop_token_ids", "ignore_eos"),
+        "completions",
         {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "stop_token_ids": [1], "ignore_eos": True},
-        check=lambda a: a["choices"][0].get("stop_reason") == 1),
-    Row("ignore-eos", ("ignore_eos",), "completions",
-        {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, check=_finish("length")),
-    Row("skip-special-tokens", ("skip_special_tokens",), "completions",
-        {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}),
-    Row("spaces-between-special-tokens", ("spaces_between_special_tokens",), "completions",
-        {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False,
-         "spaces_between_special_tokens": False}),
+        check=lambda a: a["choices"][0].get("stop_reason") == 1,
+    ),
+    Row(
+        "ignore-eos",
+        ("ignore_eos",),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        check=_finish("length"),
+    ),
+    Row(
+        "skip-special-tokens",
+        ("skip_special_tokens",),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False},
+    ),
+    Row(
+        "spaces-between-special-tokens",
+        ("spaces_between_special_tokens",),
+        "completions",
+        {
+            "prompt": FAREWELL,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+        },
+    ),
     # --- several choices, usage
-    Row("n", ("n",), "chat", {"messages": HELLO, "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 2,
-                              "stream_options": {"include_usage": True}}),
-    Row("n-completions", ("n",), "completions", {"prompt": [RIVER, FAREWELL], "max_tokens": 4, "temperature": 0.9,
-                                                 "seed": 9, "n": 2, "stream_options": {"include_usage": True}}),
-    Row("continuous-usage", ("stream_options.continuous_usage_stats",), "chat",
+    Row(
+        "n",
+        ("n",),
+        "chat",
+        {
+            "messages": HELLO,
+            "max_tokens": 5,
+            "temperature": 1.0,
+            "seed": 3,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    Row(
+        "n-completions",
+        ("n",),
+        "completions",
+        {
+            "prompt": [RIVER, FAREWELL],
+            "max_tokens": 4,
+            "temperature": 0.9,
+            "seed": 9,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    Row(
+        "continuous-usage",
+        ("stream_options.continuous_usage_stats",),
+        "chat",
         {"messages": HELLO, **MAX, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-        streams=(True,), check=lambda a: len(a["usage_trace"][0]) >= 2),
-    Row("n-greedy", ("n",), "completions", {"prompt": RIVER, "max_tokens": 3, "temperature": 0, "n": 2},
-        streams=(False,), diffs=(refused_by_vllm(
-            lambda a: a["choices"][0] == a["choices"][1] | {"index": 0} and a["usage"]["completion_tokens"] == 6,
-            "vLLM 0.32 refuses n > 1 with greedy sampling (\"n must be 1 when using greedy sampling\"); tokenmill "
-            "answers n identical choices, as OpenAI does"),)),
-    Row("continuous-usage-completions", ("stream_options.continuous_usage_stats",), "completions",
-        {"prompt": [RIVER, FAREWELL], "max_tokens": 5, "temperature": 0.8, "seed": 1, "n": 2,
-         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, streams=(True,)),
+        streams=(True,),
+        check=lambda a: len(a["usage_trace"][0]) >= 2,
+    ),
+    Row(
+        "n-greedy",
+        ("n",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 3, "temperature": 0, "n": 2},
+        streams=(False,),
+        diffs=(
+            refused_by_vllm(
+                lambda a: a["choices"][0] == a["choices"][1] | {"index": 0} and a["usage"]["completion_tokens"] == 6,
+                'vLLM 0.32 refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling"); tokenmill '
+                "answers n identical choices, as OpenAI does",
+            ),
+        ),
+    ),
+    Row(
+        "continuous-usage-completions",
+        ("stream_options.continuous_usage_stats",),
+        "completions",
+        {
+            "prompt": [RIVER, FAREWELL],
+            "max_tokens": 5,
+            "temperature": 0.8,
+            "seed": 1,
+            "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        streams=(True,),
+    ),
     # --- logprobs and token IDs
-    Row("logprobs-chat", ("logprobs", "top_logprobs"), "chat", {"messages": HELLO, **MAX, "logprobs": True,
-                                                                 "top_logprobs": 3},
-        check=lambda a: len(a["choices"][0]["logprobs"]["content"]) == 6),
+    Row(
+        "logprobs-chat",
+        ("logprobs", "top_logprobs"),
+        "chat",
+        {"messages": HELLO, **MAX, "logprobs": True, "top_logprobs": 3},
+        check=lambda a: len(a["choices"][0]["logprobs"]["content"]) == 6,
+    ),
     Row("logprobs-completions", ("logprobs",), "completions", {"prompt": RIVER, **MAX, "logprobs": 2}),
-    Row("token-ids-as-names-chat", ("return_tokens_as_token_ids",), "chat",
-        {"messages": HELLO, **MAX, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}),
-    Row("token-ids-as-names-completions", ("return_tokens_as_token_ids",), "completions",
-        {"prompt": RIVER, **MAX, "logprobs": 2, "return_tokens_as_token_ids": True}),
-    Row("return-token-ids-chat", ("return_token_ids",), "chat", {"messages": STORY, "max_tokens": 5, "temperature": 0,
-                                                                  "return_token_ids": True}),
-    Row("return-token-ids-completions", ("return_token_ids",), "completions",
-        {"prompt": [RIVER, FAREWELL], **MAX, "return_token_ids": True}),
-    Row("return-token-ids-stop", ("return_token_ids",), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"], "return_token_ids": True}),
+    Row(
+        "token-ids-as-names-chat",
+        ("return_tokens_as_token_ids",),
+        "chat",
+        {"messages": HELLO, **MAX, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
+    Row(
+        "token-ids-as-names-completions",
+        ("return_tokens_as_token_ids",),
+        "completions",
+        {"prompt": RIVER, **MAX, "logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
+    Row(
+        "return-token-ids-chat",
+        ("return_token_ids",),
+        "chat",
+        {"messages": STORY, "max_tokens": 5, "temperature": 0, "return_token_ids": True},
+    ),
+    Row(
+        "return-token-ids-completions",
+        ("return_token_ids",),
+        "completions",
+        {"prompt": [RIVER, FAREWELL], **MAX, "return_token_ids": True},
+    ),
+    Row(
+        "return-token-ids-stop",
+        ("return_token_ids",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "stop": ["chastic mar"], "return_token_ids": True},
+    ),
     # --- sampling (protocol 1.1, 1.2)
-    Row("min-p", ("min_p",), "completions", {"prompt": FAREWELL, "max_tokens": 6, "temperature": 1.0, "seed": 7,
-                                             "min_p": 0.5}),
-    Row("repetition-penalty", ("repetition_penalty",), "completions",
-        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "repetition_penalty": 1.5}),
-    Row("min-tokens", ("min_tokens",), "completions", {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0,
-                                                       "min_tokens": 5},
-        check=lambda a: a.get("usage", {"completion_tokens": 5})["completion_tokens"] >= 5),
-    Row("logit-bias", ("logit_bias",), "completions", {"prompt": RIVER, **MAX, "logit_bias": {"54458": -100,
-                                                                                              "42": 5}}),
-    Row("allowed-token-ids", ("allowed_token_ids",), "completions",
-        {"prompt": RIVER, **MAX, "allowed_token_ids": [42, 43, 44, 1]}),
-    Row("bad-words", ("bad_words",), "completions", {"prompt": RIVER, "max_tokens": 12, "temperature": 0,
-                                                     "bad_words": ["它是一种"]},
-        check=lambda a: _text(a).startswith(" hurd") and "它是一种" not in _text(a)),
+    Row(
+        "min-p",
+        ("min_p",),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 6, "temperature": 1.0, "seed": 7, "min_p": 0.5},
+    ),
+    Row(
+        "repetition-penalty",
+        ("repetition_penalty",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "repetition_penalty": 1.5},
+    ),
+    Row(
+        "min-tokens",
+        ("min_tokens",),
+        "completions",
+        {"prompt": FAREWELL, "max_tokens": 8, "temperature": 0, "min_tokens": 5},
+        check=lambda a: a.get("usage", {"completion_tokens": 5})["completion_tokens"] >= 5,
+    ),
+    Row("logit-bias", ("logit_bias",), "completions", {"prompt": RIVER, **MAX, "logit_bias": {"54458": -100, "42": 5}}),
+    Row(
+        "allowed-token-ids",
+        ("allowed_token_ids",),
+        "completions",
+        {"prompt": RIVER, **MAX, "allowed_token_ids": [42, 43, 44, 1]},
+    ),
+    Row(
+        "bad-words",
+        ("bad_words",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 12, "temperature": 0, "bad_words": ["它是一种"]},
+        check=lambda a: _text(a).startswith(" hurd") and "它是一种" not in _text(a),
+    ),
     # (a word the tokenizer splits in two without a leading space but keeps whole after one, such as
     # "folks", bans only the two-token form: vLLM's update_from_tokenizer adds the spaced form only when it has
     # as many tokens. tokenmill tokenizes the same way, so " folks" is generated on both.)
     Row("priority", ("priority",), "completions", {"prompt": RIVER, **MAX, "priority": 0}),
-    Row("priority-nonzero", ("priority",), "completions", {"prompt": RIVER, **MAX, "priority": 3}, streams=(False,),
-        diffs=(Diff("", answered, {"status": 400}, "vLLM 0.32 takes a non-zero priority and ignores it when it "
-                    "schedules first come first served (its default); tokenmill refuses it (400 unsupported) unless "
-                    "the engine says it schedules by priority"),)),
+    Row(
+        "priority-nonzero",
+        ("priority",),
+        "completions",
+        {"prompt": RIVER, **MAX, "priority": 3},
+        streams=(False,),
+        diffs=(
+            Diff(
+                "",
+                answered,
+                {"status": 400},
+                "vLLM 0.32 takes a non-zero priority and ignores it when it "
+                "schedules first come first served (its default); tokenmill refuses it (400 unsupported) unless "
+                "the engine says it schedules by priority",
+            ),
+        ),
+    ),
     Row("cache-salt", ("cache_salt",), "chat", {"messages": HELLO, **MAX, "cache_salt": "tenant-a"}),
     # --- output constraints
-    Row("response-format-json-object", ("response_format",), "chat",
-        {"messages": HELLO, "max_tokens": 8, "temperature": 0, "response_format": {"type": "json_object"}}),
-    Row("response-format-json-schema", ("response_format",), "chat",
-        {"messages": HELLO, "max_tokens": 12, "temperature": 0, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-                "n": {"enum": [1, 2, 3]}}, "required": ["n"]}}}}),
-    Row("structured-outputs-choice", ("structured_outputs",), "chat",
-        {"messages": HELLO, "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}}),
-    Row("structured-outputs-regex", ("structured_outputs",), "completions",
-        {"prompt": RIVER, "max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}),
-    Row("guided-choice", ("guided_json", "guided_regex", "guided_choice", "guided_grammar"), "completions",
+    Row(
+        "response-format-json-object",
+        ("response_format",),
+        "chat",
+        {"messages": HELLO, "max_tokens": 8, "temperature": 0, "response_format": {"type": "json_object"}},
+    ),
+    Row(
+        "response-format-json-schema",
+        ("response_format",),
+        "chat",
+        {
+            "messages": HELLO,
+            "max_tokens": 12,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]},
+                },
+            },
+        },
+    ),
+    Row(
+        "structured-outputs-choice",
+        ("structured_outputs",),
+        "chat",
+        {"messages": HELLO, "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
+    ),
+    Row(
+        "structured-outputs-regex",
+        ("structured_outputs",),
+        "completions",
+        {"prompt": RIVER, "max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+    ),
+    Row(
+        "guided-choice",
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+        "completions",
         {"prompt": RIVER, "max_tokens": 8, "temperature": 0, "guided_choice": ["yes", "no"]},
-        diffs=(Diff("choices.0.text", text(" hurd它是一种جا folks stochastic martyrสมา� supplements"), text("no"), GUIDED),
-               Diff("choices.0.finish_reason", "length", "stop", GUIDED),
-               Diff("usage", lambda u: u["completion_tokens"] == 8, lambda u: u["completion_tokens"] == 3, GUIDED,
-                    streams=(False,)))),
+        diffs=(
+            Diff("choices.0.text", text(" hurd它是一种جا folks stochastic martyrสมา� supplements"), text("no"), GUIDED),
+            Diff("choices.0.finish_reason", "length", "stop", GUIDED),
+            Diff(
+                "usage",
+                lambda u: u["completion_tokens"] == 8,
+                lambda u: u["completion_tokens"] == 3,
+                GUIDED,
+                streams=(False,),
+            ),
+        ),
+    ),
     # --- echo, truncation, ids
-    Row("echo-completions", ("echo",), "completions", {"prompt": RIVER, **MAX, "echo": True},
+    Row(
+        "echo-completions",
+        ("echo",),
+        "completions",
+        {"prompt": RIVER, **MAX, "echo": True},
         check=lambda a: _text(a).startswith(RIVER + " "),
-        diffs=(Diff("choices.0.prompt_token_ids", [671, 12334, 21928, 13257], MISSING, ECHO_IDS, streams=(True,)),
-               Diff("choices.0.prompt_token_ids_chunk", 0, MISSING, ECHO_IDS, streams=(True,)))),
-    Row("echo-logprobs", ("echo",), "completions", {"prompt": RIVER, **MAX, "echo": True, "logprobs": 1},
-        check=lambda a: len(a["choices"][0]["logprobs"]["tokens"]) == 4 + 6),
-    Row("echo-chat", ("echo",), "chat", {"messages": [*STORY, {"role": "assistant", "content": "Once"}], **MAX,
-                                         **CONTINUE, "echo": True},
-        check=lambda a: len(a["prompt_logprobs"]) == 10 and a["prompt_logprobs"][0] is None),
-    Row("truncate-left", ("truncate_prompt_tokens", "truncation_side"), "completions",
-        {"prompt": RIVER + " and on", "max_tokens": 5, "temperature": 0, "truncate_prompt_tokens": 3,
-         "return_token_ids": True},
-        check=lambda a: a["choices"][0]["prompt_token_ids"] == [13257, 305, 377]),
-    Row("truncate-right", ("truncate_prompt_tokens", "truncation_side"), "chat",
+        diffs=(
+            Diff("choices.0.prompt_token_ids", [671, 12334, 21928, 13257], MISSING, ECHO_IDS, streams=(True,)),
+            Diff("choices.0.prompt_token_ids_chunk", 0, MISSING, ECHO_IDS, streams=(True,)),
+        ),
+    ),
+    Row(
+        "echo-logprobs",
+        ("echo",),
+        "completions",
+        {"prompt": RIVER, **MAX, "echo": True, "logprobs": 1},
+        check=lambda a: len(a["choices"][0]["logprobs"]["tokens"]) == 4 + 6,
+    ),
+    Row(
+        "echo-chat",
+        ("echo",),
+        "chat",
+        {"messages": [*STORY, {"role": "assistant", "content": "Once"}], **MAX, **CONTINUE, "echo": True},
+        check=lambda a: len(a["prompt_logprobs"]) == 10 and a["prompt_logprobs"][0] is None,
+    ),
+    Row(
+        "truncate-left",
+        ("truncate_prompt_tokens", "truncation_side"),
+        "completions",
+        {
+            "prompt": RIVER + " and on",
+            "max_tokens": 5,
+            "temperature": 0,
+            "truncate_prompt_tokens": 3,
+            "return_token_ids": True,
+        },
+        check=lambda a: a["choices"][0]["prompt_token_ids"] == [13257, 305, 377],
+    ),
+    Row(
+        "truncate-right",
+        ("truncate_prompt_tokens", "truncation_side"),
+        "chat",
         {"messages": STORY, **MAX, "truncate_prompt_tokens": 4, "truncation_side": "right", "return_token_ids": True},
-        check=lambda a: a["prompt_token_ids"] == [0, 128803, 50433, 678]),
-    Row("request-id", ("request_id",), "chat", {"messages": HELLO, **MAX, "request_id": "abc-123"}, keep_id=True,
-        check=lambda a: a["id"] == "chatcmpl-abc-123"),
-    Row("request-id-header", ("request_id",), "completions", {"prompt": RIVER, **MAX, "request_id": "abc-123"},
-        keep_id=True, headers={"X-Request-Id": "from-header"},
-        check=lambda a: a["id"] == "cmpl-from-header"),
+        check=lambda a: a["prompt_token_ids"] == [0, 128803, 50433, 678],
+    ),
+    Row(
+        "request-id",
+        ("request_id",),
+        "chat",
+        {"messages": HELLO, **MAX, "request_id": "abc-123"},
+        keep_id=True,
+        check=lambda a: a["id"] == "chatcmpl-abc-123",
+    ),
+    Row(
+        "request-id-header",
+        ("request_id",),
+        "completions",
+        {"prompt": RIVER, **MAX, "request_id": "abc-123"},
+        keep_id=True,
+        headers={"X-Request-Id": "from-header"},
+        check=lambda a: a["id"] == "cmpl-from-header",
+    ),
     # --- chat templates and tools
-    Row("tools-none", ("tools", "tool_choice"), "chat",
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX, "tools": [WEATHER],
-         "tool_choice": "none"}),
-    Row("tools-auto", ("tools", "tool_choice"), "chat",
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX, "tools": [WEATHER]}, streams=(False,),
-        diffs=(refused_by_vllm(answered, "without a tool-call parser vLLM refuses tool_choice \"auto\" (the default "
-                                         "with tools); tokenmill treats it as \"none\" (docs/engines.md)"),)),
-    Row("tools-required", ("tools", "tool_choice"), "chat",
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX, "tools": [WEATHER],
-         "tool_choice": "required"}, streams=(False,),
-        diffs=(refused_by_vllm(answered, "vLLM refuses a forced tool_choice (\"required\" or a named function) "
-                                         "without --tool-call-parser; tokenmill constrains the output to the calls' "
-                                         "JSON schema and needs no parser for it (docs/tool-calls.md)"),)),
-    Row("parallel-tool-calls", ("parallel_tool_calls",), "chat",
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX, "tools": [WEATHER],
-         "tool_choice": "none", "parallel_tool_calls": False}),
-    Row("functions", ("functions", "function_call"), "chat",
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX,
-         "functions": [WEATHER["function"]], "function_call": "none"},
-        diffs=(Diff("choices.0.message.content", any_str, any_str, FUNCTIONS),
-               Diff("usage", lambda u: u["prompt_tokens"] == 8, lambda u: u["prompt_tokens"] > 100, FUNCTIONS,
-                    streams=(False,)))),
+    Row(
+        "tools-none",
+        ("tools", "tool_choice"),
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            **MAX,
+            "tools": [WEATHER],
+            "tool_choice": "none",
+        },
+    ),
+    Row(
+        "tools-auto",
+        ("tools", "tool_choice"),
+        "chat",
+        {"messages": [{"role": "user", "content": "Weather in Paris?"}], **MAX, "tools": [WEATHER]},
+        streams=(False,),
+        diffs=(
+            refused_by_vllm(
+                answered,
+                'without a tool-call parser vLLM refuses tool_choice "auto" (the default '
+                'with tools); tokenmill treats it as "none" (docs/engines.md)',
+            ),
+        ),
+    ),
+    Row(
+        "tools-required",
+        ("tools", "tool_choice"),
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            **MAX,
+            "tools": [WEATHER],
+            "tool_choice": "required",
+        },
+        streams=(False,),
+        diffs=(
+            refused_by_vllm(
+                answered,
+                'vLLM refuses a forced tool_choice ("required" or a named function) '
+                "without --tool-call-parser; tokenmill constrains the output to the calls' "
+                "JSON schema and needs no parser for it (docs/tool-calls.md)",
+            ),
+        ),
+    ),
+    Row(
+        "parallel-tool-calls",
+        ("parallel_tool_calls",),
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            **MAX,
+            "tools": [WEATHER],
+            "tool_choice": "none",
+            "parallel_tool_calls": False,
+        },
+    ),
+    Row(
+        "functions",
+        ("functions", "function_call"),
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            **MAX,
+            "functions": [WEATHER["function"]],
+            "function_call": "none",
+        },
+        diffs=(
+            Diff("choices.0.message.content", any_str, any_str, FUNCTIONS),
+            Diff(
+                "usage",
+                lambda u: u["prompt_tokens"] == 8,
+                lambda u: u["prompt_tokens"] > 100,
+                FUNCTIONS,
+                streams=(False,),
+            ),
+        ),
+    ),
     Row("include-reasoning", ("include_reasoning",), "chat", {"messages": HELLO, **MAX, "include_reasoning": False}),
     Row("reasoning-effort", ("reasoning_effort",), "chat", {"messages": HELLO, **MAX, "reasoning_effort": "low"}),
     Row("documents", ("documents",), "chat", {"messages": HELLO, **MAX, "documents": [{"title": "t", "text": "x"}]}),
-    Row("chat-template-kwargs", ("chat_template_kwargs",), "chat",
-        {"messages": HELLO, **MAX, "chat_template_kwargs": {"enable_thinking": True}}),
-    Row("add-generation-prompt", ("add_generation_prompt",), "chat",
+    Row(
+        "chat-template-kwargs",
+        ("chat_template_kwargs",),
+        "chat",
+        {"messages": HELLO, **MAX, "chat_template_kwargs": {"enable_thinking": True}},
+    ),
+    Row(
+        "add-generation-prompt",
+        ("add_generation_prompt",),
+        "chat",
         {"messages": HELLO, **MAX, "add_generation_prompt": False},
-        check=lambda a: a["choices"][0]["message"]["role"] == "user"),
-    Row("continue-final-message", ("continue_final_message",), "chat", {"messages": LEAVE, "max_tokens": 8,
-                                                                        "temperature": 0, **CONTINUE},
-        check=_finish("stop")),
-    Row("continue-with-generation-prompt", ("continue_final_message", "add_generation_prompt"), "chat",
-        {"messages": LEAVE, **MAX, "continue_final_message": True}, streams=(False,),
-        check=lambda a: a == {"status": 400}),
-    Row("chat-template", ("chat_template",), "chat", {"messages": HELLO, **MAX,
-                                                      "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
-        streams=(False,), check=lambda a: a == {"status": 400}),  # both refuse it without --trust-request-chat-template
+        check=lambda a: a["choices"][0]["message"]["role"] == "user",
+    ),
+    Row(
+        "continue-final-message",
+        ("continue_final_message",),
+        "chat",
+        {"messages": LEAVE, "max_tokens": 8, "temperature": 0, **CONTINUE},
+        check=_finish("stop"),
+    ),
+    Row(
+        "continue-with-generation-prompt",
+        ("continue_final_message", "add_generation_prompt"),
+        "chat",
+        {"messages": LEAVE, **MAX, "continue_final_message": True},
+        streams=(False,),
+        check=lambda a: a == {"status": 400},
+    ),
+    Row(
+        "chat-template",
+        ("chat_template",),
+        "chat",
+        {"messages": HELLO, **MAX, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        streams=(False,),
+        check=lambda a: a == {"status": 400},
+    ),  # both refuse it without --trust-request-chat-template
     # --- refused fields another branch is making honoured (issue 29): no row yet
     Row("kv-transfer-params", ("kv_transfer_params",), "completions", {}, skip=OTHER_BRANCH),
     Row("vllm-xargs", ("vllm_xargs",), "completions", {}, skip=OTHER_BRANCH),
@@ -588,9 +981,11 @@ def compare(v: dict, t: dict, row: Row, stream: bool) -> None:
         assert _matches(d.tokenmill, tv), f"{row.name} ({d.path}): tokenmill no longer answers as listed: {tv!r}"
     found = differences(v, t)
     unlisted = [p for p in found if not any(not d.path or p == d.path or p.startswith(d.path + ".") for d in diffs)]
-    assert not unlisted, (f"{row.name} (stream {stream}): differs from vLLM at {unlisted}\n"
-                          f"vLLM:      {json.dumps(v, ensure_ascii=False)}\n"
-                          f"tokenmill: {json.dumps(t, ensure_ascii=False)}")  # fmt: skip
+    assert not unlisted, (
+        f"{row.name} (stream {stream}): differs from vLLM at {unlisted}\n"
+        f"vLLM:      {json.dumps(v, ensure_ascii=False)}\n"
+        f"tokenmill: {json.dumps(t, ensure_ascii=False)}"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -24,20 +24,28 @@ logging.disable(logging.WARNING)
 
 from tokenmill.bench.parsers_vllm import HarmonyDecoder, deepseek_tokenizer  # noqa: E402  (the same set-up as the bench)
 
+
 def run(case: dict) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser import ParserManager
 
     tok = deepseek_tokenizer(tuple(case.get("markers") or ()))
     kwargs = case.get("chat_template_kwargs") or {}
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                    tools=case.get("tools"), chat_template_kwargs=kwargs or None)
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=case.get("tools"),
+        chat_template_kwargs=kwargs or None,
+    )
     # gpt-oss: vLLM picks HarmonyParser by the model type (not the parser names) and parses
     # token ids of openai_harmony's own encoding (bundled with openai_harmony: works offline)
     harmony = case.get("tool_parser") == "openai" or case.get("reasoning_parser") == "openai_gptoss"
-    cls = ParserManager.get_parser(tool_parser_name=case.get("tool_parser"),
-                                   reasoning_parser_name=case.get("reasoning_parser"),
-                                   enable_auto_tools=bool(case.get("tool_parser")), is_harmony=harmony)
+    cls = ParserManager.get_parser(
+        tool_parser_name=case.get("tool_parser"),
+        reasoning_parser_name=case.get("reasoning_parser"),
+        enable_auto_tools=bool(case.get("tool_parser")),
+        is_harmony=harmony,
+    )
     parser = cls(tok, request.tools, chat_template_kwargs=kwargs)
     if harmony:
         from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
@@ -46,8 +54,7 @@ def run(case: dict) -> dict:
         ids = get_encoding().encode(case["text"], allowed_special="all")
     else:
         ids = tok.encode(case["text"], add_special_tokens=False)
-    reasoning, content, calls = parser.parse(case["text"], request, enable_auto_tools=True,
-                                             model_output_token_ids=ids)
+    reasoning, content, calls = parser.parse(case["text"], request, enable_auto_tools=True, model_output_token_ids=ids)
     out_calls = []
     for call in calls or []:
         try:

@@ -41,8 +41,17 @@ def tool(name: str, properties: dict | None = None, required: list[str] | None =
 
 
 WEATHER = tool("get_weather", {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}}, ["city"])
-SEARCH = tool("search", {"query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"},
-                         "score": {"type": "number"}, "filters": {"type": "object"}, "tags": {"type": "array"}})
+SEARCH = tool(
+    "search",
+    {
+        "query": {"type": "string"},
+        "limit": {"type": "integer"},
+        "exact": {"type": "boolean"},
+        "score": {"type": "number"},
+        "filters": {"type": "object"},
+        "tags": {"type": "array"},
+    },
+)
 TOOLS = [WEATHER, SEARCH]
 
 

@@ -6,7 +6,6 @@ import json
 
 import openai
 import pytest
-
 from conftest import Server, http
 
 CHAT = [{"role": "user", "content": "Tell me about tokenizers."}]
@@ -47,9 +46,13 @@ def test_chat_non_streaming(server):
 def test_chat_streaming_with_usage(server):
     client = server.client()
     stream = client.chat.completions.create(
-        model="deepseek-v4", messages=CHAT, max_tokens=12, stream=True, seed=5,
+        model="deepseek-v4",
+        messages=CHAT,
+        max_tokens=12,
+        stream=True,
+        seed=5,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -95,7 +98,9 @@ def test_stop_strings_cut_and_excluded(echo_server, default_tokenizer):
     assert resp.choices[0].text == "alpha beta gamma "
     assert resp.choices[0].finish_reason == "stop"
     # streamed: the held-back prefix " ST" must never leak
-    stream = client.completions.create(model="deepseek-v4", prompt=ids, max_tokens=len(ids), stop=["STOP", "zzz"], stream=True)
+    stream = client.completions.create(
+        model="deepseek-v4", prompt=ids, max_tokens=len(ids), stop=["STOP", "zzz"], stream=True
+    )
     chunks = [c.choices[0] for c in stream if c.choices]
     assert "".join(c.text for c in chunks) == "alpha beta gamma "
     assert chunks[-1].finish_reason == "stop"
@@ -113,8 +118,11 @@ def test_stop_token_ids(echo_server, default_tokenizer):
     assert resp.usage.completion_tokens == 3
     assert resp.choices[0].text == default_tokenizer.decode(ids[:3])
     vocab = default_tokenizer.get_vocab_size(with_added_tokens=True)
-    status, _, body = http("POST", echo_server.url + "/v1/completions",
-                           {"model": "deepseek-v4", "prompt": ids, "stop_token_ids": [ids[2], vocab]})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": "deepseek-v4", "prompt": ids, "stop_token_ids": [ids[2], vocab]},
+    )
     assert status == 400 and body["error"]["param"] == "stop_token_ids" and str(vocab) in body["error"]["message"], body
 
 
@@ -148,7 +156,12 @@ def assert_error(status, body, expected_status, *words):
         ({"model": "deepseek-v4"}, 400, ["messages"], "messages"),
         ({"model": "deepseek-v4", "messages": []}, 400, ["messages"], "messages"),
         ({"model": "deepseek-v4", "messages": "hi"}, 400, ["array"], "messages"),
-        ({"model": "deepseek-v4", "messages": [{"role": "wizard", "content": "x"}]}, 400, ["role", "wizard"], "messages[0].role"),
+        (
+            {"model": "deepseek-v4", "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            ["role", "wizard"],
+            "messages[0].role",
+        ),
         ({"model": "deepseek-v4", "messages": CHAT, "max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
         ({"model": "deepseek-v4", "messages": CHAT, "max_tokens": -5}, 400, ["max_tokens"], "max_tokens"),
         ({"model": "deepseek-v4", "messages": CHAT, "max_tokens": "ten"}, 400, ["int"], "max_tokens"),
@@ -168,7 +181,9 @@ def test_bad_chat_requests(server, body, status, words, param):
 
 def test_prompt_over_context_names_both_numbers(server):
     long_prompt = "word " * 9000
-    status, _, body = http("POST", server.url + "/v1/completions", {"model": "deepseek-v4", "prompt": long_prompt, "max_tokens": 10})
+    status, _, body = http(
+        "POST", server.url + "/v1/completions", {"model": "deepseek-v4", "prompt": long_prompt, "max_tokens": 10}
+    )
     assert_error(status, body, 400, "8192")
     assert body["error"]["code"] == "context_length_exceeded"
     assert "in the completion" in body["error"]["message"]
@@ -181,13 +196,18 @@ def test_the_engines_context_length_is_checked_before_it_is_reached():
     try:
         status, _, body = http("GET", srv.url + "/v1/models")
         assert body["data"][0]["max_model_len"] == 64
-        status, _, body = http("POST", srv.url + "/v1/chat/completions",
-                               {"model": "deepseek-v4", "messages": [{"role": "user", "content": "word " * 40}],
-                                "max_tokens": 30})  # fmt: skip
+        status, _, body = http(
+            "POST",
+            srv.url + "/v1/chat/completions",
+            {"model": "deepseek-v4", "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 30},
+        )
         assert_error(status, body, 400, "64")
         assert body["error"]["code"] == "context_length_exceeded" and body["error"]["param"] == "messages"
-        status, _, body = http("POST", srv.url + "/v1/chat/completions",
-                               {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+        status, _, body = http(
+            "POST",
+            srv.url + "/v1/chat/completions",
+            {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5},
+        )
         assert status == 200 and body["usage"]["completion_tokens"] == 5, body
         status, _, body = http("POST", srv.url + "/tokenize", {"model": "deepseek-v4", "prompt": "Hi"})
         assert body["max_model_len"] == 64
@@ -226,8 +246,10 @@ def _raw_post(port: int, head: bytes, body_chunks) -> bytes:
 
 def test_body_too_large(server):
     big = json.dumps({"model": "deepseek-v4", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(big)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(big)}\r\n\r\n"
+    ).encode()
     answer = _raw_post(server.port, head, [big[i : i + 65536] for i in range(0, len(big), 65536)])
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
@@ -243,9 +265,10 @@ def test_unknown_fields_are_ignored(server):
     """Another vendor's extension is ignored, as vLLM does; OpenAI's and vLLM's own fields are not
     (test_request_fields.py)."""
     status, _, body = http(
-        "POST", server.url + "/v1/chat/completions",
+        "POST",
+        server.url + "/v1/chat/completions",
         {"model": "deepseek-v4", "messages": CHAT, "max_tokens": 2, "vendor_extension": {"x": 1}, "user": "u-1"},
-    )  # fmt: skip
+    )
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
 
 
@@ -284,8 +307,13 @@ def test_the_loop_lag_timer_slows_down_while_nothing_is_in_flight(server):
     client = server.client()
     model = client.models.list().data[0].id
     before, t0 = samples(), time.monotonic()
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a story."}],
-                                            max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=1000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     tokens = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content)
     busy, elapsed = samples() - before, time.monotonic() - t0
     assert tokens > 0

@@ -64,8 +64,12 @@ def test_busy_cores_spin_while_requests_run_sleep_when_idle_and_die_with_the_sim
 
         busy_before = sum(map(_cpu_s, spinners))
         client = server.client()
-        reply = client.chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": "go"}],
-                                               max_tokens=100, extra_body={"ignore_eos": True})  # fmt: skip
+        reply = client.chat.completions.create(
+            model="deepseek-v4",
+            messages=[{"role": "user", "content": "go"}],
+            max_tokens=100,
+            extra_body={"ignore_eos": True},
+        )
         assert reply.usage.completion_tokens == 100  # 100 steps of 20 ms: two seconds of work
         assert sum(map(_cpu_s, spinners)) - busy_before > 0.2, "spinners stayed idle while the engine worked"
 
@@ -104,8 +108,9 @@ def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_pro
     plain = Server()
     try:
         for server in (niced, plain):  # a long prompt: the first conversion thread has started the tokenizers pool
-            server.client().chat.completions.create(model="deepseek-v4", max_tokens=1,
-                                                    messages=[{"role": "user", "content": "word " * 20000}])  # fmt: skip
+            server.client().chat.completions.create(
+                model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
+            )
         worker = _worker(niced)
         with open(f"/proc/{worker}/stat") as f:  # the main (IO) thread keeps the process's niceness
             base = int(f.read().rsplit(")", 1)[1].split()[16])

@@ -21,12 +21,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-
 import vllm_env
 from conftest import Server, http
 
@@ -62,41 +60,69 @@ CASES = _load()
 # case -> (the param vLLM names, does tokenmill refuse it too?, where vLLM refuses it)
 VLLM_REFUSES = {
     "openai-python:chat.misuse_stream_options_without_stream": (
-        "stream_options", False, "chat_completion/protocol.py ChatCompletionRequest.validate_stream_options: "
-        "'Stream options can only be defined when `stream=True`.' (tokenmill ignores stream_options then)"),
+        "stream_options",
+        False,
+        "chat_completion/protocol.py ChatCompletionRequest.validate_stream_options: "
+        "'Stream options can only be defined when `stream=True`.' (tokenmill ignores stream_options then)",
+    ),
     "openai-python:completions.misuse_stream_options_without_stream": (
-        "stream_options", False, "completion/protocol.py CompletionRequest.validate_stream_options: the same"),
+        "stream_options",
+        False,
+        "completion/protocol.py CompletionRequest.validate_stream_options: the same",
+    ),
     "openai-python:chat.misuse_top_logprobs_without_logprobs": (
-        "top_logprobs", True, "ChatCompletionRequest.check_logprobs: 'when using `top_logprobs`, `logprobs` must "
-        "be set to true.'"),
+        "top_logprobs",
+        True,
+        "ChatCompletionRequest.check_logprobs: 'when using `top_logprobs`, `logprobs` must be set to true.'",
+    ),
     "openai-python:chat.misuse_tools_empty": (
-        "tools", False, "ChatCompletionRequest.check_tool_usage: '`tools` must not be an empty array.' "
-        "(tokenmill takes tools: [] as no tools)"),
+        "tools",
+        False,
+        "ChatCompletionRequest.check_tool_usage: '`tools` must not be an empty array.' "
+        "(tokenmill takes tools: [] as no tools)",
+    ),
     "openai-python:chat.misuse_tool_choice_without_tools": (
-        "tool_choice", True, "ChatCompletionRequest.check_tool_usage: 'When using `tool_choice`, `tools` must be set.'"),
-}  # fmt: skip
+        "tool_choice",
+        True,
+        "ChatCompletionRequest.check_tool_usage: 'When using `tool_choice`, `tools` must be set.'",
+    ),
+}
 
-_VLLM_IGNORES = ("vLLM 0.32 has no such field: its OpenAIBaseModel has extra='allow' and only logs it "
-                 "(serve/engine/protocol.py), so it answers 200")  # fmt: skip
+_VLLM_IGNORES = (
+    "vLLM 0.32 has no such field: its OpenAIBaseModel has extra='allow' and only logs it "
+    "(serve/engine/protocol.py), so it answers 200"
+)
 # tokenmill answers 400 where vLLM 0.32 would not: case -> (the param tokenmill names, why vLLM accepts it)
 NOT_YET = {
     "openai-python:chat.extra_body_priority": (
-        "priority", "priority refused on purpose by an engine that does not schedule by priority (issue 29's bad "
-        "input; the simulator's default is fcfs): vLLM 0.32 takes it and, under its default fcfs policy, drops it"),
+        "priority",
+        "priority refused on purpose by an engine that does not schedule by priority (issue 29's bad "
+        "input; the simulator's default is fcfs): vLLM 0.32 takes it and, under its default fcfs policy, drops it",
+    ),
     "openai-python:completions.extra_body_priority": (
-        "priority", "priority refused on purpose by an engine that does not schedule by priority: as for chat"),
+        "priority",
+        "priority refused on purpose by an engine that does not schedule by priority: as for chat",
+    ),
     "openai-python:completions.echo_logprobs": (
-        "echo", "field echo with logprobs not honoured yet (issue 29): vLLM adds the prompt's logprobs "
-        "(completion/protocol.py sets prompt_logprobs for echo), the scheduler protocol does not return them"),
+        "echo",
+        "field echo with logprobs not honoured yet (issue 29): vLLM adds the prompt's logprobs "
+        "(completion/protocol.py sets prompt_logprobs for echo), the scheduler protocol does not return them",
+    ),
     "openai-python:completions.best_of_2": (
-        "best_of", f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}"),
+        "best_of",
+        f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}",
+    ),
     "openai-python:chat.modalities_audio": (
-        "audio", f"fields audio/modalities ['text', 'audio'] refused by tokenmill (no audio output); {_VLLM_IGNORES}"),
+        "audio",
+        f"fields audio/modalities ['text', 'audio'] refused by tokenmill (no audio output); {_VLLM_IGNORES}",
+    ),
     "openai-python:chat.prediction": ("prediction", f"field prediction refused by tokenmill; {_VLLM_IGNORES}"),
     "openai-python:chat.web_search_options": (
-        "web_search_options", f"field web_search_options refused by tokenmill; {_VLLM_IGNORES}"),
+        "web_search_options",
+        f"field web_search_options refused by tokenmill; {_VLLM_IGNORES}",
+    ),
     "openai-python:chat.verbosity": ("verbosity", f"field verbosity refused by tokenmill; {_VLLM_IGNORES}"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +138,9 @@ def replies_file(tmp_path_factory) -> str:
 def tm(replies_file):
     """The embedded model (its tool-call and reasoning parsers on, as served by default), a scripted
     simulated model, no decode delay, a small context so that a body without max_tokens ends soon."""
-    srv = Server("--workers", "1", "--sim-inter-token-latency-ms", "0", "--max-model-len", "2048",
-                 "--sim-replies", replies_file)  # fmt: skip
+    srv = Server(
+        "--workers", "1", "--sim-inter-token-latency-ms", "0", "--max-model-len", "2048", "--sim-replies", replies_file
+    )
     yield srv
     srv.stop()
 
@@ -125,8 +152,12 @@ def _send(srv: Server, entry: dict) -> tuple[int, object]:
     if not (isinstance(body, dict) and body.get("stream")):
         status, _, answer = http(entry["method"], srv.url + entry["path"], body, headers=headers, timeout=60)
         return status, answer
-    req = urllib.request.Request(srv.url + entry["path"], json.dumps(body).encode(), method=entry["method"],
-                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
+    req = urllib.request.Request(
+        srv.url + entry["path"],
+        json.dumps(body).encode(),
+        method=entry["method"],
+        headers={"Content-Type": "application/json", **headers},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, raw = resp.status, resp.read()
@@ -135,7 +166,7 @@ def _send(srv: Server, entry: dict) -> tuple[int, object]:
     events = []
     for line in raw.decode().splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return status, events
 
@@ -242,10 +273,16 @@ def test_vllm_request_models_agree():
     code, were read: none of them refuses a captured body; NOT_YET says why each is accepted.)"""
     if reason := vllm_env.missing_reason():
         pytest.skip(reason)
-    bodies = [(case, e["path"], e["body"]) for case, _, e in CASES
-              if e["path"] in ("/v1/chat/completions", "/v1/completions")]  # fmt: skip
-    proc = subprocess.run([str(vllm_env.VLLM_PYTHON), "-c", _VLLM_CHECK], input=json.dumps(bodies),
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    bodies = [
+        (case, e["path"], e["body"]) for case, _, e in CASES if e["path"] in ("/v1/chat/completions", "/v1/completions")
+    ]
+    proc = subprocess.run(
+        [str(vllm_env.VLLM_PYTHON), "-c", _VLLM_CHECK],
+        input=json.dumps(bodies),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdicts = json.loads(proc.stdout.strip().splitlines()[-1])
     refused = {case: verdict for case, verdict in verdicts.items() if verdict is not None}
@@ -263,8 +300,15 @@ def test_langchain_openai_invoke_stream_tools_structured(tm):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
 
-    llm = langchain_openai.ChatOpenAI(base_url=tm.url + "/v1", api_key="unused", model=MODEL, max_retries=0,
-                                      max_tokens=64, stream_usage=True, timeout=60)  # fmt: skip
+    llm = langchain_openai.ChatOpenAI(
+        base_url=tm.url + "/v1",
+        api_key="unused",
+        model=MODEL,
+        max_retries=0,
+        max_tokens=64,
+        stream_usage=True,
+        timeout=60,
+    )
     reply = llm.invoke("Say hello.")
     assert reply.content == "Hello there." and reply.response_metadata["finish_reason"] == "stop"
     assert reply.usage_metadata["output_tokens"] > 0
@@ -312,8 +356,14 @@ def litellm_module():
 @pytest.mark.parametrize("provider", ["openai", "hosted_vllm"])
 def test_litellm_completion_stream_tools(tm, litellm_module, provider):
     litellm = litellm_module
-    base = {"model": f"{provider}/{MODEL}", "api_base": tm.url + "/v1", "api_key": "unused", "num_retries": 0,
-            "timeout": 60, "max_tokens": 64}  # fmt: skip
+    base = {
+        "model": f"{provider}/{MODEL}",
+        "api_base": tm.url + "/v1",
+        "api_key": "unused",
+        "num_retries": 0,
+        "timeout": 60,
+        "max_tokens": 64,
+    }
     hello = [{"role": "user", "content": "Say hello."}]
     reply = litellm.completion(messages=hello, **base)
     assert reply.choices[0].message.content == "Hello there." and reply.choices[0].finish_reason == "stop"
@@ -325,25 +375,39 @@ def test_litellm_completion_stream_tools(tm, litellm_module, provider):
     rebuilt = litellm.stream_chunk_builder(chunks, messages=hello)
     assert rebuilt.choices[0].message.content == "Hello there." and rebuilt.usage.completion_tokens > 0
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     call = litellm.completion(messages=question, tools=tools, **base)
     message = call.choices[0].message
     assert call.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-        ("get_weather", {"city": "Paris"})]  # fmt: skip
+        ("get_weather", {"city": "Paris"})
+    ]
     streamed = list(litellm.completion(messages=question, tools=tools, stream=True, **base))
     rebuilt = litellm.stream_chunk_builder(streamed, messages=question)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in rebuilt.choices[0].message.tool_calls] == [
-        ("get_weather", {"city": "Paris"})]  # fmt: skip
-    followup = [*question, message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21"}]  # fmt: skip
+        ("get_weather", {"city": "Paris"})
+    ]
+    followup = [
+        *question,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21"},
+    ]
     answer = litellm.completion(messages=followup, tools=tools, **base)
     assert answer.choices[0].message.content == "It is sunny in Paris, at 21 °C."
 
-    text = litellm.text_completion(model=base["model"], api_base=base["api_base"], api_key="unused",
-                                   prompt="Once upon a time", max_tokens=16)  # fmt: skip
+    text = litellm.text_completion(
+        model=base["model"], api_base=base["api_base"], api_key="unused", prompt="Once upon a time", max_tokens=16
+    )
     assert text.choices[0].text == " there was a mill."
 
 
@@ -373,8 +437,9 @@ def test_vllm_bench_request_functions_live(tm):
     against tokenmill: every request succeeds, and the usage they read counts the tokens."""
     if reason := vllm_env.missing_reason():
         pytest.skip(reason)
-    proc = subprocess.run([str(vllm_env.VLLM_PYTHON), "-c", _VLLM_BENCH, tm.url, MODEL],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [str(vllm_env.VLLM_PYTHON), "-c", _VLLM_BENCH, tm.url, MODEL], capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for backend, results in out.items():

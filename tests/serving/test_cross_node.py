@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Server, free_port, http
 
 CONFIG = ROOT / "deploy" / "haproxy" / "tokenmill.cfg"
 HAPROXY = shutil.which("haproxy") or next(
-    (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)), None)
+    (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)), None
+)
 pytestmark = pytest.mark.skipif(
     HAPROXY is None,
     reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy; scripts/test.sh installs it when run as root)",
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 # a decode step of 5 ms: a 600-token stream lasts ~3 s, longer than HAProxy takes to mark a node down
 NODE_ARGS = ("--workers", "1", "--sim-inter-token-latency-ms", "5", "--shutdown-timeout", "20")
 MODEL = "deepseek-v4"
-SERVED = re.compile(r'^tokenmill_requests_total\{([^}]*)\} (\S+)$', re.M)
+SERVED = re.compile(r"^tokenmill_requests_total\{([^}]*)\} (\S+)$", re.M)
 
 
 # ---- the cluster ------------------------------------------------------------------------------
@@ -80,12 +80,20 @@ class Router:
         cfg.write_text(render_config(CONFIG.read_text(), addresses, self.port, free_port(), self.sock))
         self.log_path = tmp / "haproxy.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [HAPROXY, "-db", "-f", str(cfg)], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            self.wait(lambda s: len(s) == 2 * len(nodes) and all(st == "UP" and (check == "L7OK" or bk == "tokenmill_any")
-                                                                 for (bk, _), (st, check) in s.items()),
-                      15, "every node UP after a passed check")  # fmt: skip
+            self.wait(
+                lambda s: (
+                    len(s) == 2 * len(nodes)
+                    and all(
+                        st == "UP" and (check == "L7OK" or bk == "tokenmill_any") for (bk, _), (st, check) in s.items()
+                    )
+                ),
+                15,
+                "every node UP after a passed check",
+            )
         except BaseException:
             self.stop()
             raise
@@ -105,8 +113,11 @@ class Router:
         lines = self.admin("show stat").splitlines()
         head = lines[0].lstrip("# ").split(",")
         rows = [dict(zip(head, line.split(","))) for line in lines[1:] if line]
-        return {(r["pxname"], r["svname"]): (r["status"], r["check_status"]) for r in rows
-                if r["svname"] not in ("FRONTEND", "BACKEND") and r["pxname"] != "stats"}  # fmt: skip
+        return {
+            (r["pxname"], r["svname"]): (r["status"], r["check_status"])
+            for r in rows
+            if r["svname"] not in ("FRONTEND", "BACKEND") and r["pxname"] != "stats"
+        }
 
     def status(self, name: str) -> str:
         return self.servers()[("tokenmill_sessions", name)][0]
@@ -122,7 +133,9 @@ class Router:
             except OSError:
                 pass
             time.sleep(0.05)
-        raise AssertionError(f"haproxy: not {what} in {timeout} s: {self.servers()}\n{self.log_path.read_text()[-3000:]}")
+        raise AssertionError(
+            f"haproxy: not {what} in {timeout} s: {self.servers()}\n{self.log_path.read_text()[-3000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -176,8 +189,11 @@ class Cluster:
                 out[name] = -1
                 continue
             text = body.decode() if isinstance(body, bytes) else str(body)
-            out[name] = sum(int(float(v)) for labels, v in SERVED.findall(text)
-                            if 'endpoint="/v1/chat/completions"' in labels and 'status="200"' in labels)  # fmt: skip
+            out[name] = sum(
+                int(float(v))
+                for labels, v in SERVED.findall(text)
+                if 'endpoint="/v1/chat/completions"' in labels and 'status="200"' in labels
+            )
         return out
 
     def running(self, name: str) -> int:
@@ -189,13 +205,25 @@ class Cluster:
         import openai
 
         headers = {"X-Session-Id": session} if session else {}
-        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="none", max_retries=0, timeout=20, default_headers=headers)
+        return openai.OpenAI(
+            base_url=self.router.url + "/v1", api_key="none", max_retries=0, timeout=20, default_headers=headers
+        )
 
     def chat(self, session: str | None, messages=None, max_tokens: int = 4, **kw) -> tuple[int, str | None, dict]:
         """A non-streamed chat completion through the router: (status, X-Tokenmill-Node, body)."""
-        body = {"model": MODEL, "messages": messages or [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens, **kw}
-        status, headers, answer = http("POST", self.router.url + "/v1/chat/completions", body,
-                                       headers={"X-Session-Id": session} if session else {}, timeout=20)  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": messages or [{"role": "user", "content": "Hello"}],
+            "max_tokens": max_tokens,
+            **kw,
+        }
+        status, headers, answer = http(
+            "POST",
+            self.router.url + "/v1/chat/completions",
+            body,
+            headers={"X-Session-Id": session} if session else {},
+            timeout=20,
+        )
         return status, _header(headers, "x-tokenmill-node"), answer
 
 
@@ -236,7 +264,11 @@ def stream_in_thread(c: Cluster, session: str, max_tokens: int) -> tuple[threadi
     def run():
         try:
             raw = c.client(session).chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=max_tokens, stream=True)
+                model=MODEL,
+                messages=[{"role": "user", "content": "Tell me a long story."}],
+                max_tokens=max_tokens,
+                stream=True,
+            )
             out.node = raw.headers.get("x-tokenmill-node")
             out.started.set()
             for chunk in raw.parse():
@@ -273,7 +305,9 @@ def test_a_conversation_stays_on_one_node_and_sessions_spread(cluster):
     for turn in range(3):
         for session, client in clients.items():
             histories[session].append({"role": "user", "content": f"Question {turn}?"})
-            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=histories[session], max_tokens=4)
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=histories[session], max_tokens=4
+            )
             histories[session].append({"role": "assistant", "content": raw.parse().choices[0].message.content})
             after = cluster.counts()
             grew = [name for name in cluster.names if after[name] == before[name] + 1]
@@ -394,8 +428,10 @@ def test_a_killed_node_fails_only_its_streams(tmp_path):
         # a stream on the survivor too: it must not notice anything
         survivor_stream = stream_in_thread(c, by_node[survivor][0], max_tokens=600)
         big = [{"role": "user", "content": "word " * 5000}]  # over tune.bufsize: HAProxy cannot send it again
-        calls = [threading.Thread(target=call, args=("small", sessions[0])),
-                 threading.Thread(target=call, args=("big", sessions[1 % len(sessions)], big))]
+        calls = [
+            threading.Thread(target=call, args=("small", sessions[0])),
+            threading.Thread(target=call, args=("big", sessions[1 % len(sessions)], big)),
+        ]
         for t in calls:
             t.start()
         streams = [stream_in_thread(c, s, max_tokens=600) for s in sessions[:2]]
@@ -412,8 +448,13 @@ def test_a_killed_node_fails_only_its_streams(tmp_path):
         for t in [*calls, *(t for t, _ in [*streams, survivor_stream])]:
             t.join(max(1.0, 45 - (time.monotonic() - t0)))  # all of them within 45 s of the kill
         print("new requests after SIGKILL:", [(s, n) for s, n, _ in after], f"in {elapsed:.2f} s")
-        print("in flight:", {k: (v[0], v[1], v[2].get("error") if isinstance(v[2], dict) else v[2]) for k, v in results.items()})
-        print("streams:", [(out.node, out.chunks, out.finish, [repr(e) for e in _chain(out.error)]) for _, out in streams])
+        print(
+            "in flight:",
+            {k: (v[0], v[1], v[2].get("error") if isinstance(v[2], dict) else v[2]) for k, v in results.items()},
+        )
+        print(
+            "streams:", [(out.node, out.chunks, out.finish, [repr(e) for e in _chain(out.error)]) for _, out in streams]
+        )
 
         assert all(status == 200 and node == survivor for status, node, _ in after), after
         status, node, body = results["small"]
@@ -435,7 +476,9 @@ def _is_connection_error(exc: BaseException) -> bool:
     import openai
 
     names = {type(e).__name__ for e in _chain(exc)}
-    return isinstance(exc, openai.APIConnectionError) or bool(names & {"RemoteProtocolError", "ReadError", "IncompleteRead"})
+    return isinstance(exc, openai.APIConnectionError) or bool(
+        names & {"RemoteProtocolError", "ReadError", "IncompleteRead"}
+    )
 
 
 def _chain(exc: BaseException | None):

@@ -17,9 +17,9 @@ from http.client import HTTPConnection
 
 import pytest
 import yaml
+from conftest import ROOT, Server, http
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, Server, http
 from gateway.metrics import Metrics
 
 DEPLOY = ROOT / "deploy"
@@ -29,17 +29,75 @@ PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 
 # ---- a PromQL walker ---------------------------------------------------------------------------
 
-AGGREGATIONS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
-                "count_values", "group", "limitk", "limit_ratio"}  # fmt: skip
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "limitk",
+    "limit_ratio",
+}
 FUNCTIONS = {
-    "abs", "absent", "absent_over_time", "ceil", "changes", "clamp", "clamp_max", "clamp_min", "day_of_month",
-    "day_of_week", "days_in_month", "delta", "deriv", "exp", "floor", "histogram_quantile", "holt_winters",
-    "hour", "idelta", "increase", "irate", "label_join", "label_replace", "ln", "log2", "log10", "minute",
-    "month", "predict_linear", "rate", "resets", "round", "scalar", "sgn", "sort", "sort_desc", "sqrt", "time",
-    "timestamp", "vector", "year", "avg_over_time", "min_over_time", "max_over_time", "sum_over_time",
-    "count_over_time", "quantile_over_time", "stddev_over_time", "stdvar_over_time", "last_over_time",
+    "abs",
+    "absent",
+    "absent_over_time",
+    "ceil",
+    "changes",
+    "clamp",
+    "clamp_max",
+    "clamp_min",
+    "day_of_month",
+    "day_of_week",
+    "days_in_month",
+    "delta",
+    "deriv",
+    "exp",
+    "floor",
+    "histogram_quantile",
+    "holt_winters",
+    "hour",
+    "idelta",
+    "increase",
+    "irate",
+    "label_join",
+    "label_replace",
+    "ln",
+    "log2",
+    "log10",
+    "minute",
+    "month",
+    "predict_linear",
+    "rate",
+    "resets",
+    "round",
+    "scalar",
+    "sgn",
+    "sort",
+    "sort_desc",
+    "sqrt",
+    "time",
+    "timestamp",
+    "vector",
+    "year",
+    "avg_over_time",
+    "min_over_time",
+    "max_over_time",
+    "sum_over_time",
+    "count_over_time",
+    "quantile_over_time",
+    "stddev_over_time",
+    "stdvar_over_time",
+    "last_over_time",
     "present_over_time",
-}  # fmt: skip
+}
 COUNTER_READERS = {"rate", "irate", "increase", "resets", "changes"}
 GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 KEYWORDS = {"and", "or", "unless", "bool", "offset", "atan2"}
@@ -81,7 +139,7 @@ def tokenize(expr: str) -> list[tuple[str, str]]:
     while pos < len(expr):
         m = TOKEN.match(expr, pos)
         if not m:
-            raise ValueError(f"cannot read {expr[pos:pos + 20]!r} in {expr!r}")
+            raise ValueError(f"cannot read {expr[pos : pos + 20]!r} in {expr!r}")
         pos = m.end()
         if m.lastgroup:
             tokens.append((m.lastgroup, m.group()))
@@ -136,7 +194,12 @@ def parse(expr: str) -> Query:
             if i < len(tokens) and tokens[i][1] == "(":
                 query.grouping.update(label_list())
             continue
-        if kind == "ident" and i + 1 < len(tokens) and tokens[i + 1][1] == "(" and (value in FUNCTIONS or value in AGGREGATIONS):
+        if (
+            kind == "ident"
+            and i + 1 < len(tokens)
+            and tokens[i + 1][1] == "("
+            and (value in FUNCTIONS or value in AGGREGATIONS)
+        ):
             stack.append(value)
             i += 2
             continue
@@ -181,16 +244,26 @@ def parse(expr: str) -> Query:
 
 
 def test_promql_walker_reads_what_it_should():
-    q = parse('histogram_quantile(0.99, sum by (instance, le) '
-              '(rate(tokenmill_x_bucket{model_name=~"$model_name"}[$__rate_interval])))')
+    q = parse(
+        "histogram_quantile(0.99, sum by (instance, le) "
+        '(rate(tokenmill_x_bucket{model_name=~"$model_name"}[$__rate_interval])))'
+    )
     assert [(s.metric, s.matchers, s.functions) for s in q.selectors] == [
-        ("tokenmill_x_bucket", {"model_name": ("=~", ".*")}, ["histogram_quantile", "sum", "rate"])]
+        ("tokenmill_x_bucket", {"model_name": ("=~", ".*")}, ["histogram_quantile", "sum", "rate"])
+    ]
     assert q.grouping == {"instance", "le"}
     q = parse("sum(rate(a_total[5m])) by (reason) / clamp_min(sum(b), 1e-9) > 0.1")
     assert [s.metric for s in q.selectors] == ["a_total", "b"] and q.grouping == {"reason"}
     assert parse('up{job="tokenmill"} == 0').selectors[0].matchers == {"job": ("=", "tokenmill")}
-    for broken in ["sum(rate(a_total[5m])", "rate(a_total[5m]))", "rates(a_total[5m])", 'a{b="c"', "a[5q]",
-                   'a{b=="c"}', "sum by (x (a)"]:  # fmt: skip
+    for broken in [
+        "sum(rate(a_total[5m])",
+        "rate(a_total[5m]))",
+        "rates(a_total[5m])",
+        'a{b="c"',
+        "a[5q]",
+        'a{b=="c"}',
+        "sum by (x (a)",
+    ]:
         with pytest.raises((ValueError, IndexError)):
             parse(broken)
 
@@ -262,11 +335,32 @@ def test_dashboard_structure():
             assert t["datasource"]["uid"] == "${datasource}" and t["expr"].strip(), p["title"]
 
     titles = " | ".join(p["title"] for p in panels).lower()
-    for topic in ["requests by status", "errors", "time to first token", "inter-token", "end-to-end", "queue wait",
-                  "event-loop lag", "tokenizer workers", "worker restarts", "token throughput", "running and waiting",
-                  "render", "tokenize", "detokenize", "aborts by reason", "rejections by reason",
-                  "tokenization cache", "prompt tokens from cache", "tokenize cpu per chat request", "tokenization cpu",
-                  "cache bytes per worker", "evictions", "cache mismatches", "cache enabled"]:  # fmt: skip
+    for topic in [
+        "requests by status",
+        "errors",
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "queue wait",
+        "event-loop lag",
+        "tokenizer workers",
+        "worker restarts",
+        "token throughput",
+        "running and waiting",
+        "render",
+        "tokenize",
+        "detokenize",
+        "aborts by reason",
+        "rejections by reason",
+        "tokenization cache",
+        "prompt tokens from cache",
+        "tokenize cpu per chat request",
+        "tokenization cpu",
+        "cache bytes per worker",
+        "evictions",
+        "cache mismatches",
+        "cache enabled",
+    ]:
         assert topic in titles, f"no panel about {topic}"
 
 
@@ -275,7 +369,7 @@ def row_panels(d: dict, title: str) -> list[dict]:
     panels = d["panels"]
     start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title)
     inside = list(panels[start].get("panels", []))
-    for p in panels[start + 1:]:
+    for p in panels[start + 1 :]:
         if p["type"] == "row":
             break
         inside.append(p)
@@ -284,7 +378,8 @@ def row_panels(d: dict, title: str) -> list[dict]:
 
 # every family of the workers' tokenization cache (gateway/metrics.py), as the samples Prometheus stores
 CACHE_FAMILY = re.compile(
-    r"tokenmill_(tokenize_(cache_\w+|cpu_seconds|prefix_reuses)|prompt_tokens_(from_cache|tokenized))")
+    r"tokenmill_(tokenize_(cache_\w+|cpu_seconds|prefix_reuses)|prompt_tokens_(from_cache|tokenized))"
+)
 
 
 def cache_series() -> set[str]:
@@ -310,7 +405,8 @@ def test_tokenization_cache_row():
     # mismatches: a count (ceil of the increase), green at 0, red from the first one
     mismatches = by_title["Tokenization cache mismatches"]
     assert [s.metric for t in mismatches["targets"] for s in parse(t["expr"]).selectors] == [
-        "tokenmill_tokenize_cache_mismatches_total"]
+        "tokenmill_tokenize_cache_mismatches_total"
+    ]
     assert mismatches["targets"][0]["expr"].startswith("ceil(")
     assert steps("Tokenization cache mismatches") == [("green", None), ("red", 1)]
     # enabled: red unless 1
@@ -318,13 +414,16 @@ def test_tokenization_cache_row():
 
     # the share is from_cache / (from_cache + tokenized); CPU per request divides by chat completions answered
     share = parse(by_title["Prompt tokens from cache"]["targets"][0]["expr"])
-    assert [s.metric for s in share.selectors] == ["tokenmill_prompt_tokens_from_cache_total",
-                                                   "tokenmill_prompt_tokens_from_cache_total",
-                                                   "tokenmill_prompt_tokens_tokenized_total"]  # fmt: skip
+    assert [s.metric for s in share.selectors] == [
+        "tokenmill_prompt_tokens_from_cache_total",
+        "tokenmill_prompt_tokens_from_cache_total",
+        "tokenmill_prompt_tokens_tokenized_total",
+    ]
     per_request = parse(by_title["Tokenize CPU per chat request"]["targets"][0]["expr"])
     assert [(s.metric, s.matchers.get("endpoint")) for s in per_request.selectors] == [
         ("tokenmill_tokenize_cpu_seconds_total", None),
-        ("tokenmill_requests_total", ("=", "/v1/chat/completions"))]
+        ("tokenmill_requests_total", ("=", "/v1/chat/completions")),
+    ]
     assert by_title["Tokenization cache bytes per worker"]["fieldConfig"]["defaults"]["unit"] == "bytes"
     assert "worker" in parse(by_title["Tokenization cache bytes per worker"]["targets"][0]["expr"]).grouping
 
@@ -371,7 +470,9 @@ def drive_traffic(srv: Server) -> None:
     for i in range(3):
         status, _, body = http("POST", srv.url + "/v1/chat/completions", {**chat, "max_tokens": 8}, timeout=30)
         assert status == 200, body
-        status, _, raw = http("POST", srv.url + "/v1/chat/completions", {**chat, "max_tokens": 12, "stream": True}, timeout=30)
+        status, _, raw = http(
+            "POST", srv.url + "/v1/chat/completions", {**chat, "max_tokens": 12, "stream": True}, timeout=30
+        )
         assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
     status, _, _ = http("POST", srv.url + "/v1/chat/completions", {"model": "deepseek-v4", "messages": "nope"})
     assert status == 400
@@ -380,8 +481,12 @@ def drive_traffic(srv: Server) -> None:
 
     # a streaming client that leaves after its first chunk: an abort (client_disconnect)
     conn = HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", json.dumps({**chat, "max_tokens": 5000, "stream": True}),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({**chat, "max_tokens": 5000, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.sock.shutdown(2)
@@ -491,10 +596,10 @@ def test_checker_catches_mistakes(exported):
     mistakes = [
         'sum(rate(tokenmill_requests{model_name=~"$model_name"}[5m]))',  # the family name, not the sample
         'histogram_quantile(0.9, rate(tokenmill_time_to_first_token_seconds{model_name=~"$m"}[5m]))',
-        'histogram_quantile(0.9, sum by (instance) (rate(tokenmill_time_to_first_token_seconds_bucket[5m])))',
+        "histogram_quantile(0.9, sum by (instance) (rate(tokenmill_time_to_first_token_seconds_bucket[5m])))",
         "tokenmill_requests_total",
         "rate(tokenmill_workers_busy[5m])",
-        'sum by (reasons) (rate(tokenmill_aborts_total[5m]))',
+        "sum by (reasons) (rate(tokenmill_aborts_total[5m]))",
         'sum(rate(tokenmill_aborts_total{reasn="x"}[5m]))',
         "rate(tokenmill_no_such_metric_total[5m])",
         'sum(rate(tokenmill_requests_total{endpoint="/v1/chat/completion"}[5m]))',  # a value never exported

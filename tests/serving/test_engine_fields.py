@@ -18,7 +18,6 @@ import urllib.request
 
 import openai
 import pytest
-
 from conftest import ROOT, Server, http
 
 MODEL = "deepseek-v4"
@@ -29,10 +28,30 @@ CHAT = [{"role": "user", "content": "Tell me about the mill."}]
 def prio(tmp_path_factory):
     """A simulator that schedules by priority, runs one request at a time and models a prefix cache."""
     endpoint = f"ipc://{tmp_path_factory.mktemp('sched')}/sim.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "engines.simulated", "--bind", endpoint, "--model",
-                             "default", "--scheduling", "priority", "--max-running", "1", "--inter-token-latency-ms",
-                             "2", "--prefix-cache-tokens", "65536", "--stats-interval-s", "0.05"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engines.simulated",
+            "--bind",
+            endpoint,
+            "--model",
+            "default",
+            "--scheduling",
+            "priority",
+            "--max-running",
+            "1",
+            "--inter-token-latency-ms",
+            "2",
+            "--prefix-cache-tokens",
+            "65536",
+            "--stats-interval-s",
+            "0.05",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     srv = Server("--workers", "1", "--scheduler", endpoint)
     yield srv
     srv.stop()
@@ -71,8 +90,9 @@ def test_priority_orders_the_waiting_queue(prio):
     lock = threading.Lock()
 
     def send(name: str, priority: int) -> None:
-        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                             extra_body={"priority": priority})  # fmt: skip
+        out = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"priority": priority}
+        )
         assert out.choices[0].finish_reason == "length"
         with lock:
             order.append(name)
@@ -98,8 +118,7 @@ def test_priority_needs_an_engine_that_schedules_by_it(echo_server, prio):
     for bad in (2**63, -(2**63) - 1, "high", 1.5):
         status, _, body = _post(prio, {"messages": CHAT, "max_tokens": 2, "priority": bad})
         assert status == 400 and body["error"]["param"] == "priority", (bad, body)
-    out = prio.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2,
-                                           extra_body={"priority": -(2**63)})  # fmt: skip
+    out = prio.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": -(2**63)})
     assert out.choices[0].finish_reason == "length"
 
 
@@ -137,13 +156,15 @@ def test_allowed_token_ids_are_all_random_mode_emits(server, default_tokenizer):
     (mill,) = default_tokenizer.encode(" mill", add_special_tokens=False).ids
     (river,) = default_tokenizer.encode(" river", add_special_tokens=False).ids
     client = server.client()
-    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, seed=4,
-                                    extra_body={"allowed_token_ids": [mill, river]})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=30, seed=4, extra_body={"allowed_token_ids": [mill, river]}
+    )
     text = out.choices[0].text
     assert re.fullmatch(r"( mill| river)+", text) and " mill" in text and " river" in text, text
     assert out.choices[0].finish_reason == "length"  # EOS is not allowed either
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
-                                          extra_body={"allowed_token_ids": [mill]})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, extra_body={"allowed_token_ids": [mill]}
+    )
     assert chat.choices[0].message.content == " mill" * 10
     vocab = default_tokenizer.get_vocab_size(with_added_tokens=True)
     for bad in ([], [vocab], [-1], ["x"]):
@@ -155,8 +176,7 @@ def test_bad_words_are_never_generated(server):
     client = server.client()
 
     def text(**extra):
-        out = client.completions.create(model=MODEL, prompt="Tell a story", max_tokens=400, seed=7,
-                                        extra_body=extra)  # fmt: skip
+        out = client.completions.create(model=MODEL, prompt="Tell a story", max_tokens=400, seed=7, extra_body=extra)
         return out.choices[0].text
 
     plain = text()
@@ -183,12 +203,17 @@ def test_bad_words_tokenize_as_vllm(default_tokenizer):
 
     vocab = default_tokenizer.get_vocab_size(with_added_tokens=True)
     assert enc("river") != enc(" river") and len(enc(" river")) == len(enc("river")) == 1
-    assert bad_words_ids(["river", "  river", "river"], default_tokenizer, vocab) == [enc("river"), enc(" river"),
-                                                                                        enc("river"), enc(" river")]
+    assert bad_words_ids(["river", "  river", "river"], default_tokenizer, vocab) == [
+        enc("river"),
+        enc(" river"),
+        enc("river"),
+        enc(" river"),
+    ]
     # "  river" is a different word (vLLM dedups before stripping) that strips to the same sequences
     long = "the mill wheel"
-    expected = [enc(long)] + ([enc(" " + long)] if len(enc(" " + long)) == len(enc(long))
-                              and enc(" " + long)[0] != enc(long)[0] else [])  # fmt: skip
+    expected = [enc(long)] + (
+        [enc(" " + long)] if len(enc(" " + long)) == len(enc(long)) and enc(" " + long)[0] != enc(long)[0] else []
+    )
     assert bad_words_ids([long], default_tokenizer, vocab) == expected
     with pytest.raises(InvalidRequest, match="Too many bad words"):
         bad_words_ids([f"w{i}" for i in range(130)], default_tokenizer, vocab)
@@ -217,8 +242,11 @@ def _check_prompt_logprobs(plp, prompt_ids, top_n, tokenizer):
 def test_prompt_logprobs_in_vllm_shape(server, default_tokenizer):
     prompt = "The wheel of the old mill turns"
     ids = default_tokenizer.encode(prompt, add_special_tokens=True).ids
-    status, _, body = _post(server, {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3, "n": 2,
-                                     "return_token_ids": True}, "/v1/completions")  # fmt: skip
+    status, _, body = _post(
+        server,
+        {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3, "n": 2, "return_token_ids": True},
+        "/v1/completions",
+    )
     assert status == 200, body
     first, second = body["choices"]
     assert first["prompt_token_ids"] == ids
@@ -226,17 +254,19 @@ def test_prompt_logprobs_in_vllm_shape(server, default_tokenizer):
     assert second["prompt_logprobs"] == first["prompt_logprobs"]  # one prompt, n choices: the same
     again = _post(server, {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3}, "/v1/completions")[2]
     assert again["choices"][0]["prompt_logprobs"] == first["prompt_logprobs"]  # the simulator's are deterministic
-    assert "prompt_logprobs" not in _post(server, {"prompt": prompt, "max_tokens": 1}, "/v1/completions")[2]["choices"][0]
+    assert (
+        "prompt_logprobs" not in _post(server, {"prompt": prompt, "max_tokens": 1}, "/v1/completions")[2]["choices"][0]
+    )
     # two prompts: each choice its own prompt's; 0: the prompt tokens' own entries only
-    status, _, body = _post(server, {"prompt": [prompt, "Hello there"], "max_tokens": 1, "prompt_logprobs": 0},
-                            "/v1/completions")  # fmt: skip
+    status, _, body = _post(
+        server, {"prompt": [prompt, "Hello there"], "max_tokens": 1, "prompt_logprobs": 0}, "/v1/completions"
+    )
     assert status == 200, body
     for choice, text in zip(body["choices"], [prompt, "Hello there"]):
         p_ids = default_tokenizer.encode(text, add_special_tokens=True).ids
         _check_prompt_logprobs(choice["prompt_logprobs"], p_ids, 0, default_tokenizer)
     # chat: at the top level, for the rendered prompt
-    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1,
-                                     "return_token_ids": True})  # fmt: skip
+    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1, "return_token_ids": True})
     assert status == 200, body
     _check_prompt_logprobs(body["prompt_logprobs"], body["prompt_token_ids"], 1, default_tokenizer)
     assert "prompt_logprobs" not in body["choices"][0]
@@ -247,16 +277,22 @@ def test_prompt_logprobs_in_vllm_shape(server, default_tokenizer):
 
 
 def test_prompt_logprobs_checked_as_vllm(server):
-    for value, path, stream in ((-2, "/v1/completions", False), (-1, "/v1/completions", False),  # -1: the vocabulary
-                                (21, "/v1/chat/completions", False), (1, "/v1/chat/completions", True),
-                                (-1, "/v1/completions", True), ("2", "/v1/completions", False),
-                                (True, "/v1/chat/completions", False)):  # fmt: skip
+    for value, path, stream in (
+        (-2, "/v1/completions", False),
+        (-1, "/v1/completions", False),  # -1: the vocabulary
+        (21, "/v1/chat/completions", False),
+        (1, "/v1/chat/completions", True),
+        (-1, "/v1/completions", True),
+        ("2", "/v1/completions", False),
+        (True, "/v1/chat/completions", False),
+    ):
         body = {"messages": CHAT} if "chat" in path else {"prompt": "Hello"}
         status, _, out = _post(server, {**body, "max_tokens": 1, "prompt_logprobs": value, "stream": stream}, path)
         assert status == 400 and out["error"]["param"] == "prompt_logprobs", (value, path, out)
     # 0 with stream is allowed, as in vLLM, and shows nothing
-    stream = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
-                                                     extra_body={"prompt_logprobs": 0})  # fmt: skip
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}
+    )
     chunks = [c.model_dump() for c in stream]
     assert chunks and not any("prompt_logprobs" in c for c in chunks)
 
@@ -269,28 +305,39 @@ def test_kv_transfer_params_and_vllm_xargs_reach_the_engine(server):
     kv_transfer_params, which the non-streamed response carries at the top level, as vLLM does."""
     kv = {"do_remote_decode": True, "remote_host": "10.0.0.2", "nested": {"block_ids": [1, 2]}}
     xargs = {"a": 1, "b": ["x", 2.5, -3], "flag": True}
-    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "kv_transfer_params": kv,
-                                     "vllm_xargs": xargs})  # fmt: skip
+    status, _, body = _post(server, {"messages": CHAT, "max_tokens": 2, "kv_transfer_params": kv, "vllm_xargs": xargs})
     assert status == 200, body
-    assert body["kv_transfer_params"] == {"simulated": True, "kv_transfer_params": kv,
-                                          "extra_args": {"a": 1, "b": ["x", 2.5, -3], "flag": 1}}  # fmt: skip
-    status, _, body = _post(server, {"prompt": ["Hello", "Bye"], "max_tokens": 1, "vllm_xargs": {"k": "v"}},
-                            "/v1/completions")  # fmt: skip
-    assert status == 200 and body["kv_transfer_params"] == {"simulated": True, "kv_transfer_params": None,
-                                                            "extra_args": {"k": "v"}}, body  # fmt: skip
+    assert body["kv_transfer_params"] == {
+        "simulated": True,
+        "kv_transfer_params": kv,
+        "extra_args": {"a": 1, "b": ["x", 2.5, -3], "flag": 1},
+    }
+    status, _, body = _post(
+        server, {"prompt": ["Hello", "Bye"], "max_tokens": 1, "vllm_xargs": {"k": "v"}}, "/v1/completions"
+    )
+    assert status == 200 and body["kv_transfer_params"] == {
+        "simulated": True,
+        "kv_transfer_params": None,
+        "extra_args": {"k": "v"},
+    }, body
     # empty ones are not passed on (vLLM's `if self.kv_transfer_params`); none: no such key
     for extra in ({"kv_transfer_params": {}, "vllm_xargs": {}}, {}):
         status, _, body = _post(server, {"messages": CHAT, "max_tokens": 1, **extra})
         assert status == 200 and "kv_transfer_params" not in body, body
     # streamed: vLLM's chunks do not carry it
-    stream = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
-                                                     extra_body={"kv_transfer_params": kv})  # fmt: skip
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, stream=True, extra_body={"kv_transfer_params": kv}
+    )
     assert not any("kv_transfer_params" in c.model_dump() for c in stream)
-    for field, value, param in (("kv_transfer_params", "x", "kv_transfer_params"),
-                                ("kv_transfer_params", [1], "kv_transfer_params"),
-                                ("vllm_xargs", [1], "vllm_xargs"), ("vllm_xargs", {"a": {"b": 1}}, "vllm_xargs.a"),
-                                ("vllm_xargs", {"a": [[1]]}, "vllm_xargs.a"), ("vllm_xargs", {"a": None}, "vllm_xargs.a"),
-                                ("vllm_xargs", {"a": 2**64}, "vllm_xargs.a")):  # fmt: skip
+    for field, value, param in (
+        ("kv_transfer_params", "x", "kv_transfer_params"),
+        ("kv_transfer_params", [1], "kv_transfer_params"),
+        ("vllm_xargs", [1], "vllm_xargs"),
+        ("vllm_xargs", {"a": {"b": 1}}, "vllm_xargs.a"),
+        ("vllm_xargs", {"a": [[1]]}, "vllm_xargs.a"),
+        ("vllm_xargs", {"a": None}, "vllm_xargs.a"),
+        ("vllm_xargs", {"a": 2**64}, "vllm_xargs.a"),
+    ):
         status, _, body = _post(server, {"messages": CHAT, "max_tokens": 1, field: value})
         assert status == 400 and body["error"]["param"] == param, (field, value, body)
 
@@ -324,21 +371,30 @@ def test_a_1_1_scheduler_gets_none_of_the_1_2_fields(tmp_path):
         assert proc.stdout.readline().strip() == "ready"
         srv = Server("--workers", "1", "--scheduler", endpoint)
         try:
-            for field, value in (("priority", 1), ("cache_salt", "s"), ("allowed_token_ids", [5]),
-                                 ("bad_words", ["the"]), ("prompt_logprobs", 0), ("kv_transfer_params", {"a": 1}),
-                                 ("vllm_xargs", {"a": 1})):  # fmt: skip
+            for field, value in (
+                ("priority", 1),
+                ("cache_salt", "s"),
+                ("allowed_token_ids", [5]),
+                ("bad_words", ["the"]),
+                ("prompt_logprobs", 0),
+                ("kv_transfer_params", {"a": 1}),
+                ("vllm_xargs", {"a": 1}),
+            ):
                 status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, field: value})
                 assert status == 400, (field, body)
                 assert body["error"]["param"] == field and body["error"]["code"] == "unsupported", (field, body)
             with pytest.raises(openai.BadRequestError):  # a 1.1 field still works, a 1.2 one does not
-                srv.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True,
-                                                     extra_body={"cache_salt": "x"})  # fmt: skip
-            ok = srv.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True,
-                                                      extra_body={"priority": 0, "bad_words": []})  # fmt: skip
+                srv.client().chat.completions.create(
+                    model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, extra_body={"cache_salt": "x"}
+                )
+            ok = srv.client().chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, extra_body={"priority": 0, "bad_words": []}
+            )
             assert len(ok.choices[0].logprobs.content) == 2
             # chat's echo asks for the prompt's logprobs only of an engine that can give them (vLLM always does)
-            status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, "echo": True,
-                                          "kv_transfer_params": {}, "vllm_xargs": {}})  # fmt: skip
+            status, _, body = _post(
+                srv, {"messages": CHAT, "max_tokens": 2, "echo": True, "kv_transfer_params": {}, "vllm_xargs": {}}
+            )
             assert status == 200 and "prompt_logprobs" not in body and "kv_transfer_params" not in body, body
         finally:
             srv.stop()

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-
 from conftest import Server, http
 from faultutil import (
     CHAT_MODEL,
@@ -125,12 +124,13 @@ def test_worker_kill9_during_burst_of_long_requests():
 
 # ---- stuck conversions and hostile templates --------------------------------------------------------
 
-ENDLESS = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-           "{{ messages[0]['content'] }}")  # fmt: skip
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
 RECURSIVE = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
 HUGE_AT_ONCE = "{{ 'x' * 10**10 }}"
-HUGE_DOUBLING = ("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                 "{% endfor %}{{ ns.s }}")  # fmt: skip
+HUGE_DOUBLING = (
+    "{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s }}"
+)
 HUGE_PIECES = "{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}"
 
 
@@ -145,8 +145,17 @@ def hostile(srv, template: str, timeout: float = 60):
 def trusting():
     """Request templates accepted, 3 s per conversion, and a 2 GiB address-space limit per worker
     (low, so that the doubling template below cannot take much of the test machine)."""
-    srv = Server("--workers", "2", "--trust-request-chat-template", "--conversion-timeout", "3",
-                 "--worker-memory-limit-mb", "2048", "--sim-inter-token-latency-ms", "1")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "2",
+        "--trust-request-chat-template",
+        "--conversion-timeout",
+        "3",
+        "--worker-memory-limit-mb",
+        "2048",
+        "--sim-inter-token-latency-ms",
+        "1",
+    )
     yield srv
     stop_server(srv)
 
@@ -243,7 +252,9 @@ def test_scheduler_killed_mid_stream_then_restarted(tmp_path):
         streams = []
         for i in range(4):
             ledger.send()
-            streams.append(RawRequest(srv.url, "/v1/chat/completions", chat_body(f"story {i}", max_tokens=3000, stream=True)))
+            streams.append(
+                RawRequest(srv.url, "/v1/chat/completions", chat_body(f"story {i}", max_tokens=3000, stream=True))
+            )
         firsts = []
         for s in streams:
             assert s.read_head() == 200
@@ -255,7 +266,9 @@ def test_scheduler_killed_mid_stream_then_restarted(tmp_path):
         results: dict[int, tuple] = {}
 
         def blocking(i):
-            results[i] = http("POST", srv.url + "/v1/chat/completions", chat_body(f"essay {i}", max_tokens=3000), timeout=60)
+            results[i] = http(
+                "POST", srv.url + "/v1/chat/completions", chat_body(f"essay {i}", max_tokens=3000), timeout=60
+            )
 
         threads = [threading.Thread(target=blocking, args=(i,)) for i in range(2)]
         for t in threads:
@@ -296,8 +309,12 @@ def test_scheduler_killed_mid_stream_then_restarted(tmp_path):
         assert wait_until(lambda: idle(srv), 15, what="nothing in flight while the scheduler is away")
 
         sim.start()
-        wait_until(lambda: http("GET", srv.url + "/ready", timeout=5)[0] == 200, 60, interval=0.2,
-                   what="/ready after the scheduler came back")  # fmt: skip
+        wait_until(
+            lambda: http("GET", srv.url + "/ready", timeout=5)[0] == 200,
+            60,
+            interval=0.2,
+            what="/ready after the scheduler came back",
+        )
         ledger.send()
         assert normal_chat(srv) is not None
         ledger.answer("200 (after restart)")
@@ -309,15 +326,23 @@ def test_scheduler_killed_mid_stream_then_restarted(tmp_path):
 
 # ---- clients that hang up ---------------------------------------------------------------------------
 
-BUSY = ("{% for i in range(spins) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-        "{{ messages[0]['content'] }}")  # fmt: skip
+BUSY = "{% for i in range(spins) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
 
 
 @pytest.fixture(scope="module")
 def one_worker():
     """One worker converting one request at a time: whatever else is sent waits in the gateway's queue."""
-    srv = Server("--workers", "1", "--conversion-threads", "1", "--trust-request-chat-template",
-                 "--conversion-timeout", "60", "--sim-inter-token-latency-ms", "20")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--conversion-threads",
+        "1",
+        "--trust-request-chat-template",
+        "--conversion-timeout",
+        "60",
+        "--sim-inter-token-latency-ms",
+        "20",
+    )
     yield srv
     srv.stop()
 
@@ -349,8 +374,12 @@ def test_a_second_slow_conversion_starts_beside_the_first():
         spins = spins_for(srv, 2.0)
         with ThreadPoolExecutor(3) as pool:
             first = [pool.submit(slow_chat, srv, spins, 120) for _ in range(2)]
-            wait_until(lambda: state(srv)["workers"][0]["converting"] == 2, 30, interval=0.02,
-                       what="both slow conversions running")  # fmt: skip
+            wait_until(
+                lambda: state(srv)["workers"][0]["converting"] == 2,
+                30,
+                interval=0.02,
+                what="both slow conversions running",
+            )
             third = pool.submit(slow_chat, srv, spins, 120)
             wait_until(lambda: state(srv)["queued_conversions"] == 1, 30, interval=0.02, what="the third queued")
             assert state(srv)["workers"][0]["converting"] == 2
@@ -404,22 +433,32 @@ def test_client_disconnect_mid_stream_aborts_in_scheduler(one_worker):
     streams = []
     for i in range(n):
         ledger.send()
-        s = RawRequest(srv.url, "/v1/chat/completions", chat_body(f"tell a long story {i}", max_tokens=5000, stream=True))
+        s = RawRequest(
+            srv.url, "/v1/chat/completions", chat_body(f"tell a long story {i}", max_tokens=5000, stream=True)
+        )
         assert s.read_head() == 200
         events = s.events()
         for _ in range(3):
             assert isinstance(next(events), dict)
         streams.append(s)
-    wait_until(lambda: metric(srv, "tokenmill_scheduler_num_requests_running") >= n, 15, interval=0.2,
-               what="the scheduler to report the streams running")  # fmt: skip
+    wait_until(
+        lambda: metric(srv, "tokenmill_scheduler_num_requests_running") >= n,
+        15,
+        interval=0.2,
+        what="the scheduler to report the streams running",
+    )
     assert state(srv)["generations"] == n
     for s in streams:
         s.hang_up()
         ledger.answer("hung up by the client (freed)")
     final = wait_until(lambda: idle(srv), 15, what="no generations after the hang-ups")
     assert final["generations"] == 0 and final["scheduler_requests"] == 0
-    wait_until(lambda: metric(srv, "tokenmill_scheduler_num_requests_running") == 0, 15, interval=0.2,
-               what="the scheduler to stop running the abandoned requests")  # fmt: skip
+    wait_until(
+        lambda: metric(srv, "tokenmill_scheduler_num_requests_running") == 0,
+        15,
+        interval=0.2,
+        what="the scheduler to stop running the abandoned requests",
+    )
     assert metric(srv, "tokenmill_aborts_total", reason="client_disconnect") == aborts_before + n
     ledger.check()
 
@@ -438,7 +477,9 @@ def test_sigterm_during_load_drains_and_leaves_no_children():
     ledger = Ledger("SIGTERM during load (--shutdown-timeout 2)")
     try:
         ledger.send()
-        long = RawRequest(srv.url, "/v1/chat/completions", chat_body("a very long story", max_tokens=100_000, stream=True))
+        long = RawRequest(
+            srv.url, "/v1/chat/completions", chat_body("a very long story", max_tokens=100_000, stream=True)
+        )
         assert long.read_head() == 200
         events = long.events()
         assert isinstance(next(events), dict)
@@ -446,7 +487,9 @@ def test_sigterm_during_load_drains_and_leaves_no_children():
         shorts: dict[int, tuple] = {}
 
         def short(i):
-            shorts[i] = http("POST", srv.url + "/v1/chat/completions", chat_body(f"short {i}", max_tokens=60), timeout=30)
+            shorts[i] = http(
+                "POST", srv.url + "/v1/chat/completions", chat_body(f"short {i}", max_tokens=60), timeout=30
+            )
 
         threads = [threading.Thread(target=short, args=(i,)) for i in range(4)]
         for t in threads:
@@ -502,8 +545,11 @@ def test_process_names_and_kill9_of_gateway_takes_children_along():
 
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(10)
-        wait_until(lambda: all(pid_gone(p, st) for p, st in children.items()), 15,
-                   what="the workers and simulated scheduler to die with the gateway")  # fmt: skip
+        wait_until(
+            lambda: all(pid_gone(p, st) for p, st in children.items()),
+            15,
+            what="the workers and simulated scheduler to die with the gateway",
+        )
         print(f"[gateway kill -9] {len(children)} children, {len(children)} gone")
     finally:
         stop_server(srv)

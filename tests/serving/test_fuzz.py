@@ -14,46 +14,127 @@ import http.client
 import json
 
 import pytest
+from conftest import Server
+from faultutil import CHAT_MODEL, ERROR_FIELDS, idle, wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import Server
-from faultutil import CHAT_MODEL, ERROR_FIELDS, idle, wait_until
-
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
-FIELDS = sorted({
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
-    "skip_special_tokens", "logprobs", "tools", "documents", "chat_template", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens", "return_token_strs", "tokens",
-})  # fmt: skip
+FIELDS = sorted(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "n",
+        "stream",
+        "stream_options",
+        "skip_special_tokens",
+        "logprobs",
+        "tools",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "echo",
+        "add_special_tokens",
+        "return_token_strs",
+        "tokens",
+    }
+)
 VALID = {
-    "/v1/chat/completions": {"model": CHAT_MODEL, "messages": [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
-                             "temperature": 0.5, "stop": ["\n\n"], "seed": 3},  # fmt: skip
+    "/v1/chat/completions": {
+        "model": CHAT_MODEL,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "stop": ["\n\n"],
+        "seed": 3,
+    },
     "/v1/completions": {"model": CHAT_MODEL, "prompt": "Once upon a time", "max_tokens": 3, "top_p": 0.9},
-    "/tokenize": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hello"}], "add_generation_prompt": True},
+    "/tokenize": {
+        "model": CHAT_MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "add_generation_prompt": True,
+    },
     "/detokenize": {"model": CHAT_MODEL, "tokens": [1, 2, 3]},
 }
-EDGE = [None, True, False, 0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 0.5, "", " ", "0",
-        "\x00", "\ud800", "🙂" * 50, [], {}, [[]], [None], {"": None}, [1, "a"], [-5], [10**12], "x" * 5000]  # fmt: skip
+EDGE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    1e308,
+    -1e308,
+    0.5,
+    "",
+    " ",
+    "0",
+    "\x00",
+    "\ud800",
+    "🙂" * 50,
+    [],
+    {},
+    [[]],
+    [None],
+    {"": None},
+    [1, "a"],
+    [-5],
+    [10**12],
+    "x" * 5000,
+]
 
-leaves = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-          | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40) | st.sampled_from(EDGE))  # fmt: skip
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+    | st.sampled_from(EDGE)
+)
 json_values = st.recursive(
     leaves,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | st.sampled_from(FIELDS), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | st.sampled_from(FIELDS), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "assistant", "system", "tool", "developer", "wizard", ""]) | json_values,
-         "content": st.text(max_size=60) | json_values},
-        optional={"name": json_values, "tool_calls": json_values, "tool_call_id": json_values,
-                  "reasoning_content": json_values},
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "tool", "developer", "wizard", ""]) | json_values,
+            "content": st.text(max_size=60) | json_values,
+        },
+        optional={
+            "name": json_values,
+            "tool_calls": json_values,
+            "tool_call_id": json_values,
+            "reasoning_content": json_values,
+        },
     ),
     max_size=4,
-)  # fmt: skip
+)
 
 
 def encode(value) -> bytes:
@@ -137,8 +218,16 @@ HANDPICKED = [
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "0", "--max-model-len", "2048",
-                 "--max-body-bytes", str(1 << 20))  # fmt: skip
+    srv = Server(
+        "--workers",
+        "2",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--max-model-len",
+        "2048",
+        "--max-body-bytes",
+        str(1 << 20),
+    )
     yield srv
     srv.stop()
 
@@ -174,8 +263,14 @@ def check(srv, path: str, body: bytes) -> int:
 STATUSES: dict = {}
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None, print_blob=False,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])  # fmt: skip
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 @given(case=cases)
 @example(case=("/v1/chat/completions", HANDPICKED[0]))
 def test_fuzzed_bodies_get_2xx_or_openai_4xx(fuzz_server, case):

@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import Server, http
 
 MODEL = "deepseek-v4"
@@ -53,9 +52,15 @@ def gone(pid: int) -> bool:
 
 
 def chat(server: Server, content: str, system: str = "You are terse.") -> dict:
-    status, _, body = http("POST", server.url + "/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": content}]})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        server.url + "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+        },
+    )
     assert status == 200, body
     return body
 
@@ -65,7 +70,8 @@ def node():
     srv = Server("--gateways", "2", "--workers", "2", "--sim-inter-token-latency-ms", "1")
     deadline = time.monotonic() + 60
     while len({s["pid"] for s in states(srv, 10)}) < 2 or not all(
-            sum(w["alive"] for w in s["workers"]) == 2 for s in states(srv, 10)):
+        sum(w["alive"] for w in s["workers"]) == 2 for s in states(srv, 10)
+    ):
         assert time.monotonic() < deadline, "the second gateway did not come up with both workers"
         time.sleep(0.2)
     yield srv
@@ -103,12 +109,15 @@ def test_metrics_on_either_gateway_show_the_node_totals(node):
 def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
     """Turn after turn of one conversation, on new connections (so on both gateways), is converted
     by the worker holding its cached segments: only the new words are tokenized afresh."""
-    system = "Policy. " + " ".join(f"Rule {i}: answer question {i} with care and cite section {i % 17}." for i in range(900))
+    system = "Policy. " + " ".join(
+        f"Rule {i}: answer question {i} with care and cite section {i % 17}." for i in range(900)
+    )
     history = [{"role": "system", "content": system}, {"role": "user", "content": "Question 0?"}]
 
     def turn() -> dict:
-        status, _, body = http("POST", node.url + "/v1/chat/completions",
-                               {"model": MODEL, "max_tokens": 2, "messages": history})  # fmt: skip
+        status, _, body = http(
+            "POST", node.url + "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": history}
+        )
         assert status == 200, body
         return body
 
@@ -119,7 +128,9 @@ def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
         history += [{"role": "assistant", "content": f"Answer {i - 1}."}, {"role": "user", "content": f"Question {i}?"}]
         turn()
     fresh = metric(scrape(node), "tokenmill_prompt_tokens_tokenized_total") - before
-    assert fresh < 0.5 * prompt_tokens, f"{fresh} tokens tokenized afresh over 8 turns of a {prompt_tokens}-token prompt"
+    assert fresh < 0.5 * prompt_tokens, (
+        f"{fresh} tokens tokenized afresh over 8 turns of a {prompt_tokens}-token prompt"
+    )
 
 
 def both_gateway_pids(srv: Server) -> list[int]:
@@ -169,7 +180,9 @@ def test_a_gateway_that_dies_is_replaced_and_sigterm_stops_them_all():
 def test_a_gateway_whose_loop_stalls_is_killed_and_replaced():
     """systemd's watchdog hears gateway 0 only; gateway 0 pings the others and replaces one that stops
     answering (here: SIGSTOP, as a loop stuck in a C call looks from outside)."""
-    srv = Server("--gateways", "2", "--workers", "1", "--sim-inter-token-latency-ms", "1", "--gateway-stall-timeout", "2")
+    srv = Server(
+        "--gateways", "2", "--workers", "1", "--sim-inter-token-latency-ms", "1", "--gateway-stall-timeout", "2"
+    )
     try:
         pids = both_gateway_pids(srv)
         stalled = [p for p in pids if p != srv.proc.pid][0]
@@ -182,7 +195,11 @@ def test_a_gateway_whose_loop_stalls_is_killed_and_replaced():
             time.sleep(0.5)
             try:
                 for state in states(srv, 6):  # a connection the stopped gateway's listener took is reset when it dies
-                    if state["gateway"] == 0 and stalled not in state["gateway_pids"] and len(state["gateway_pids"]) == 2:
+                    if (
+                        state["gateway"] == 0
+                        and stalled not in state["gateway_pids"]
+                        and len(state["gateway_pids"]) == 2
+                    ):
                         replaced = state["gateway_pids"]
             except OSError:
                 continue

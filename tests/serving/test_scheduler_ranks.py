@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, Server, http
 
 SYSTEM = "You are a careful assistant who answers questions about rivers, mills and weather. " * 8
@@ -34,9 +33,25 @@ class Sim:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engines.simulated", "--bind", self.endpoint, "--model", "default",
-             "--inter-token-latency-ms", "1", "--prefix-cache-tokens", "1000000", *self.args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "engines.simulated",
+                "--bind",
+                self.endpoint,
+                "--model",
+                "default",
+                "--inter-token-latency-ms",
+                "1",
+                "--prefix-cache-tokens",
+                "1000000",
+                *self.args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -64,7 +79,9 @@ def conversation(client, name: str, turns: int) -> list[tuple[int, int]]:
     out = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn} of {name}: how fast does the river run?"})
-        reply = (client() if callable(client) else client).chat.completions.create(model="deepseek-v4", messages=messages, max_tokens=8, temperature=0)
+        reply = (client() if callable(client) else client).chat.completions.create(
+            model="deepseek-v4", messages=messages, max_tokens=8, temperature=0
+        )
         details = reply.usage.prompt_tokens_details
         out.append((reply.usage.prompt_tokens, details.cached_tokens if details else 0))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
@@ -74,7 +91,9 @@ def conversation(client, name: str, turns: int) -> list[tuple[int, int]]:
 def metric(srv, name: str) -> dict[str, float]:
     _, _, text = http("GET", srv.url + "/metrics")
     text = text.decode() if isinstance(text, bytes) else str(text)
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}\{{[^}}]*rank="(\d+)"[^}}]*\}} (\S+)$', text, re.M)}
+    return {
+        m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}\{{[^}}]*rank="(\d+)"[^}}]*\}} (\S+)$', text, re.M)
+    }
 
 
 def test_conversations_stay_on_the_rank_that_holds_their_history(ranks):
@@ -123,8 +142,12 @@ def test_several_gateways_keep_a_conversation_on_the_rank_with_its_history(ranks
         # a request with no conversation moves gateway 0's tie-breaking turn on by one: left to
         # themselves, the two gateways would now place a new conversation on different ranks
         conn = on_gateway(srv, gateways[0])
-        conn.request("POST", "/v1/completions", json.dumps({"model": "deepseek-v4", "prompt": "Hi", "max_tokens": 1}),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": "deepseek-v4", "prompt": "Hi", "max_tokens": 1}),
+            {"Content-Type": "application/json"},
+        )
         assert conn.getresponse().status == 200
         conn.close()
         per_turn = []
@@ -134,13 +157,18 @@ def test_several_gateways_keep_a_conversation_on_the_rank_with_its_history(ranks
             for turn in range(4):
                 messages.append({"role": "user", "content": f"Question {turn} of g{c}: how fast does the river run?"})
                 conn = on_gateway(srv, gateways[(c + turn) % 2])
-                conn.request("POST", "/v1/chat/completions", json.dumps(
-                    {"model": "deepseek-v4", "messages": messages, "max_tokens": 8, "temperature": 0}),
-                    {"Content-Type": "application/json"})  # fmt: skip
+                conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    json.dumps({"model": "deepseek-v4", "messages": messages, "max_tokens": 8, "temperature": 0}),
+                    {"Content-Type": "application/json"},
+                )
                 reply = json.loads(conn.getresponse().read())
                 conn.close()
                 usage = reply["usage"]
-                turns.append((usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+                turns.append(
+                    (usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                )
                 messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
             per_turn.append(turns)
         for turns in per_turn:
@@ -170,9 +198,15 @@ def test_a_rank_that_dies_fails_only_its_own_requests(ranks):
     srv = serve(ranks)
     try:
         client = srv.client()
-        streams = [client.chat.completions.create(model="deepseek-v4", max_tokens=100000, stream=True,
-                                                  messages=[{"role": "user", "content": f"Story {i}."}])
-                   for i in range(6)]  # fmt: skip
+        streams = [
+            client.chat.completions.create(
+                model="deepseek-v4",
+                max_tokens=100000,
+                stream=True,
+                messages=[{"role": "user", "content": f"Story {i}."}],
+            )
+            for i in range(6)
+        ]
         for s in streams:
             next(iter(s))  # every stream has started
         _, _, state = http("GET", srv.url + "/debug/state")
@@ -195,8 +229,14 @@ def test_a_rank_that_dies_fails_only_its_own_requests(ranks):
             s.close()
         # new requests go to the rank that is left, and the gateway says which one is missing
         for _ in range(3):
-            assert client.chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=2).choices[0].finish_reason == "length"  # fmt: skip
+            assert (
+                client.chat.completions.create(
+                    model="deepseek-v4", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                .choices[0]
+                .finish_reason
+                == "length"
+            )
         _, _, ready = http("GET", srv.url + "/ready")
         assert ready["ready"] and ready["missing_ranks"] == [ranks[1].endpoint], ready
         ranks[1].start()  # back: it says welcome again and takes requests
@@ -216,8 +256,9 @@ def test_an_unreachable_or_different_rank_is_reported_and_not_used(tmp_path):
     try:
         client = srv.client()
         for i in range(4):
-            out = client.chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": f"q{i}"}],
-                                                 max_tokens=2)  # fmt: skip
+            out = client.chat.completions.create(
+                model="deepseek-v4", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2
+            )
             assert out.choices[0].finish_reason == "length"
         _, _, ready = http("GET", srv.url + "/ready")
         assert ready["ready"] and sorted(ready["missing_ranks"]) == sorted([odd.endpoint, nobody]), ready
@@ -233,7 +274,20 @@ def test_an_unreachable_or_different_rank_is_reported_and_not_used(tmp_path):
 
 
 def test_the_same_endpoint_twice_is_refused_at_start():
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--scheduler", "ipc:///tmp/a.sock",
-                           "--scheduler", "ipc:///tmp/b.sock,ipc:///tmp/a.sock"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            "--scheduler",
+            "ipc:///tmp/a.sock",
+            "--scheduler",
+            "ipc:///tmp/b.sock,ipc:///tmp/a.sock",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "ipc:///tmp/a.sock listed more than once" in proc.stderr + proc.stdout

@@ -7,11 +7,11 @@ import os
 from array import array
 
 import pytest
+from conftest import FIXTURES, Server, http, require_shared
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from conftest import FIXTURES, Server, http, require_shared
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
 from tokenizer_workers.segment_cache import SegmentCache, SegmentEncoder
 
@@ -42,8 +42,16 @@ _line = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
-@given(lines=st.lists(st.tuples(_line, st.sampled_from(["\n", "\n\n", " \n", "\r\n", "\t\n"]),
-                                st.sampled_from(["", "a", "Zed", "x = 1", "  ", "'s", "日"])), max_size=40))
+@given(
+    lines=st.lists(
+        st.tuples(
+            _line,
+            st.sampled_from(["\n", "\n\n", " \n", "\r\n", "\t\n"]),
+            st.sampled_from(["", "a", "Zed", "x = 1", "  ", "'s", "日"]),
+        ),
+        max_size=40,
+    )
+)
 def test_soft_split_long_text_is_exact(encoders, lines):
     text = "".join(a + nl + b for a, nl, b in lines) * 3
     for name, enc in encoders.items():
@@ -109,16 +117,33 @@ def _nested_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = __import__("tokenizers").decoders.ByteLevel()
-    tok.train_from_iterator(["hello world, again and again: x y <x> <x>y"] * 50,
-                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                special_tokens=["<x>", "<x>y", "<end>"]))  # fmt: skip
+    tok.train_from_iterator(
+        ["hello world, again and again: x y <x> <x>y"] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<x>", "<x>y", "<end>"],
+        ),
+    )
     return tok
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(steps=st.lists(st.tuples(st.integers(0, 400), st.lists(st.sampled_from(
-    ["<x>", "<x>y", "<end>", "y", "x", " ", "\n", "hello", "again", "日本", "\nZed", "<x", ">"]), max_size=12)),
-    min_size=1, max_size=8))  # fmt: skip
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 400),
+            st.lists(
+                st.sampled_from(
+                    ["<x>", "<x>y", "<end>", "y", "x", " ", "\n", "hello", "again", "日本", "\nZed", "<x", ">"]
+                ),
+                max_size=12,
+            ),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
 @example(steps=[(0, ["hello", "<x>"]), (400, ["y", " again"])])  # "<x>" at the end becomes "<x>y"
 @example(steps=[(0, ["hello", "<x", ">", "y"]), (8, ["<end>"])])  # cut inside an added token
 def test_prefix_reuse_is_exact_at_every_cut(steps):
@@ -149,8 +174,10 @@ def test_metaspace_first_tokenizer_is_refused():
     """A Metaspace pre-tokenizer that prepends only at the start is not segment-separable."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tok.train_from_iterator(["hello world [INST] again and again"] * 20,
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "[INST]"]))  # fmt: skip
+    tok.train_from_iterator(
+        ["hello world [INST] again and again"] * 20,
+        trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "[INST]"]),
+    )
     enc = SegmentEncoder(tok, 1 << 20)
     assert not enc.enabled and "not segment-separable" in enc.self_test_reason
     ids, stats = enc.encode("hello [INST] world")
@@ -173,9 +200,27 @@ def test_cache_budget_and_recurring_pieces_survive():
 
 _piece = st.one_of(
     st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12),
-    st.sampled_from([" ", "  ", "\n", "\n\n", "\t", "\r\n", "<|eot_id|>", "<｜User｜>", "<|im_end|>", "</s>", "[INST]",
-                     "<｜end▁of▁sentence｜>", "<|start_header_id|>", "'s", "🙂", "日本"]),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            " ",
+            "  ",
+            "\n",
+            "\n\n",
+            "\t",
+            "\r\n",
+            "<|eot_id|>",
+            "<｜User｜>",
+            "<|im_end|>",
+            "</s>",
+            "[INST]",
+            "<｜end▁of▁sentence｜>",
+            "<|start_header_id|>",
+            "'s",
+            "🙂",
+            "日本",
+        ]
+    ),
+)
 _text = st.lists(_piece, max_size=8).map("".join)
 _conversation = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _text), min_size=1, max_size=6).map(
     lambda turns: [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, (_, c) in enumerate(turns)]
@@ -196,8 +241,13 @@ def test_cached_ids_equal_uncached_ids(encoders, name, entry):
     templates = ChatTemplates({"default": source}, {"bos_token": entry["bos_token"], "eos_token": entry["eos_token"]})
     checked = []
 
-    @settings(max_examples=15, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+    @settings(
+        max_examples=15,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     @given(messages=_conversation, system=st.booleans())
     def check(messages, system):
         if system:
@@ -222,14 +272,23 @@ def test_cached_ids_equal_uncached_ids(encoders, name, entry):
 
 def test_multiturn_hits_the_cache_with_zero_mismatches(default_tokenizer):
     # bodies this small would be converted at once on a worker's IO thread, beside the cache (and not in it)
-    srv = Server("--workers", "2", "--verify-tokenize-cache", "--sim-inter-token-latency-ms", "1",
-                 "--quick-conversion-bytes", "0")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "2",
+        "--verify-tokenize-cache",
+        "--sim-inter-token-latency-ms",
+        "1",
+        "--quick-conversion-bytes",
+        "0",
+    )
     try:
         client = srv.client()
         history = [{"role": "system", "content": "You are a coding agent. " * 40}]
         cached_by_turn = []
         for turn in range(5):
-            history.append({"role": "user", "content": f"Tool output {turn}: " + ("def f(x):\n    return x * 2\n" * 60)})
+            history.append(
+                {"role": "user", "content": f"Tool output {turn}: " + ("def f(x):\n    return x * 2\n" * 60)}
+            )
             raw = client.chat.completions.with_raw_response.create(model="deepseek-v4", messages=history, max_tokens=3)
             resp = raw.parse()
             cached_by_turn.append(int(raw.headers["x-tokenmill-cached-prompt-tokens"]))
@@ -324,7 +383,9 @@ def test_conversion_threads_share_one_cache_exactly(default_tokenizer):
     assert not failures
     cache = enc.cache
     assert cache.evictions > 0 and len(cache.protected) > 0
-    assert cache.bytes_used == sum(cache._size(ids) for part in (cache.probation, cache.protected) for ids in part.values())
+    assert cache.bytes_used == sum(
+        cache._size(ids) for part in (cache.probation, cache.protected) for ids in part.values()
+    )
     assert cache.protected_bytes == sum(cache._size(ids) for ids in cache.protected.values())
 
 

@@ -15,13 +15,16 @@ STUCK = "{% for i in range(100000) %}{% for j in range(20000) %}{% endfor %}{% e
 
 
 def test_sigterm_answers_stuck_and_queued_conversions():
-    srv = Server("--workers", "1", "--trust-request-chat-template", "--shutdown-timeout", "1",
-                 "--conversion-timeout", "600")  # fmt: skip
+    srv = Server(
+        "--workers", "1", "--trust-request-chat-template", "--shutdown-timeout", "1", "--conversion-timeout", "600"
+    )
     results: list = []
 
     def post():
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
-        body = json.dumps({"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}], "chat_template": STUCK})
+        body = json.dumps(
+            {"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}], "chat_template": STUCK}
+        )
         try:
             conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()

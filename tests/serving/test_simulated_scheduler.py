@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
 from protocol_client import AsyncProtocolClient, ProtocolClient
+
 from scheduler_client.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -569,7 +569,9 @@ def test_process_name():
     try:
         comm = Path(f"/proc/{scheduler.proc.pid}/comm").read_text().strip()
         assert comm == "tm-scheduler"
-        assert "simulated" in " ".join(os.fsdecode(a) for a in Path(f"/proc/{scheduler.proc.pid}/cmdline").read_bytes().split(b"\0"))
+        assert "simulated" in " ".join(
+            os.fsdecode(a) for a in Path(f"/proc/{scheduler.proc.pid}/cmdline").read_bytes().split(b"\0")
+        )
     finally:
         assert scheduler.stop() == 0, scheduler.log()
         scheduler.cleanup()
@@ -657,18 +659,23 @@ def test_allowed_token_ids_and_bad_words_in_random_mode(sched):
     field the scheduler does not list are refused naming the field."""
     client = sched.client()
     allowed = [10, 20, 30, 7]
-    rid = client.generate([1, 2, 3], 200, sampling=SamplingParams(seed=3, allowed_token_ids=allowed,
-                                                                  bad_words=[[10, 20], [30]]),
-                          stop_token_ids=[99])  # fmt: skip
+    rid = client.generate(
+        [1, 2, 3],
+        200,
+        sampling=SamplingParams(seed=3, allowed_token_ids=allowed, bad_words=[[10, 20], [30]]),
+        stop_token_ids=[99],
+    )
     outputs = client.collect([rid])[rid]
     check_stream(outputs, 3)
     tokens = tokens_of(outputs)
     assert len(tokens) == 200 and outputs[-1].finish_reason == "length"
     assert set(tokens) <= {10, 20, 7} and {10, 20} <= set(tokens)
     assert all(not (a == 10 and b == 20) for a, b in zip(tokens, tokens[1:]))
-    for sampling, param in ((SamplingParams(allowed_token_ids=[]), "sampling.allowed_token_ids"),
-                            (SamplingParams(allowed_token_ids=[10**7]), "sampling.allowed_token_ids"),
-                            (SamplingParams(bad_words=[[]]), "sampling.bad_words")):  # fmt: skip
+    for sampling, param in (
+        (SamplingParams(allowed_token_ids=[]), "sampling.allowed_token_ids"),
+        (SamplingParams(allowed_token_ids=[10**7]), "sampling.allowed_token_ids"),
+        (SamplingParams(bad_words=[[]]), "sampling.bad_words"),
+    ):
         client.generate([1], 3, request_id="bad", sampling=sampling)
         error = client.recv_not_stats()
         assert isinstance(error, Error) and error.param == param and error.request_id == "bad", error
@@ -724,15 +731,21 @@ def test_structured_regex_choice_grammar(model_sched, tokenizer):
     client = model_sched.client()
     pattern = r"[A-Z]{2}-\d{3,5}( ok)?"
     for seed in range(3):
-        text, _ = structured_text(client, tokenizer, Structured(kind="regex", spec=pattern),
-                                  sampling=SamplingParams(seed=seed))
+        text, _ = structured_text(
+            client, tokenizer, Structured(kind="regex", spec=pattern), sampling=SamplingParams(seed=seed)
+        )
         assert re.fullmatch(pattern, text), text
-        text, _ = structured_text(client, tokenizer, Structured(kind="choice", choices=["positive", "négatif"]),
-                                  sampling=SamplingParams(seed=seed))
+        text, _ = structured_text(
+            client,
+            tokenizer,
+            Structured(kind="choice", choices=["positive", "négatif"]),
+            sampling=SamplingParams(seed=seed),
+        )
         assert text in ("positive", "négatif")
         grammar = 'root ::= answer " " [0-9]{1,3}\nanswer ::= "yes" | "no"'
-        text, _ = structured_text(client, tokenizer, Structured(kind="grammar", spec=grammar),
-                                  sampling=SamplingParams(seed=seed))
+        text, _ = structured_text(
+            client, tokenizer, Structured(kind="grammar", spec=grammar), sampling=SamplingParams(seed=seed)
+        )
         assert re.fullmatch(r"(yes|no) [0-9]{1,3}", text), text
     # an invalid spec is refused with the field named
     rid = client.generate([1, 2], 10, structured=Structured(kind="regex", spec="(a)\\1"))
@@ -743,8 +756,9 @@ def test_structured_regex_choice_grammar(model_sched, tokenizer):
 def test_structured_min_tokens(model_sched, tokenizer):
     client = model_sched.client()
     # the only instance is one token: the stop token is held back, filler follows up to min_tokens
-    text, outputs = structured_text(client, tokenizer, Structured(kind="choice", choices=["yes"]),
-                                    sampling=SamplingParams(seed=3, min_tokens=6))
+    text, outputs = structured_text(
+        client, tokenizer, Structured(kind="choice", choices=["yes"]), sampling=SamplingParams(seed=3, min_tokens=6)
+    )
     tokens = tokens_of(outputs)
     assert len(tokens) == 7 and tokens[-1] == EOS and outputs[-1].finish_reason == "stop"
     assert text.startswith("yes")
@@ -767,8 +781,8 @@ def unpack_logprobs(outputs, n):
         ids = list(frame_to_ids(out.top_ids))
         values = list(bytes_to_floats(out.top_logprobs))
         if n:
-            top_ids += [ids[i:i + n] for i in range(0, len(ids), n)]
-            top_lps += [values[i:i + n] for i in range(0, len(values), n)]
+            top_ids += [ids[i : i + n] for i in range(0, len(ids), n)]
+            top_lps += [values[i : i + n] for i in range(0, len(values), n)]
     return tokens, lps, top_ids, top_lps
 
 
@@ -824,8 +838,9 @@ def test_min_tokens_and_logit_bias():
         client = scheduler.client()
 
         def run(prompt=(1, 2, 3), max_new=20, stop=(7,), **sampling):
-            rid = client.generate(list(prompt), max_new, stop_token_ids=list(stop),
-                                  sampling=SamplingParams(seed=9, **sampling))
+            rid = client.generate(
+                list(prompt), max_new, stop_token_ids=list(stop), sampling=SamplingParams(seed=9, **sampling)
+            )
             outputs = client.collect([rid])[rid]
             check_stream(outputs, len(prompt))
             return tokens_of(outputs), outputs[-1].finish_reason
@@ -897,15 +912,19 @@ def test_prompt_logprobs_and_kv_transfer_params(sched):
     prompt = [5, 17, 17, 900, 3, 42]
     firsts = []
     for _ in range(2):
-        rid = client.generate(prompt, 3, prompt_logprobs=3, kv_transfer_params={"do_remote_decode": True},
-                              extra_args={"a": [1, "b", 2.5]})  # fmt: skip
+        rid = client.generate(
+            prompt, 3, prompt_logprobs=3, kv_transfer_params={"do_remote_decode": True}, extra_args={"a": [1, "b", 2.5]}
+        )
         outputs = client.collect([rid])[rid]
         check_stream(outputs, len(prompt))
         plp = outputs[0].prompt_logprobs
         assert plp is not None and all(o.prompt_logprobs is None for o in outputs[1:])
         assert all(o.kv_transfer_params is None for o in outputs[:-1])
-        assert outputs[-1].kv_transfer_params == {"simulated": True, "kv_transfer_params": {"do_remote_decode": True},
-                                                  "extra_args": {"a": [1, "b", 2.5]}}  # fmt: skip
+        assert outputs[-1].kv_transfer_params == {
+            "simulated": True,
+            "kv_transfer_params": {"do_remote_decode": True},
+            "extra_args": {"a": [1, "b", 2.5]},
+        }
         firsts.append(plp)
     assert firsts[0] == firsts[1]  # deterministic from the prompt
     plp = firsts[0]

@@ -16,7 +16,6 @@ import socket
 import time
 
 import pytest
-
 from conftest import Server
 from faultutil import metric, parse_raw_response, read_raw_response, state, wait_until
 
@@ -32,8 +31,10 @@ def word_id(default_tokenizer) -> int:
 
 def _request(path: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode() + data  # fmt: skip
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
 
 
 def _small_window_socket(port: int) -> socket.socket:
@@ -55,8 +56,18 @@ def _sse_events(body: bytes) -> list:
 
 @pytest.fixture(scope="module")
 def fast_echo():
-    srv = Server("--workers", "1", "--sim-mode", "echo", "--sim-inter-token-latency-ms", "1",
-                 "--stream-buffer-limit", "200000", "--send-buffer-bytes", "16384")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--sim-mode",
+        "echo",
+        "--sim-inter-token-latency-ms",
+        "1",
+        "--stream-buffer-limit",
+        "200000",
+        "--send-buffer-bytes",
+        "16384",
+    )
     yield srv
     srv.stop()
 
@@ -66,8 +77,18 @@ def test_a_slow_reader_gets_every_token_in_fewer_events(fast_echo, word_id):
     before = metric(srv, "tokenmill_stream_coalesced_deltas_total")
     tokens = 3000
     sock = _small_window_socket(srv.port)
-    sock.sendall(_request("/v1/completions", {"model": "deepseek-v4", "prompt": [word_id] * 8, "max_tokens": tokens,
-                                              "stream": True, "stream_options": {"include_usage": True}}))  # fmt: skip
+    sock.sendall(
+        _request(
+            "/v1/completions",
+            {
+                "model": "deepseek-v4",
+                "prompt": [word_id] * 8,
+                "max_tokens": tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    )
     time.sleep(4)  # ~4,000 tokens' worth of emission with nobody reading: the socket backs up
     status, _, body = parse_raw_response(read_raw_response(sock, timeout=60))
     sock.close()
@@ -86,26 +107,49 @@ def test_a_slow_reader_gets_every_token_in_fewer_events(fast_echo, word_id):
 
 def test_a_fast_reader_gets_one_event_per_token(fast_echo, word_id):
     """Coalescing is for clients that fall behind: one that keeps up sees the scheduler's own steps."""
-    stream = fast_echo.client().completions.create(model="deepseek-v4", prompt=[word_id] * 8, max_tokens=200,
-                                                   stream=True)  # fmt: skip
+    stream = fast_echo.client().completions.create(
+        model="deepseek-v4", prompt=[word_id] * 8, max_tokens=200, stream=True
+    )
     pieces = [c.choices[0].text for c in stream if c.choices and c.choices[0].text]
     assert "".join(pieces) == WORD * 200
     assert len(pieces) >= 150, len(pieces)  # a busy test machine may still merge a few
 
 
 def test_a_client_that_stops_reading_is_aborted_counted_and_disconnected(word_id):
-    srv = Server("--workers", "1", "--sim-mode", "echo", "--sim-inter-token-latency-ms", "1",
-                 "--stream-buffer-limit", "20000", "--send-buffer-bytes", "16384")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--sim-mode",
+        "echo",
+        "--sim-inter-token-latency-ms",
+        "1",
+        "--stream-buffer-limit",
+        "20000",
+        "--send-buffer-bytes",
+        "16384",
+    )
     try:
         sock = _small_window_socket(srv.port)
-        sock.sendall(_request("/v1/completions", {"model": "deepseek-v4", "prompt": [word_id] * 8,
-                                                  "max_tokens": 1_000_000, "stream": True}))  # fmt: skip
-        wait_until(lambda: metric(srv, "tokenmill_aborts_total", reason="slow_client") >= 1, 60,
-                   what="the slow client's abort")  # fmt: skip
+        sock.sendall(
+            _request(
+                "/v1/completions",
+                {"model": "deepseek-v4", "prompt": [word_id] * 8, "max_tokens": 1_000_000, "stream": True},
+            )
+        )
+        wait_until(
+            lambda: metric(srv, "tokenmill_aborts_total", reason="slow_client") >= 1, 60, what="the slow client's abort"
+        )
         assert metric(srv, "tokenmill_closed_connections_total", reason="slow_client") >= 1
         # freed everywhere: no generation, no scheduler request, no decoder state
-        wait_until(lambda: (s := state(srv))["generations"] == 0 and s["scheduler_requests"] == 0
-                   and all(w["streams"] == 0 for w in s["workers"]), 10, what="everything freed")  # fmt: skip
+        wait_until(
+            lambda: (
+                (s := state(srv))["generations"] == 0
+                and s["scheduler_requests"] == 0
+                and all(w["streams"] == 0 for w in s["workers"])
+            ),
+            10,
+            what="everything freed",
+        )
         sock.settimeout(10)
         got = 0
         try:

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Server, http
+
 from tokenmill import settings as settings_mod
 from tokenmill.process import systemd_notify
 
@@ -70,8 +70,11 @@ def verify_problems(unit: Path) -> list[str]:
     """
     proc = subprocess.run(
         [systemd_analyze(), "verify", "--man=no", "--recursive-errors=no", unit.name],
-        cwd=unit.parent, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=unit.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     if proc.returncode != 0:
         lines.append(f"systemd-analyze verify exited with {proc.returncode}")
@@ -82,8 +85,11 @@ def security_exposure(unit: Path, threshold: int = 25) -> tuple[bool, str]:
     """(exposure within threshold, summary line); threshold is tenths: 25 means 2.5, still "OK"."""
     proc = subprocess.run(
         [systemd_analyze(), "security", "--offline=yes", f"--threshold={threshold}", "--no-pager", unit.name],
-        cwd=unit.parent, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=unit.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     summary = [line for line in proc.stdout.splitlines() if "Overall exposure level" in line]
     return proc.returncode == 0, (summary[-1] if summary else proc.stdout + proc.stderr)
 
@@ -187,11 +193,20 @@ def test_gateway_unit_settings():
     unit = parse_unit(UNITS_DIR / "tokenmill.service")
     service = {k: v[-1] for k, v in unit["Service"].items()}
     expected = {
-        "Type": "notify", "NotifyAccess": "main", "Restart": "on-failure", "KillMode": "mixed",
-        "User": "tokenmill", "Group": "tokenmill", "RuntimeDirectory": "tokenmill", "RuntimeDirectoryMode": "0700",
-        "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+        "Type": "notify",
+        "NotifyAccess": "main",
+        "Restart": "on-failure",
+        "KillMode": "mixed",
+        "User": "tokenmill",
+        "Group": "tokenmill",
+        "RuntimeDirectory": "tokenmill",
+        "RuntimeDirectoryMode": "0700",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
         "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
-    }  # fmt: skip
+    }
     assert {k: service.get(k) for k in expected} == expected
     assert int(service["LimitNOFILE"]) >= 65536
     assert seconds(service["RestartSec"]) > 0

@@ -12,13 +12,17 @@ import json
 import shutil
 
 import pytest
-
 from conftest import Server, http
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, SEARCH]
 REPLIES = [
@@ -26,7 +30,7 @@ REPLIES = [
     ("two cities", f'{B}{CB}get_weather{S}{{"city": "Zürich 😀"}}{CE}{CB}get_weather{S}{{"city": "東京"}}{CE}{E}'),
     ("sunny, 21", "It is sunny in Paris, at 21 °C."),
     ("think first", "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."),
-    ("think then call", f'Need the weather.</think>{B}{CB}search{S}{{}}{CE}{E}'),
+    ("think then call", f"Need the weather.</think>{B}{CB}search{S}{{}}{CE}{E}"),
     ("unknown tool", f'{B}{CB}launch_rockets{S}{{"n": 3}}{CE}{E}'),
 ]
 
@@ -78,8 +82,12 @@ def joined_stream(client, body: dict) -> dict:
                 if item.function and item.function.arguments:
                     call["arguments"] += item.function.arguments
             finish = choice.finish_reason or finish
-    return {"content": content or None, "reasoning": reasoning or None, "finish": finish,
-            "calls": [{"name": c["name"], "arguments": json.loads(c["arguments"])} for _, c in sorted(calls.items())]}
+    return {
+        "content": content or None,
+        "reasoning": reasoning or None,
+        "finish": finish,
+        "calls": [{"name": c["name"], "arguments": json.loads(c["arguments"])} for _, c in sorted(calls.items())],
+    }
 
 
 def whole(client, body: dict) -> dict:
@@ -91,8 +99,12 @@ def whole(client, body: dict) -> dict:
     for call in message.tool_calls or []:
         assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
         calls.append({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
-    return {"content": message.content, "reasoning": extra.get("reasoning_content"), "finish": choice.finish_reason,
-            "calls": calls}
+    return {
+        "content": message.content,
+        "reasoning": extra.get("reasoning_content"),
+        "finish": choice.finish_reason,
+        "calls": calls,
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -100,8 +112,12 @@ def test_tool_call_comes_back_as_tool_calls(scripted, stream):
     body = ask("What is the weather in Paris?", tools=TOOLS)
     client = scripted.client()
     got = joined_stream(client, body) if stream else whole(client, body)
-    assert got == {"content": "Let me look that up.", "reasoning": None, "finish": "tool_calls",
-                   "calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    assert got == {
+        "content": "Let me look that up.",
+        "reasoning": None,
+        "finish": "tool_calls",
+        "calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+    }
 
 
 def test_streamed_equals_whole_for_every_reply(scripted):
@@ -114,16 +130,22 @@ def test_streamed_equals_whole_for_every_reply(scripted):
 
 def test_two_calls_with_unicode_arguments(scripted):
     got = whole(scripted.client(), ask("two cities please", tools=TOOLS))
-    assert got["calls"] == [{"name": "get_weather", "arguments": {"city": "Zürich 😀"}},
-                            {"name": "get_weather", "arguments": {"city": "東京"}}]
+    assert got["calls"] == [
+        {"name": "get_weather", "arguments": {"city": "Zürich 😀"}},
+        {"name": "get_weather", "arguments": {"city": "東京"}},
+    ]
     assert got["content"] is None and got["finish"] == "tool_calls"
 
 
 def test_reasoning_is_separated_when_thinking(scripted):
     body = ask("think first: 2+2?", chat_template_kwargs={"enable_thinking": True})
     got = whole(scripted.client(), body)
-    assert got == {"content": "The answer is 4.", "reasoning": "The user asks for a sum; 2 + 2 = 4.",
-                   "finish": "stop", "calls": []}
+    assert got == {
+        "content": "The answer is 4.",
+        "reasoning": "The user asks for a sum; 2 + 2 = 4.",
+        "finish": "stop",
+        "calls": [],
+    }
     # with thinking off the template closes the think block itself, so the same words are content
     off = whole(scripted.client(), ask("think first: 2+2?"))
     assert off["reasoning"] is None and off["content"] == "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."
@@ -131,8 +153,12 @@ def test_reasoning_is_separated_when_thinking(scripted):
 
 def test_reasoning_then_call(scripted):
     got = whole(scripted.client(), ask("think then call", tools=TOOLS, chat_template_kwargs={"enable_thinking": True}))
-    assert got == {"content": None, "reasoning": "Need the weather.", "finish": "tool_calls",
-                   "calls": [{"name": "search", "arguments": {}}]}
+    assert got == {
+        "content": None,
+        "reasoning": "Need the weather.",
+        "finish": "tool_calls",
+        "calls": [{"name": "search", "arguments": {}}],
+    }
 
 
 def test_include_reasoning_false_drops_it(scripted):
@@ -180,15 +206,20 @@ def test_a_turn_with_the_calls_and_results_renders_and_continues(scripted):
     client = scripted.client()
     first = client.chat.completions.create(**ask("What is the weather in Paris?", tools=TOOLS))
     message = first.choices[0].message
-    messages = [{"role": "user", "content": "What is the weather in Paris?"},
-                message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21 C"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21 C"},
+    ]
     second = client.chat.completions.create(model="deepseek-v4", messages=messages, tools=TOOLS)
     assert second.choices[0].message.content == "It is sunny in Paris, at 21 °C."
     assert second.choices[0].finish_reason == "stop"
     # the rendered prompt holds the call exactly as the template writes it
-    status, _, tok = http("POST", scripted.url + "/detokenize", {"tokens": http(
-        "POST", scripted.url + "/tokenize", {"messages": messages, "tools": TOOLS})[2]["tokens"]})  # fmt: skip
+    status, _, tok = http(
+        "POST",
+        scripted.url + "/detokenize",
+        {"tokens": http("POST", scripted.url + "/tokenize", {"messages": messages, "tools": TOOLS})[2]["tokens"]},
+    )
     assert f'{CB}get_weather{S}{{"city": "Paris"}}{CE}' in tok["prompt"]
 
 
@@ -205,7 +236,7 @@ def special_marker_model(tmp_path) -> str:
             token["special"] = True
     (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
     config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
-    template = (src.parent / "tokenmill" / "default_model" / "chat_template.jinja")
+    template = src.parent / "tokenmill" / "default_model" / "chat_template.jinja"
     if not template.is_file():
         from tokenizer_workers.model import _DEFAULT_TEMPLATE as template
     config["chat_template"] = template.read_text(encoding="utf-8")
@@ -216,14 +247,28 @@ def special_marker_model(tmp_path) -> str:
 def test_markers_that_are_special_tokens_are_seen_whatever_skip_special_tokens_says(tmp_path):
     model = special_marker_model(tmp_path)
     replies = write_replies(tmp_path / "replies.jsonl")
-    srv = Server("--workers", "1", "--model", model, "--tool-call-parser", "auto", "--sim-inter-token-latency-ms", "0",
-                 "--sim-replies", replies)  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--model",
+        model,
+        "--tool-call-parser",
+        "auto",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--sim-replies",
+        replies,
+    )
     try:
         client = srv.client()
         name = client.models.list().data[0].id
         for skip in (True, False):
-            body = {"model": name, "messages": [{"role": "user", "content": "weather in Paris"}], "tools": TOOLS,
-                    "extra_body": {"skip_special_tokens": skip}}  # fmt: skip
+            body = {
+                "model": name,
+                "messages": [{"role": "user", "content": "weather in Paris"}],
+                "tools": TOOLS,
+                "extra_body": {"skip_special_tokens": skip},
+            }
             for got in (whole(client, body), joined_stream(client, body)):
                 assert got["calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}], skip
                 # asked for special tokens, the client gets the EOS token's text too, as without tools
@@ -238,14 +283,27 @@ def test_markers_that_are_special_tokens_are_seen_whatever_skip_special_tokens_s
 
 def test_without_a_parser_tools_leave_the_text_alone(tmp_path):
     replies = write_replies(tmp_path / "replies.jsonl")
-    srv = Server("--workers", "1", "--tool-call-parser", "none", "--reasoning-parser", "none",
-                 "--sim-inter-token-latency-ms", "0", "--sim-replies", replies)  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--tool-call-parser",
+        "none",
+        "--reasoning-parser",
+        "none",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--sim-replies",
+        replies,
+    )
     try:
         got = whole(srv.client(), ask("weather in Paris", tools=TOOLS))
         assert got == {"content": REPLIES[0][1], "reasoning": None, "finish": "stop", "calls": []}
         thinking = whole(srv.client(), ask("think first", chat_template_kwargs={"enable_thinking": True}))
         assert thinking["reasoning"] is None and thinking["content"] == REPLIES[3][1]
-        assert http("GET", srv.url + "/debug/state")[2]["parsers"] == {"tool_call_parser": None, "reasoning_parser": None}
+        assert http("GET", srv.url + "/debug/state")[2]["parsers"] == {
+            "tool_call_parser": None,
+            "reasoning_parser": None,
+        }
     finally:
         srv.stop()
 
@@ -257,9 +315,21 @@ def test_a_bad_replies_file_stops_the_simulator_with_its_line(tmp_path, line):
 
     path = tmp_path / "replies.jsonl"
     path.write_text('{"match": "ok", "text": "fine"}\n' + line + "\n", encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "simulate-scheduler", "--bind",
-                           f"ipc://{tmp_path}/s.sock", "--replies", str(path)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "simulate-scheduler",
+            "--bind",
+            f"ipc://{tmp_path}/s.sock",
+            "--replies",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and f"{path}:2:" in proc.stderr, proc.stderr
 
 
@@ -268,9 +338,11 @@ def test_reasoning_sent_back_renders_under_either_name(scripted):
     call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
 
     def prompt(key: str) -> str:
-        messages = [{"role": "user", "content": "2+2?"},
-                    {"role": "assistant", "content": "", key: "Add two and two.", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "c1", "content": "4"}]  # fmt: skip
+        messages = [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "", key: "Add two and two.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4"},
+        ]
         status, _, body = http("POST", scripted.url + "/tokenize", {"messages": messages, "tools": TOOLS})
         assert status == 200, body
         return http("POST", scripted.url + "/detokenize", {"tokens": body["tokens"]})[2]["prompt"]

@@ -6,9 +6,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
-
-import pytest
 
 from conftest import ROOT, Server, free_port
 
@@ -31,7 +28,9 @@ def test_worker_link_is_a_socket_pair(tmp_path):
     directory test shows there is no socket file for workers to connect to)."""
     srv = Server("--workers", "1", "--runtime-dir", str(tmp_path / "rt"))
     try:
-        resp = srv.client().chat.completions.create(model="deepseek-v4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        resp = srv.client().chat.completions.create(
+            model="deepseek-v4", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         assert resp.usage.completion_tokens == 2
         worker = next(pid for pid in child_pids(srv.proc.pid) if b"tokenizer_workers.worker" in cmdline(pid))
         ours = unix_socket_inodes(srv.proc.pid)
@@ -46,8 +45,13 @@ def test_worker_link_is_a_socket_pair(tmp_path):
 def test_removed_worker_endpoint_setting_says_why(tmp_path):
     config = tmp_path / "tokenmill.toml"
     config.write_text('worker_endpoint = "tcp://127.0.0.1:5999"\n')
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode != 0
     assert "worker_endpoint" in proc.stderr and "socket pair" in proc.stderr and "remote_workers" in proc.stderr
 
@@ -95,23 +99,52 @@ def unix_peers() -> dict[int, int]:
 def test_tcp_scheduler_without_keys_is_refused():
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port()), "--scheduler", f"tcp://127.0.0.1:{port}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--scheduler",
+            f"tcp://127.0.0.1:{port}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "CURVE" in proc.stderr + proc.stdout and "--insecure-tcp" in proc.stderr + proc.stdout
 
 
 def test_tcp_scheduler_with_curve_keys(tmp_path):
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "tokenmill.cli", "curve-keys", str(keys)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    made = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "curve-keys", str(keys)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0, made.stderr
     assert stat.S_IMODE(os.stat(keys / "client.key_secret").st_mode) == 0o600
     port = free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "simulate-scheduler", "--bind", f"tcp://127.0.0.1:{port}",
-                            "--curve-secret-key-file", str(keys / "scheduler.key_secret"), "--inter-token-latency-ms", "1"],
-                           cwd=ROOT)  # fmt: skip
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "simulate-scheduler",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--curve-secret-key-file",
+            str(keys / "scheduler.key_secret"),
+            "--inter-token-latency-ms",
+            "1",
+        ],
+        cwd=ROOT,
+    )
     try:
         srv = Server("--workers", "1", "--scheduler", f"tcp://127.0.0.1:{port}", "--curve-keys-dir", str(keys))
         try:

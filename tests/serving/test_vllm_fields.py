@@ -13,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import Server, http
 
 MODEL = "deepseek-v4"
@@ -22,14 +21,15 @@ WORDS = "the mill grinds the grain into fine white flour every single morning"
 
 def _sse(server, path: str, body: dict) -> list[dict]:
     """The data events of a streamed response, parsed ([DONE] left out)."""
-    req = urllib.request.Request(server.url + path, json.dumps({"model": MODEL, **body}).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        server.url + path, json.dumps({"model": MODEL, **body}).encode(), {"Content-Type": "application/json"}
+    )
     events = []
     with urllib.request.urlopen(req, timeout=60) as resp:
         for line in resp:
             line = line.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
     return events
 
 
@@ -41,8 +41,14 @@ def test_continuous_usage_counts_every_chat_chunk_as_vllm(echo_server):
     the role chunk), total their sum; the last chunk still sums the choices (vLLM's serving_chat)."""
     client = echo_server.client()
     chat = [{"role": "user", "content": WORDS}]
-    stream = client.chat.completions.create(model=MODEL, messages=chat, n=2, max_tokens=9, stream=True,
-                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        n=2,
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     chunks = list(stream)
     prompt = chunks[0].usage.prompt_tokens
     assert prompt > 9
@@ -70,9 +76,16 @@ def test_continuous_usage_counts_tokens_behind_the_text(echo_server, default_tok
     own count (two prompts of different lengths)."""
     first = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
     second = first[:5]
-    events = _sse(echo_server, "/v1/completions", {
-        "prompt": [first, second], "max_tokens": 12, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    events = _sse(
+        echo_server,
+        "/v1/completions",
+        {
+            "prompt": [first, second],
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     texts = {0: "", 1: ""}
     prompts = {0: first, 1: second}
     finished = set()
@@ -90,41 +103,74 @@ def test_continuous_usage_counts_tokens_behind_the_text(echo_server, default_tok
             assert usage["completion_tokens"] == 12
     assert finished == {0, 1}
     assert events[-1]["choices"] == [] and events[-1]["usage"] == {
-        "prompt_tokens": len(first) + len(second), "completion_tokens": 24, "total_tokens": len(first) + len(second) + 24}
+        "prompt_tokens": len(first) + len(second),
+        "completion_tokens": 24,
+        "total_tokens": len(first) + len(second) + 24,
+    }
 
 
 def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
     """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); stream_options
     on a request that is not streamed is a 400 naming it, as vLLM (and OpenAI) answer."""
-    events = _sse(echo_server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": WORDS}], "max_tokens": 4, "stream": True,
-        "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+    events = _sse(
+        echo_server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": WORDS}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        },
+    )
     assert events and all("usage" not in e for e in events), events
-    events = _sse(echo_server, "/v1/completions", {
-        "prompt": WORDS, "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": False}})  # fmt: skip
+    events = _sse(
+        echo_server,
+        "/v1/completions",
+        {
+            "prompt": WORDS,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        },
+    )
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 4
-    status, _, body = http("POST", echo_server.url + "/v1/completions", {
-        "model": MODEL, "prompt": WORDS, "max_tokens": 3,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": WORDS,
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     assert status == 400 and body["error"]["param"] == "stream_options", body
-    status, _, body = http("POST", echo_server.url + "/v1/completions", {
-        "model": MODEL, "prompt": WORDS, "max_tokens": 2, "stream_options": None})  # null is as absent
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": WORDS, "max_tokens": 2, "stream_options": None},
+    )  # null is as absent
     assert status == 200, body
-    status, _, body = http("POST", echo_server.url + "/v1/completions", {
-        "model": MODEL, "prompt": WORDS, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}})
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": WORDS, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+    )
     assert status == 400 and body["error"]["param"] == "stream_options.continuous_usage_stats", body
 
 
 # ---- include_stop_str_in_output ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stop, expected", [
-    (["gamma"], "alpha beta gamma"),
-    (["a gam"], "alpha beta gam"),  # across two tokens, and inside one: the text ends where the stop string does
-    (["delta", "beta g"], "alpha beta g"),  # the one that ends first, as vLLM's check_stop_strings
-    (["nowhere"], "alpha beta gamma delta epsilon"),
-])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (["gamma"], "alpha beta gamma"),
+        (["a gam"], "alpha beta gam"),  # across two tokens, and inside one: the text ends where the stop string does
+        (["delta", "beta g"], "alpha beta g"),  # the one that ends first, as vLLM's check_stop_strings
+        (["nowhere"], "alpha beta gamma delta epsilon"),
+    ],
+)
 def test_include_stop_str_in_output_keeps_the_stop_string(echo_server, default_tokenizer, stop, expected):
     ids = default_tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False).ids
     client = echo_server.client()
@@ -132,27 +178,44 @@ def test_include_stop_str_in_output_keeps_the_stop_string(echo_server, default_t
     whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body=extra)
     assert whole.choices[0].text == expected
     assert whole.choices[0].finish_reason == ("length" if stop == ["nowhere"] else "stop")
-    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True,
-                                            extra_body=extra))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True, extra_body=extra
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     # false (the default) cuts it, as before
-    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop,
-                                    extra_body={"include_stop_str_in_output": False})  # fmt: skip
-    assert cut.choices[0].text == (expected if stop == ["nowhere"] else expected[: expected.rindex(
-        "gamma" if stop == ["gamma"] else ("a gam" if stop == ["a gam"] else "beta g"))])
+    cut = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body={"include_stop_str_in_output": False}
+    )
+    assert cut.choices[0].text == (
+        expected
+        if stop == ["nowhere"]
+        else expected[: expected.rindex("gamma" if stop == ["gamma"] else ("a gam" if stop == ["a gam"] else "beta g"))]
+    )
 
 
 def test_include_stop_str_in_output_on_chat_and_bad_values(echo_server):
     client = echo_server.client()
     chat = [{"role": "user", "content": "alpha beta gamma delta"}]
-    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, stop=["beta"],
-                                         extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=60, stop=["beta"], extra_body={"include_stop_str_in_output": True}
+    )
     assert out.choices[0].message.content.endswith("alpha beta") and out.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=60, stop=["beta"], stream=True,
-                                              extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        max_tokens=60,
+        stop=["beta"],
+        stream=True,
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == out.choices[0].message.content
-    status, _, body = http("POST", echo_server.url + "/v1/completions",
-                           {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"},
+    )
     assert status == 400 and body["error"]["param"] == "include_stop_str_in_output", body
 
 
@@ -167,9 +230,17 @@ def test_usage_counts_tokens_up_to_the_stop_string_as_vllm(echo_server, default_
         extra = {"include_stop_str_in_output": include}
         whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["beta"], extra_body=extra)
         assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens == upto, whole
-        chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["beta"],
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body=extra))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=ids,
+                max_tokens=len(ids),
+                stop=["beta"],
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        )
         assert chunks[-1].usage.completion_tokens == upto
 
 
@@ -184,13 +255,22 @@ def test_stop_reason_names_what_stopped_the_choice_as_vllm(echo_server, default_
         whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body=extra)
         choice = whole.choices[0].model_dump()
         assert choice.get("stop_reason") == expected and whole.choices[0].finish_reason == (
-            "stop" if expected else "length"), choice
-        chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True,
-                                                extra_body=extra))  # fmt: skip
+            "stop" if expected else "length"
+        ), choice
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True, extra_body=extra
+            )
+        )
         reasons = [c.choices[0].model_dump().get("stop_reason") for c in chunks]
         assert reasons[-1] == expected and not any(reasons[:-1]), reasons
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "alpha beta gamma"}],
-                                              max_tokens=40, stop=stop, extra_body=extra)  # fmt: skip
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "alpha beta gamma"}],
+            max_tokens=40,
+            stop=stop,
+            extra_body=extra,
+        )
         if stop:
             assert chat.choices[0].model_dump().get("stop_reason") == expected
 
@@ -207,22 +287,42 @@ def test_request_id_names_the_response_as_vllm(echo_server):
     chat = [{"role": "user", "content": WORDS}]
     out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, extra_body={"request_id": "abc-1"})
     assert out.id == "chatcmpl-abc-1"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"request_id": "abc-2"}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=chat,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"request_id": "abc-2"},
+        )
+    )
     assert {c.id for c in chunks} == {"chatcmpl-abc-2"}
     out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3, extra_body={"request_id": "xyz"})
     assert out.id == "cmpl-xyz"
-    out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3, extra_body={"request_id": "xyz"},
-                                    extra_headers={"X-Request-Id": "from-header"})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt=WORDS,
+        max_tokens=3,
+        extra_body={"request_id": "xyz"},
+        extra_headers={"X-Request-Id": "from-header"},
+    )
     assert out.id == "cmpl-from-header"
     out = client.completions.create(model=MODEL, prompt=WORDS, max_tokens=3)
     assert out.id.startswith("cmpl-") and len(out.id) == len("cmpl-") + 32
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # the same id, at once: the scheduler's ids differ
-        outs = list(pool.map(lambda _: client.completions.create(model=MODEL, prompt=WORDS, max_tokens=20,
-                                                                 extra_body={"request_id": "same"}), range(4)))
+        outs = list(
+            pool.map(
+                lambda _: client.completions.create(
+                    model=MODEL, prompt=WORDS, max_tokens=20, extra_body={"request_id": "same"}
+                ),
+                range(4),
+            )
+        )
     assert {o.id for o in outs} == {"cmpl-same"} and all(o.usage.completion_tokens == 20 for o in outs)
-    status, _, body = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "request_id": 5})
+    status, _, body = http(
+        "POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "request_id": 5}
+    )
     assert status == 400 and body["error"]["param"] == "request_id", body
 
 
@@ -234,24 +334,30 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(echo_server, default_token
     ids = default_tokenizer.encode(WORDS, add_special_tokens=False).ids
     client = echo_server.client()
     for prompt in (ids, WORDS):  # token IDs, and text (tokenized with BOS, then cut)
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
-                                        extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, extra_body={"truncate_prompt_tokens": 4}
+        )
         assert out.usage.prompt_tokens == 4 and out.choices[0].text == default_tokenizer.decode(ids[-4:])
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=3,
-                                    extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"}
+    )
     assert out.usage.prompt_tokens == 3 and out.choices[0].text == default_tokenizer.decode(ids[:3])
     # several prompts: each is cut; a shorter one stays whole; -1 cuts nothing that fits
-    out = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=2,
-                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:2]], max_tokens=2, extra_body={"truncate_prompt_tokens": 5}
+    )
     assert out.usage.prompt_tokens == 7 and [c.text for c in out.choices] == [
-        default_tokenizer.decode(ids[-5:-3]), default_tokenizer.decode(ids[:2])]
+        default_tokenizer.decode(ids[-5:-3]),
+        default_tokenizer.decode(ids[:2]),
+    ]
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
     assert out.usage.prompt_tokens == len(ids)
     # chat: the rendered prompt's last tokens
     chat = [{"role": "user", "content": WORDS}]
     whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
-    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3,
-                                         extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=3, extra_body={"truncate_prompt_tokens": 3}
+    )
     assert whole.usage.prompt_tokens > 3 and out.usage.prompt_tokens == 3
 
 
@@ -259,21 +365,31 @@ def test_truncate_prompt_tokens_makes_a_long_prompt_fit(server, default_tokenize
     """--max-model-len 8192: a 9,000-token prompt is a 400 as it is, and fits once cut; more than the
     context, below -1 or 0 is a 400 naming the field."""
     long_prompt = [100] * 9000
-    status, _, body = http("POST", server.url + "/v1/completions",
-                           {"model": MODEL, "prompt": long_prompt, "max_tokens": 2})  # fmt: skip
+    status, _, body = http(
+        "POST", server.url + "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 2}
+    )
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     for keep, expected in ((8000, 8000), (-1, 8191)):
-        status, _, body = http("POST", server.url + "/v1/completions", {
-            "model": MODEL, "prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": keep})  # fmt: skip
+        status, _, body = http(
+            "POST",
+            server.url + "/v1/completions",
+            {"model": MODEL, "prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": keep},
+        )
         assert status == 200 and body["usage"]["prompt_tokens"] == expected, body
     for bad in (8193, -2, 0, "ten", 1.5):
-        for path, extra in (("/v1/completions", {"prompt": "hi"}),
-                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-            status, _, body = http("POST", server.url + path, {"model": MODEL, "max_tokens": 2,
-                                                               "truncate_prompt_tokens": bad, **extra})  # fmt: skip
+        for path, extra in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            status, _, body = http(
+                "POST", server.url + path, {"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": bad, **extra}
+            )
             assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens", (bad, body)
-    status, _, body = http("POST", server.url + "/v1/completions", {
-        "model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2, "truncation_side": "middle"})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        server.url + "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2, "truncation_side": "middle"},
+    )
     assert status == 400 and body["error"]["param"] == "truncation_side", body
 
 
@@ -289,27 +405,35 @@ def test_return_tokens_as_token_ids_names_logprob_tokens(echo_server, default_to
     names = [f"token_id:{t}" for t in ids[:6]]
     assert lp.tokens == names
     assert lp.text_offset == [sum(len(n) for n in names[:k]) for k in range(6)]  # vLLM counts the names' lengths
-    assert all(names[k] in top and all(key.startswith("token_id:") for key in top) for k, top in enumerate(lp.top_logprobs))
+    assert all(
+        names[k] in top and all(key.startswith("token_id:") for key in top) for k, top in enumerate(lp.top_logprobs)
+    )
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, logprobs=2, seed=1)
     assert out.choices[0].text == plain.choices[0].text
     assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
     # chat, streamed and not: the chosen token's bytes stay its text's (as vLLM's), top entries' are the names'
     chat = [{"role": "user", "content": WORDS}]
-    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
-                                           seed=1, extra_body=extra)  # fmt: skip
-    plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
-                                           seed=1)  # fmt: skip
+    whole = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2, seed=1, extra_body=extra
+    )
+    plain = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2, seed=1
+    )
     for named, texted in zip(whole.choices[0].logprobs.content, plain.choices[0].logprobs.content, strict=True):
         assert named.token.startswith("token_id:") and named.bytes == texted.bytes
         assert named.logprob == texted.logprob
         assert named.top_logprobs[0].token == named.token
         assert all(t.bytes == list(t.token.encode()) and t.token.startswith("token_id:") for t in named.top_logprobs)
-    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2,
-                                              seed=1, stream=True, extra_body=extra)  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=5, logprobs=True, top_logprobs=2, seed=1, stream=True, extra_body=extra
+    )
     tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert tokens == [e.token for e in whole.choices[0].logprobs.content]
-    status, _, body = http("POST", echo_server.url + "/v1/completions",
-                           {"model": MODEL, "prompt": "x", "return_tokens_as_token_ids": "yes"})  # fmt: skip
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": "x", "return_tokens_as_token_ids": "yes"},
+    )
     assert status == 400 and body["error"]["param"] == "return_tokens_as_token_ids", body
 
 
@@ -328,9 +452,13 @@ def test_completions_echo_puts_the_prompt_first(echo_server, default_tokenizer):
     # token IDs: decoded; n and several prompts: every choice; streamed: the same text
     out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, echo=True, n=2)
     texts = [c.text for c in out.choices]
-    assert texts == [WORDS + generated] * 2 + [default_tokenizer.decode(ids[:3]) * 2 + default_tokenizer.decode(ids[:1])] * 2
-    chunks = list(client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, echo=True, n=2,
-                                            stream=True))  # fmt: skip
+    assert (
+        texts
+        == [WORDS + generated] * 2 + [default_tokenizer.decode(ids[:3]) * 2 + default_tokenizer.decode(ids[:1])] * 2
+    )
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, echo=True, n=2, stream=True)
+    )
     got = ["", "", "", ""]
     for chunk in chunks:
         for c in chunk.choices:
@@ -340,8 +468,9 @@ def test_completions_echo_puts_the_prompt_first(echo_server, default_tokenizer):
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True, stop=["grinds"])
     assert out.choices[0].text == WORDS + "the mill " and out.choices[0].finish_reason == "stop"
     # truncation cuts what the engine sees, not the echo (vLLM detokenizes before truncating)
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True,
-                                    extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, echo=True, extra_body={"truncate_prompt_tokens": 3}
+    )
     assert out.choices[0].text == WORDS + default_tokenizer.decode(ids[-3:-1]) and out.usage.prompt_tokens == 3
     for body in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
         status, _, err = http("POST", echo_server.url + "/v1/completions", {"model": MODEL, "prompt": "x", **body})
@@ -355,11 +484,14 @@ def test_chat_echo_repeats_the_last_assistant_message(echo_server):
     plain = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4)
     out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, extra_body={"echo": True})
     assert out.choices[0].message.content == "Well, " + plain.choices[0].message.content
-    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, stream=True,
-                                              extra_body={"echo": True})  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=4, stream=True, extra_body={"echo": True}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == out.choices[0].message.content
-    parts = [{"role": "user", "content": "Hi"},
-             {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
     out = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=2, extra_body={"echo": True})
     assert out.choices[0].message.content.startswith("a\nb")
     # the last message is the user's: nothing to echo
@@ -367,8 +499,9 @@ def test_chat_echo_repeats_the_last_assistant_message(echo_server):
     plain = client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4)
     out = client.chat.completions.create(model=MODEL, messages=user_last, max_tokens=4, extra_body={"echo": True})
     assert out.choices[0].message.content == plain.choices[0].message.content
-    status, _, err = http("POST", echo_server.url + "/v1/chat/completions",
-                          {"model": MODEL, "messages": user_last, "echo": 3})  # fmt: skip
+    status, _, err = http(
+        "POST", echo_server.url + "/v1/chat/completions", {"model": MODEL, "messages": user_last, "echo": 3}
+    )
     assert status == 400 and err["error"]["param"] == "echo", err
 
 
@@ -377,14 +510,20 @@ def test_answer_role_without_a_generation_prompt_as_vllm(echo_server):
     carries that message's role, as vLLM 0.32 names it (get_chat_request_role); the assistant's
     otherwise."""
     client = echo_server.client()
-    for messages, extra, role in (([{"role": "user", "content": "Say"}], {"add_generation_prompt": False}, "user"),
-                                  ([{"role": "user", "content": "Say"}], {}, "assistant"),
-                                  ([{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}],
-                                   {"add_generation_prompt": False, "continue_final_message": True}, "assistant")):
+    for messages, extra, role in (
+        ([{"role": "user", "content": "Say"}], {"add_generation_prompt": False}, "user"),
+        ([{"role": "user", "content": "Say"}], {}, "assistant"),
+        (
+            [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}],
+            {"add_generation_prompt": False, "continue_final_message": True},
+            "assistant",
+        ),
+    ):
         out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
         assert out.choices[0].message.role == role, (extra, out)
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
-                                                     extra_body=extra))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True, extra_body=extra)
+        )
         assert chunks[0].choices[0].delta.role == role and not any(c.choices[0].delta.role for c in chunks[1:])
 
 
@@ -415,12 +554,22 @@ def test_return_token_ids_on_completions_as_vllm(echo_server, default_tokenizer)
     choice = out.choices[0].model_extra
     assert choice["prompt_token_ids"] == with_bos and choice["token_ids"] == with_bos[:5]
     # several prompts, n, truncation: each choice its own prompt's (kept) IDs
-    out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, n=2,
-                                    extra_body={**extra, "truncate_prompt_tokens": 6})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, n=2, extra_body={**extra, "truncate_prompt_tokens": 6}
+    )
     got = [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in out.choices]
     assert got == [(ids[-6:], ids[-6:-2])] * 2 + [(ids[:3], (ids[:3] * 2)[:4])] * 2
-    chunks = [c.model_dump() for c in client.completions.create(
-        model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, n=2, stream=True, extra_body={**extra, "truncate_prompt_tokens": 6})]
+    chunks = [
+        c.model_dump()
+        for c in client.completions.create(
+            model=MODEL,
+            prompt=[ids, ids[:3]],
+            max_tokens=4,
+            n=2,
+            stream=True,
+            extra_body={**extra, "truncate_prompt_tokens": 6},
+        )
+    ]
     streamed = {i: [] for i in range(4)}
     for chunk in chunks:
         (c,) = chunk["choices"]
@@ -432,8 +581,9 @@ def test_return_token_ids_on_completions_as_vllm(echo_server, default_tokenizer)
     assert [sum(streamed[i], []) for i in range(4)] == [g[1] for g in got]
     # a stop string holds text back: the tokens behind it still come, in chunks of their own, as in vLLM
     text, sent = "", []
-    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["grain into"],
-                                           stream=True, extra_body=extra):  # fmt: skip
+    for chunk in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=len(ids), stop=["grain into"], stream=True, extra_body=extra
+    ):
         c = chunk.choices[0]
         text += c.text
         sent += c.model_extra["token_ids"]
@@ -441,7 +591,9 @@ def test_return_token_ids_on_completions_as_vllm(echo_server, default_tokenizer)
     assert text == "the mill grinds the " and c.finish_reason == "stop"
     assert sent == ids[: ids.index(default_tokenizer.encode(" into", add_special_tokens=False).ids[0]) + 1]
     # the request's stop token is the last ID (vLLM keeps it in token_ids)
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, extra_body={**extra, "stop_token_ids": [ids[3]]})
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, extra_body={**extra, "stop_token_ids": [ids[3]]}
+    )
     assert out.choices[0].model_extra["token_ids"] == ids[:4] and out.choices[0].finish_reason == "stop"
     # echo: vLLM returns the prompt's IDs instead of its text
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True, extra_body=extra)
@@ -449,7 +601,10 @@ def test_return_token_ids_on_completions_as_vllm(echo_server, default_tokenizer)
     # not asked: no IDs anywhere
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
     assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.choices[0].model_extra
-    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         status, _, err = http("POST", echo_server.url + path, {"model": MODEL, "return_token_ids": "yes", **body})
         assert status == 400 and err["error"]["param"] == "return_token_ids", err
 
@@ -461,12 +616,16 @@ def test_return_token_ids_on_chat_as_vllm(echo_server, default_tokenizer):
     chat = [{"role": "user", "content": WORDS}]
     status, _, rendered = http("POST", echo_server.url + "/tokenize", {"model": MODEL, "messages": chat})
     prompt = rendered["tokens"]
-    out = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, n=2,
-                                         extra_body={"return_token_ids": True})  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=6, n=2, extra_body={"return_token_ids": True}
+    )
     assert out.model_extra["prompt_token_ids"] == prompt
     assert [c.model_extra["token_ids"] for c in out.choices] == [prompt[:6]] * 2
-    events = _sse(echo_server, "/v1/chat/completions", {"messages": chat, "max_tokens": 6, "n": 2, "stream": True,
-                                                        "return_token_ids": True, "logprobs": True})  # fmt: skip
+    events = _sse(
+        echo_server,
+        "/v1/chat/completions",
+        {"messages": chat, "max_tokens": 6, "n": 2, "stream": True, "return_token_ids": True, "logprobs": True},
+    )
     ids = {0: [], 1: []}
     content = {0: "", 1: ""}
     for event in events:
@@ -488,8 +647,10 @@ def test_return_token_ids_on_chat_as_vllm(echo_server, default_tokenizer):
 
 THINK = "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."
 SAYS = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
-CALL = 'Let me look that up.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}' \
-       '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+CALL = (
+    'Let me look that up.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -497,11 +658,23 @@ def scripted(tmp_path_factory):
     """Scripted replies, four tokens per decode step (as speculative decoding emits them); the embedded
     model's parsers are on (think-tag reasoning, its tool calls)."""
     replies = Path(tmp_path_factory.mktemp("replies")) / "replies.jsonl"
-    replies.write_text("\n".join(json.dumps({"match": m, "text": t}, ensure_ascii=False)
-                                 for m, t in (("think first", THINK), ("say the words", SAYS),
-                                              ("weather in Paris", CALL))) + "\n")  # fmt: skip
-    srv = Server("--workers", "1", "--sim-inter-token-latency-ms", "0", "--sim-replies", str(replies),
-                 "--sim-tokens-per-step", "4")  # fmt: skip
+    replies.write_text(
+        "\n".join(
+            json.dumps({"match": m, "text": t}, ensure_ascii=False)
+            for m, t in (("think first", THINK), ("say the words", SAYS), ("weather in Paris", CALL))
+        )
+        + "\n"
+    )
+    srv = Server(
+        "--workers",
+        "1",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--sim-replies",
+        str(replies),
+        "--sim-tokens-per-step",
+        "4",
+    )
     yield srv
     srv.stop()
 
@@ -517,8 +690,11 @@ def test_return_token_ids_stop_at_the_token_that_completes_a_stop_string(scripte
         out = client.completions.create(model=MODEL, prompt="say the words", max_tokens=20, stop=stop, extra_body=extra)
         assert out.choices[0].model_extra["token_ids"] == words[:end], stop
         assert out.choices[0].finish_reason == "stop"
-        chunks = list(client.completions.create(model=MODEL, prompt="say the words", max_tokens=20, stop=stop,
-                                                stream=True, extra_body=extra))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt="say the words", max_tokens=20, stop=stop, stream=True, extra_body=extra
+            )
+        )
         assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == words[:end]
         assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
@@ -535,18 +711,22 @@ def test_return_token_ids_with_reasoning_as_vllm(scripted, default_tokenizer):
     assert ids[: len(reply)] == reply and len(ids) == out.usage.completion_tokens  # the EOS too
     assert out.choices[0].message.content == "The answer is 4."
     assert len(out.model_extra["prompt_token_ids"]) == out.usage.prompt_tokens
-    events = _sse(scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True,
-                                                     **thinking})  # fmt: skip
+    events = _sse(
+        scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True, **thinking}
+    )
     streamed = [e["choices"][0] for e in events[1:]]
     assert sum((c["token_ids"] for c in streamed), []) == ids
     assert any(c["delta"].get("reasoning") and c["token_ids"] for c in streamed)
     assert "".join(c["delta"].get("content") or "" for c in streamed) == "The answer is 4."
-    hidden = client.chat.completions.create(model=MODEL, messages=chat,
-                                            extra_body={"return_token_ids": True, "include_reasoning": False,
-                                                        **thinking})  # fmt: skip
+    hidden = client.chat.completions.create(
+        model=MODEL, messages=chat, extra_body={"return_token_ids": True, "include_reasoning": False, **thinking}
+    )
     assert hidden.choices[0].model_extra["token_ids"] is None and hidden.model_extra["prompt_token_ids"]
-    events = _sse(scripted, "/v1/chat/completions", {"messages": chat, "stream": True, "return_token_ids": True,
-                                                     "include_reasoning": False, **thinking})  # fmt: skip
+    events = _sse(
+        scripted,
+        "/v1/chat/completions",
+        {"messages": chat, "stream": True, "return_token_ids": True, "include_reasoning": False, **thinking},
+    )
     assert events[0]["prompt_token_ids"] and not any("token_ids" in e["choices"][0] for e in events)
 
 
@@ -561,13 +741,15 @@ def _wordpiece_model(directory: Path) -> Path:
     tok = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3, "mill": 4}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
-    tok.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True),
-                            AddedToken("</s>", special=True)])  # fmt: skip
+    tok.add_special_tokens(
+        [AddedToken("<a>", special=True), AddedToken("<b>", special=True), AddedToken("</s>", special=True)]
+    )
     tok.add_tokens(["plainadd"])  # an added token that is not special: vLLM treats it alike
     directory.mkdir()
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"}))  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"})
+    )
     (directory / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     return directory
 
@@ -578,26 +760,49 @@ def test_spaces_between_special_tokens_as_vllm(tmp_path):
     for these IDs, worked out by running vLLM 0.32's decode_next: 'hello', ' <a>', '<b>', ' world',
     's', ' <b>', '<a>', 'plainadd', 'plainadd', ' mill'.)"""
     model = _wordpiece_model(tmp_path / "wordpiece")
-    srv = Server("--workers", "1", "--model", str(model), "--sim-mode", "echo", "--sim-inter-token-latency-ms", "0",
-                 "--tool-call-parser", "none", "--reasoning-parser", "none")  # fmt: skip
+    srv = Server(
+        "--workers",
+        "1",
+        "--model",
+        str(model),
+        "--sim-mode",
+        "echo",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--tool-call-parser",
+        "none",
+        "--reasoning-parser",
+        "none",
+    )
     try:
         client = srv.client()
         ids = [1, 5, 6, 2, 3, 6, 5, 8, 8, 4]
         kept = "hello <a><b> worlds <b><a>plainaddplainadd mill"
-        for extra, expected in (({"skip_special_tokens": False, "spaces_between_special_tokens": False}, kept),
-                                ({"skip_special_tokens": False}, "hello <a> <b> worlds <b> <a> plainadd plainadd mill"),
-                                ({"spaces_between_special_tokens": False}, "hello worlds plainadd plainadd mill")):
+        for extra, expected in (
+            ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, kept),
+            ({"skip_special_tokens": False}, "hello <a> <b> worlds <b> <a> plainadd plainadd mill"),
+            ({"spaces_between_special_tokens": False}, "hello worlds plainadd plainadd mill"),
+        ):
             out = client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), extra_body=extra)
             assert out.choices[0].text == expected, extra
-            chunks = list(client.completions.create(model="wordpiece", prompt=ids, max_tokens=len(ids), stream=True,
-                                                    extra_body=extra))  # fmt: skip
+            chunks = list(
+                client.completions.create(
+                    model="wordpiece", prompt=ids, max_tokens=len(ids), stream=True, extra_body=extra
+                )
+            )
             assert "".join(c.choices[0].text for c in chunks) == expected, extra
-        out = client.chat.completions.create(model="wordpiece", messages=[{"role": "user", "content": "<a> <b> mill"}],
-                                             max_tokens=3, extra_body={"skip_special_tokens": False,
-                                                                       "spaces_between_special_tokens": False})  # fmt: skip
+        out = client.chat.completions.create(
+            model="wordpiece",
+            messages=[{"role": "user", "content": "<a> <b> mill"}],
+            max_tokens=3,
+            extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False},
+        )
         assert out.choices[0].message.content == "<a><b> mill"
-        status, _, err = http("POST", srv.url + "/v1/completions",
-                              {"model": "wordpiece", "prompt": ids, "spaces_between_special_tokens": "no"})  # fmt: skip
+        status, _, err = http(
+            "POST",
+            srv.url + "/v1/completions",
+            {"model": "wordpiece", "prompt": ids, "spaces_between_special_tokens": "no"},
+        )
         assert status == 400 and err["error"]["param"] == "spaces_between_special_tokens", err
     finally:
         srv.stop()
@@ -605,8 +810,10 @@ def test_spaces_between_special_tokens_as_vllm(tmp_path):
 
 # ---- functions / function_call (OpenAI's deprecated forms of tools / tool_choice) ---------------
 
-WEATHER_FN = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                    "required": ["city"]}}  # fmt: skip
+WEATHER_FN = {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 def test_functions_answer_in_openais_legacy_shape(scripted):
@@ -617,7 +824,9 @@ def test_functions_answer_in_openais_legacy_shape(scripted):
     out = client.chat.completions.create(**ask)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "function_call" and message.tool_calls is None
-    assert message.function_call.name == "get_weather" and json.loads(message.function_call.arguments) == {"city": "Paris"}
+    assert message.function_call.name == "get_weather" and json.loads(message.function_call.arguments) == {
+        "city": "Paris"
+    }
     assert message.content == "Let me look that up."
     name, args, finish, content = None, "", None, ""
     for chunk in client.chat.completions.create(stream=True, **ask):
@@ -628,7 +837,12 @@ def test_functions_answer_in_openais_legacy_shape(scripted):
             name = delta.function_call.name or name
             args += delta.function_call.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    assert (name, json.loads(args), finish, content) == ("get_weather", {"city": "Paris"}, "function_call", message.content)
+    assert (name, json.loads(args), finish, content) == (
+        "get_weather",
+        {"city": "Paris"},
+        "function_call",
+        message.content,
+    )
     # function_call "auto" is the default; "none" parses no call; a name forces that function ("stop", as OpenAI)
     assert client.chat.completions.create(function_call="auto", **ask).choices[0].finish_reason == "function_call"
     none = client.chat.completions.create(function_call="none", **ask)
@@ -637,14 +851,16 @@ def test_functions_answer_in_openais_legacy_shape(scripted):
     assert named.choices[0].message.function_call.name == "get_weather" and named.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(named.choices[0].message.function_call.arguments), dict)
     chat = [{"role": "user", "content": "weather in Paris"}]
-    for bad, param in (({"functions": [WEATHER_FN], "tools": [{"type": "function", "function": WEATHER_FN}]}, "functions"),
-                       ({"function_call": "auto"}, "function_call"),
-                       ({"functions": [WEATHER_FN], "function_call": {"name": "nope"}}, "function_call"),
-                       ({"functions": [WEATHER_FN], "function_call": "required"}, "function_call"),
-                       ({"functions": [WEATHER_FN], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
-                       ({"functions": "get_weather"}, "functions"),
-                       ({"functions": [{"parameters": {}}]}, "functions"),
-                       ({"functions": []}, "functions")):
+    for bad, param in (
+        ({"functions": [WEATHER_FN], "tools": [{"type": "function", "function": WEATHER_FN}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"functions": [WEATHER_FN], "function_call": {"name": "nope"}}, "function_call"),
+        ({"functions": [WEATHER_FN], "function_call": "required"}, "function_call"),
+        ({"functions": [WEATHER_FN], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
+        ({"functions": "get_weather"}, "functions"),
+        ({"functions": [{"parameters": {}}]}, "functions"),
+        ({"functions": []}, "functions"),
+    ):
         status, _, err = http("POST", scripted.url + "/v1/chat/completions", {"model": MODEL, "messages": chat, **bad})
         assert status == 400 and err["error"]["param"] == param, (bad, err)
 
@@ -666,16 +882,25 @@ def test_suffix_fills_in_the_middle_as_vllm_renders_it_for_deepseek():
         fim = "<｜fim▁begin｜>def add(a, b):<｜fim▁hole｜>    return c<｜fim▁end｜>"
         status, _, plain = http("POST", server.url + "/tokenize", {"model": "deepseek-v4", "prompt": fim})
         assert status == 200, plain
-        status, _, body = http("POST", url, {"model": "deepseek-v4", "prompt": "def add(a, b):", "suffix": "    return c",
-                                             "max_tokens": 1})  # fmt: skip
+        status, _, body = http(
+            "POST", url, {"model": "deepseek-v4", "prompt": "def add(a, b):", "suffix": "    return c", "max_tokens": 1}
+        )
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == plain["count"]
-        status, _, body = http("POST", url, {"model": "deepseek-v4", "prompt": "x", "suffix": "", "max_tokens": 200,
-                                             "return_token_ids": True})  # fmt: skip
+        status, _, body = http(
+            "POST",
+            url,
+            {"model": "deepseek-v4", "prompt": "x", "suffix": "", "max_tokens": 200, "return_token_ids": True},
+        )
         assert status == 200 and body["choices"][0]["prompt_token_ids"][-1] == 128802  # <｜fim▁end｜>
-        for extra, words in (({"echo": True}, "Echo is unsupported"), ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
-                             ({"prompt": [1, 2, 3]}, "text prompt")):  # fmt: skip
-            status, _, err = http("POST", url, {"model": "deepseek-v4", "prompt": "x", "suffix": "y", "max_tokens": 1, **extra})
+        for extra, words in (
+            ({"echo": True}, "Echo is unsupported"),
+            ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+            ({"prompt": [1, 2, 3]}, "text prompt"),
+        ):
+            status, _, err = http(
+                "POST", url, {"model": "deepseek-v4", "prompt": "x", "suffix": "y", "max_tokens": 1, **extra}
+            )
             assert status == 400 and err["error"]["param"] == "suffix" and words in err["error"]["message"], err
     finally:
         server.stop()

@@ -55,8 +55,9 @@ def _policy(ready=(0, 1), slots: int = 1, **options) -> tuple[Dispatcher, _Pool]
     return policy, pool
 
 
-def _submit(policy: Dispatcher, name: str, nbytes: int, key: int | None = None, age_s: float = 0.0,
-            quick_ok: bool = False) -> Job:  # fmt: skip
+def _submit(
+    policy: Dispatcher, name: str, nbytes: int, key: int | None = None, age_s: float = 0.0, quick_ok: bool = False
+) -> Job:
     """A job; by default one for a conversion thread (quick_ok=True: classified as the pool's are)."""
     job = Job(next(_ids), "chat", name, b"x" * nbytes, policy.clock() - age_s, affinity=key)
     policy.submit(job, quick_ok=quick_ok)
@@ -322,8 +323,16 @@ def test_the_conversation_key_follows_a_conversation_and_tells_apart_those_shari
     b = conversation_key(body("Add a --verbose flag to the CLI", 0))
     assert len(set(a)) == 1 and a[0] is not None  # every turn of one conversation
     assert b != a[0]  # another conversation behind the same 11 KB system prompt
-    short = [json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] + [
-        {"role": "assistant", "content": f"hello {t}"} for t in range(turns)]}).encode() for turns in range(3)]  # fmt: skip
+    short = [
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}]
+                + [{"role": "assistant", "content": f"hello {t}"} for t in range(turns)],
+            }
+        ).encode()
+        for turns in range(3)
+    ]
     assert len({conversation_key(b) for b in short}) == 1  # a short chat's later turns fall inside 2 KB
     assert conversation_key(json.dumps({"model": "m", "messages": [system]}).encode()) is not None
     assert conversation_key(b'{"model": "m", "prompt": "hello"}') is None

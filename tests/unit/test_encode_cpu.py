@@ -34,8 +34,16 @@ def test_two_threads_converting_at_once_are_not_each_charged_both():
     (Read around each encoding, the process clock charged each about what both cost.)"""
     converter = Converter(ConverterSettings(tokenize_cache_bytes=0))
     text = corpus(800_000)
-    bodies = [json.dumps({"model": converter.model_name, "max_tokens": 1, "messages": [
-        {"role": "user", "content": text[i * 400_000 : (i + 1) * 400_000]}]}).encode() for i in range(2)]  # fmt: skip
+    bodies = [
+        json.dumps(
+            {
+                "model": converter.model_name,
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": text[i * 400_000 : (i + 1) * 400_000]}],
+            }
+        ).encode()
+        for i in range(2)
+    ]
     converter.convert(m.ConvertJob(0, "chat", "warm", False), bodies[0][:2000] + b'"}]}')
     reported, start = [], threading.Barrier(2)
 

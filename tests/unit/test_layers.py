@@ -13,13 +13,22 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGES = ("tokenmill", "gateway", "tokenizer_workers", "scheduler_client", "engines")
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+LINT = [
+    sys.executable,
+    "-c",
+    "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+]
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*LINT, "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
-                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    return subprocess.run(
+        [*LINT, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_the_layers_point_down():

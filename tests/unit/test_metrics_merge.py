@@ -23,8 +23,15 @@ Series = tuple[str, tuple[tuple[str, str], ...]]
 def _rank(index: int, ready: bool, in_flight: int, running: int, waiting: int, requests: int):
     """What Metrics.observe_ranks reads off a gateway/scheduler_ranks.py rank."""
     stats = SimpleNamespace(num_running=running, num_waiting=waiting)
-    return SimpleNamespace(index=index, ready=ready, in_flight=in_flight, client=SimpleNamespace(stats=stats),
-                           requests=requests, prompt_tokens=10 * requests, cached_tokens=requests)  # fmt: skip
+    return SimpleNamespace(
+        index=index,
+        ready=ready,
+        in_flight=in_flight,
+        client=SimpleNamespace(stats=stats),
+        requests=requests,
+        prompt_tokens=10 * requests,
+        cached_tokens=requests,
+    )
 
 
 def _gateways() -> list[Metrics]:
@@ -42,10 +49,20 @@ def _gateways() -> list[Metrics]:
             m.inter_token_latency.observe(gap)  # the custom _FastHistogram
     a.e2e_latency.observe(0.3)
     b.e2e_latency.observe(30.0)
-    a.observe_conversion(ConvertDone(1, render_s=0.001, tokenize_s=0.002, tokenize_cpu_s=0.5, queue_s=0.0001,
-                                     cache=CacheReport(2, 1, 40, 10, 0, 3, 1000)), worker=0)  # fmt: skip
-    b.observe_conversion(ConvertDone(2, tokenize_s=0.004, tokenize_cpu_s=0.25,
-                                     cache=CacheReport(1, 0, 20, 0, 0, 5, 1500)), worker=0)  # fmt: skip
+    a.observe_conversion(
+        ConvertDone(
+            1,
+            render_s=0.001,
+            tokenize_s=0.002,
+            tokenize_cpu_s=0.5,
+            queue_s=0.0001,
+            cache=CacheReport(2, 1, 40, 10, 0, 3, 1000),
+        ),
+        worker=0,
+    )
+    b.observe_conversion(
+        ConvertDone(2, tokenize_s=0.004, tokenize_cpu_s=0.25, cache=CacheReport(1, 0, 20, 0, 0, 5, 1500)), worker=0
+    )
     b.observe_conversion(ConvertDone(3, tokenize_s=0.01, cache=CacheReport(0, 1, 0, 7, 0, 0, 700)), worker=1)
     for m, running, waiting, queued, busy, connected in ((a, 5, 1, 100, 2, 1), (b, 2, 0, 0, 1, 0), (c, 0, 3, 50, 0, 1)):
         m.num_requests_running.set(running)  # per process
@@ -102,8 +119,11 @@ def test_merge_is_the_node_total():
     for values, ptypes in parts:
         for key, v in values.items():
             name = key[0]
-            family = next(f for f in (name, *(name.removesuffix(x) for x in ("_total", "_bucket", "_sum", "_count")))
-                          if f in ptypes)  # fmt: skip
+            family = next(
+                f
+                for f in (name, *(name.removesuffix(x) for x in ("_total", "_bucket", "_sum", "_count")))
+                if f in ptypes
+            )
             if name.endswith("_created"):
                 kind[key] = "min"
             elif ptypes[family] in ("counter", "histogram"):
@@ -171,8 +191,9 @@ def test_own_registry_merges_as_its_render():
     """The answering gateway may pass its registry's families instead of parsing its own render."""
     a, b, c = _gateways()
     texts = [b.render(), c.render()]
-    assert merge_families([a.registry.collect(), *map(text_string_to_metric_families, map(bytes.decode, texts))]) \
-        == merge_expositions([a.render(), *texts])
+    assert merge_families(
+        [a.registry.collect(), *map(text_string_to_metric_families, map(bytes.decode, texts))]
+    ) == merge_expositions([a.render(), *texts])
     assert merge_families([a.registry.collect()]) == a.render()
 
 
@@ -180,8 +201,9 @@ def test_what_cannot_merge_right_is_refused():
     undeclared = b"# HELP x_new A gauge.\n# TYPE x_new gauge\nx_new 1.0\n"
     with pytest.raises(ValueError, match="x_new has no merge mode"):
         merge_expositions([undeclared, undeclared])
-    hist = ("# HELP h H.\n# TYPE h histogram\n"
-            "h_bucket{{le=\"{0}\"}} 1.0\nh_bucket{{le=\"+Inf\"}} 1.0\nh_count 1.0\nh_sum 0.1\n")
+    hist = (
+        '# HELP h H.\n# TYPE h histogram\nh_bucket{{le="{0}"}} 1.0\nh_bucket{{le="+Inf"}} 1.0\nh_count 1.0\nh_sum 0.1\n'
+    )
     with pytest.raises(ValueError, match="buckets"):
         merge_expositions([hist.format("0.5"), hist.format("1.0")])
     with pytest.raises(ValueError, match="counter in one exposition and a gauge"):
@@ -191,8 +213,7 @@ def test_what_cannot_merge_right_is_refused():
 def test_the_loops_histograms_export_what_prometheus_clients_would():
     """gateway/metrics.py's lock-free histograms against prometheus-client's own Histogram, fed the
     same values (on, below and above the bucket bounds): the same buckets, count and sum."""
-    from prometheus_client import CollectorRegistry, Histogram
-    from prometheus_client import generate_latest
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
     from gateway.metrics import _FAST, _FastHistogram
 
@@ -207,9 +228,12 @@ def test_the_loops_histograms_export_what_prometheus_clients_would():
 
     def samples(registry) -> dict:
         text = generate_latest(registry).decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples
-                if not s.name.endswith("_created")}  # fmt: skip
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
 
     expected = samples(oracle_registry)
     assert samples(ours_registry) == expected

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import uvloop
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
 from tokenmill.transport.pipe_link import FrameReader, LinkDown, PipeLink, pack_header
 
 messages = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=5), min_size=1, max_size=8)
@@ -96,8 +96,13 @@ def test_a_worker_process_gets_and_answers_small_and_large_messages():
 
     async def body():
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ECHO, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         theirs.close()
         answers: asyncio.Queue = asyncio.Queue()
         link = await PipeLink.open(ours, lambda _link, frames: answers.put_nowait([bytes(f) for f in frames]))
@@ -131,9 +136,16 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
 
     async def scenario():
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**child_env(), SETTINGS_ENV: msgspec.json.encode(ConverterSettings(served_model_name="deepseek-v4")).decode()}
-        proc = subprocess.Popen([sys.executable, "-m", "tokenizer_workers.worker", "--link-fd", str(theirs.fileno()),
-                                 "--index", "0"], pass_fds=(theirs.fileno(),), cwd=ROOT, env=env)  # fmt: skip
+        env = {
+            **child_env(),
+            SETTINGS_ENV: msgspec.json.encode(ConverterSettings(served_model_name="deepseek-v4")).decode(),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenizer_workers.worker", "--link-fd", str(theirs.fileno()), "--index", "0"],
+            pass_fds=(theirs.fileno(),),
+            cwd=ROOT,
+            env=env,
+        )
         theirs.close()
         replies: asyncio.Queue = asyncio.Queue()
         link = await PipeLink.open(ours, lambda _link, frames: replies.put_nowait(m.from_worker.decode(frames[0])))

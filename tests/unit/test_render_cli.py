@@ -35,7 +35,10 @@ def default_model():
 
 @pytest.mark.skipif(not CONVERSATIONS_DIR.is_dir(), reason=f"the shared fixtures are absent ({CONVERSATIONS_DIR})")
 def test_fixture_conversations_with_the_embedded_model(capsys, default_model):
-    files = [str(CONVERSATIONS_DIR / name) for name in ("single_user.json", "tool_call_roundtrip.json", "continue_final_message.json")]
+    files = [
+        str(CONVERSATIONS_DIR / name)
+        for name in ("single_user.json", "tool_call_roundtrip.json", "continue_final_message.json")
+    ]
     status, records = run_render(files, capsys)
     assert status == 0
     assert [record["file"] for record in records] == files
@@ -46,7 +49,9 @@ def test_fixture_conversations_with_the_embedded_model(capsys, default_model):
         assert record["token_ids"] == default_model.tokenizer.encode(record["prompt"], add_special_tokens=False).ids
         assert record["token_ids"][0] == default_model.tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
         assert record["token_ids"].count(record["token_ids"][0]) == 1, "BOS comes from the template only, once"
-    assert records[0]["prompt"] == "<｜begin▁of▁sentence｜><｜User｜>What is the capital of France?<｜Assistant｜></think>"
+    assert (
+        records[0]["prompt"] == "<｜begin▁of▁sentence｜><｜User｜>What is the capital of France?<｜Assistant｜></think>"
+    )
     assert records[2]["prompt"].endswith("<｜Assistant｜></think>Crimson leaves drifting")
 
 
@@ -57,7 +62,9 @@ def test_template_that_raises_gives_an_error_line_and_status_1(tmp_path, capsys)
         "{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}",
     )
     ok = write(tmp_path / "ok.json", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True})
-    bad = write(tmp_path / "bad.json", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]})
+    bad = write(
+        tmp_path / "bad.json", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}
+    )
     status, records = run_render(["--chat-template", template, ok, bad], capsys)
     assert status == 1
     assert records[0]["file"] == ok and records[0]["prompt"] == "[user] hi\n" and records[0]["token_ids"]

@@ -49,10 +49,12 @@ def refused(s: Structured, where: str | None = None) -> str:
         ("false", "accepts nothing"),
         ({"type": 5}, "'type' must be a string or list of strings, got 5"),
         ({"type": "strnig"}, "'type' must be one of object, array"),
-        ({"type": ["string", "strnig"]}, "got \"strnig\""),
+        ({"type": ["string", "strnig"]}, 'got "strnig"'),
         ({"properties": ["a", "b"]}, "'properties' must be an object"),
-        ({"properties": {"age": {"type": "integer", "required": True}}},
-         "json_schema.properties.age: 'required' must be a list of property names, got true"),
+        (
+            {"properties": {"age": {"type": "integer", "required": True}}},
+            "json_schema.properties.age: 'required' must be a list of property names, got true",
+        ),
         ({"required": ["a", 1]}, "'required' must be a list of property names (strings)"),
         ({"items": 5}, "json_schema.items: a schema must be an object or a boolean, got 5"),
         ({"enum": []}, "'enum' must be a non-empty list"),
@@ -68,11 +70,20 @@ def refused(s: Structured, where: str | None = None) -> str:
         ({"$ref": "https://example.com/schema.json"}, "is not a local reference"),
         ({"$ref": "#/$defs/Missing", "$defs": {"Other": {}}}, "does not resolve: there is no 'Missing'"),
         ({"$defs": {"A": {"type": "nope"}}, "$ref": "#/$defs/A"}, "json_schema.$defs.A: 'type' must be one of"),
-        ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
-         "required property 'b' is not in 'properties'"),
+        (
+            {"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
+            "required property 'b' is not in 'properties'",
+        ),
         ({"type": "integer", "enum": ["a", "b"]}, "no value of 'enum' is of type 'integer'"),
-        ({"type": "object", "properties": {"list": {"type": "array", "items": {"type": "object", "properties": {
-            "x": {"type": "flaot"}}}}}}, "json_schema.properties.list.items.properties.x: 'type'"),
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "list": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "flaot"}}}}
+                },
+            },
+            "json_schema.properties.list.items.properties.x: 'type'",
+        ),
         ({"format": 3}, "'format' must be a string"),
         ({"minItems": 10**7}, "too large"),
     ],
@@ -121,24 +132,24 @@ def test_bad_regexes(pattern, expected):
 
 GRAMMAR_ERRORS = [
     ('x ::= "a"', "no rule named 'root'"),
-    ('root ::= a\na ::= b', "line 2, column 7: rule 'b' is not defined"),
+    ("root ::= a\na ::= b", "line 2, column 7: rule 'b' is not defined"),
     ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice (first on line 1)"),
     ('root ::= "abc\n', "line 1, column 10: unterminated string"),
     ('root ::= "\\q"', "line 1, column 11: invalid escape sequence \\q"),
     ('root ::= "a" .', "'.' (any character) is not supported"),
     ("root ::= 'a'", "double quotes"),
-    ('root ::= [z-a]', "reversed"),
+    ("root ::= [z-a]", "reversed"),
     ('root ::= "a"{3,2}', "lower bound is larger than the upper bound"),
     ('root ::= "a"{,3}', "expected a number"),
     ('root ::= "a"?*', "two repetition operators in a row"),
     ('root ::= ("a" | "b"', "expected ')' to close the '(' at line 1, column 10"),
     ('root ::= "a")', "unexpected ')'"),
     ('root ::= "a" | ', "expected an element"),
-    ('root ::= [abc', "unterminated character class"),
+    ("root ::= [abc", "unterminated character class"),
     ('root ::= x\nx ::= x "a"', "can never finish"),
     ('root ::= "a" (= "b") "c"', "a lookahead (= ...) may only end a rule"),
-    ('', "empty"),
-    ('# only a comment\n', "expected rules"),
+    ("", "empty"),
+    ("# only a comment\n", "expected rules"),
     ('root = "a"', "expected '::='"),
 ]
 
@@ -167,21 +178,40 @@ TAG_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "req
         ([1], "must be a JSON object"),
         ({"type": "structural_tag"}, "needs 'format'"),
         ({"type": "other", "format": {}}, "'type' must be \"structural_tag\""),
-        ({"structures": [{"begin": "<b>", "schema": TAG_SCHEMA, "end": "</b>"}], "triggers": ["<f="]},
-         "does not start with any of the triggers"),
-        ({"structures": [{"begin": "<f=x>", "schema": {"type": "objct"}, "end": "</f>"}], "triggers": ["<f="]},
-         "structures[0].schema: 'type' must be one of"),
+        (
+            {"structures": [{"begin": "<b>", "schema": TAG_SCHEMA, "end": "</b>"}], "triggers": ["<f="]},
+            "does not start with any of the triggers",
+        ),
+        (
+            {"structures": [{"begin": "<f=x>", "schema": {"type": "objct"}, "end": "</f>"}], "triggers": ["<f="]},
+            "structures[0].schema: 'type' must be one of",
+        ),
         ({"structures": [{"begin": "<f=x>", "end": "</f>"}], "triggers": ["<f="]}, "needs 'schema'"),
         ({"format": {"type": "magic"}}, "format: 'type' must be one of"),
-        ({"format": {"type": "tag", "begin": "<a>", "end": "</a>",
-                     "content": {"type": "json_schema", "json_schema": {"properties": {"n": {"minimum": "x"}}}}}},
-         "format.content.json_schema.properties.n: 'minimum' must be a number"),
+        (
+            {
+                "format": {
+                    "type": "tag",
+                    "begin": "<a>",
+                    "end": "</a>",
+                    "content": {"type": "json_schema", "json_schema": {"properties": {"n": {"minimum": "x"}}}},
+                }
+            },
+            "format.content.json_schema.properties.n: 'minimum' must be a number",
+        ),
         ({"format": {"type": "regex", "pattern": "(?<=a)"}}, "format.pattern: lookahead"),
-        ({"format": {"type": "grammar", "grammar": "x ::= \"a\""}}, "format.grammar: there is no rule named 'root'"),
+        ({"format": {"type": "grammar", "grammar": 'x ::= "a"'}}, "format.grammar: there is no rule named 'root'"),
         ({"format": {"type": "sequence", "elements": []}}, "'elements' must be a non-empty list"),
-        ({"format": {"type": "triggered_tags", "triggers": ["<t"], "tags": [
-            {"begin": "<x>", "content": {"type": "const_string", "value": "v"}, "end": "</x>"}]}},
-         "format.tags[0]: 'begin' '<x>' does not start with any of the triggers"),
+        (
+            {
+                "format": {
+                    "type": "triggered_tags",
+                    "triggers": ["<t"],
+                    "tags": [{"begin": "<x>", "content": {"type": "const_string", "value": "v"}, "end": "</x>"}],
+                }
+            },
+            "format.tags[0]: 'begin' '<x>' does not start with any of the triggers",
+        ),
     ],
 )
 def test_bad_structural_tags(spec, expected):
@@ -243,8 +273,12 @@ SCHEMAS = {
             "unique": {"type": "array", "items": {"enum": [1, 2, 3, 4, 5]}, "uniqueItems": True, "minItems": 3},
             "exact": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
             "matrix": {"type": "array", "items": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
-            "tuple": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False,
-                      "minItems": 2},
+            "tuple": {
+                "type": "array",
+                "prefixItems": [{"type": "string"}, {"type": "integer"}],
+                "items": False,
+                "minItems": 2,
+            },
             "has": {"type": "array", "contains": {"const": "needle"}, "items": {"type": "string"}},
         },
         "required": ["unique", "exact", "matrix", "tuple", "has"],
@@ -265,12 +299,18 @@ SCHEMAS = {
             "id": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": "^id-[a-f0-9]{6}$"}]},
             "shape": {
                 "oneOf": [
-                    {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number",
-                                                                                         "exclusiveMinimum": 0}},
-                     "required": ["kind", "r"], "additionalProperties": False},
-                    {"type": "object", "properties": {"kind": {"const": "square"}, "side": {"type": "integer",
-                                                                                            "minimum": 1}},
-                     "required": ["kind", "side"], "additionalProperties": False},
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "circle"}, "r": {"type": "number", "exclusiveMinimum": 0}},
+                        "required": ["kind", "r"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1}},
+                        "required": ["kind", "side"],
+                        "additionalProperties": False,
+                    },
                 ]
             },
             "nullable": {"type": ["string", "null"]},
@@ -341,8 +381,11 @@ SCHEMAS = {
         "minProperties": 2,
     },
     "additional": {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 3},
-    "top_level_array": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}},
-                                                   "required": ["k"]}, "minItems": 1},
+    "top_level_array": {
+        "type": "array",
+        "items": {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]},
+        "minItems": 1,
+    },
     "untyped": {"properties": {"anything": {}, "flag": True}, "required": ["anything", "flag"]},
     "true": True,
     "empty": {},
@@ -451,7 +494,7 @@ def test_regex_without_instance():
 
 # =========================================================================== example: grammar
 
-JSON_GRAMMAR = r'''
+JSON_GRAMMAR = r"""
 # JSON, as xgrammar's built-in grammar has it (with bounded whitespace)
 root ::= value
 value ::= object | array | string | number | "true" | "false" | "null"
@@ -461,16 +504,16 @@ array ::= "[" ws ( value ( ws "," ws value )* )? ws "]"
 string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
 number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [+-]? [0-9]+ )?
 ws ::= [ \t\n]{0,2}
-'''
+"""
 
-ARITHMETIC = r'''
+ARITHMETIC = r"""
 root ::= expr
 expr ::= term (ws ("+" | "-") ws term)*
 term ::= factor (ws ("*" | "/") ws factor)*
 factor ::= number | "(" ws expr ws ")" | "-" factor
 number ::= [0-9]+ ("." [0-9]{1,3})?
 ws ::= [ \t]*
-'''
+"""
 
 
 class Arithmetic:
@@ -608,8 +651,15 @@ LEGACY_TAG = {
     "type": "structural_tag",
     "structures": [
         {"begin": "<function=get_weather>", "schema": TAG_SCHEMA, "end": "</function>"},
-        {"begin": "<function=add>", "schema": {"type": "object", "properties": {
-            "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}, "end": "</function>"},
+        {
+            "begin": "<function=add>",
+            "schema": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+            "end": "</function>",
+        },
     ],
     "triggers": ["<function="],
 }
@@ -639,12 +689,26 @@ def test_structural_tag_format_examples():
                 {"type": "const_string", "value": "ID:"},
                 {"type": "regex", "pattern": "[0-9]{3}"},
                 {"type": "optional", "content": {"type": "const_string", "value": "!"}},
-                {"type": "tag", "begin": "<json>", "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
-                 "end": ["</json>", "</j>"]},
-                {"type": "or", "elements": [{"type": "grammar", "grammar": 'root ::= "x"{2}'},
-                                            {"type": "const_string", "value": "y"}]},
-                {"type": "triggered_tags", "triggers": ["<t"], "at_least_one": True, "stop_after_first": True,
-                 "tags": [{"begin": "<t>", "content": {"type": "any_text"}, "end": "</t>"}]},
+                {
+                    "type": "tag",
+                    "begin": "<json>",
+                    "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+                    "end": ["</json>", "</j>"],
+                },
+                {
+                    "type": "or",
+                    "elements": [
+                        {"type": "grammar", "grammar": 'root ::= "x"{2}'},
+                        {"type": "const_string", "value": "y"},
+                    ],
+                },
+                {
+                    "type": "triggered_tags",
+                    "triggers": ["<t"],
+                    "at_least_one": True,
+                    "stop_after_first": True,
+                    "tags": [{"begin": "<t>", "content": {"type": "any_text"}, "end": "</t>"}],
+                },
             ],
         },
     }

@@ -89,8 +89,8 @@ def _first_difference(ours: str, theirs: str) -> str:
     lo = max(0, index - 80)
     return (
         f"first difference at character {index} (lengths: ours {len(ours)}, transformers {len(theirs)})\n"
-        f"  transformers: ...{theirs[lo:index + 80]!r}\n"
-        f"  tokenmill:    ...{ours[lo:index + 80]!r}"
+        f"  transformers: ...{theirs[lo : index + 80]!r}\n"
+        f"  tokenmill:    ...{ours[lo : index + 80]!r}"
     )
 
 
@@ -98,7 +98,7 @@ def _ids_difference(ours: list[int], theirs: list[int]) -> str:
     index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     return (
         f"first different token at {index} (lengths: ours {len(ours)}, transformers {len(theirs)}): "
-        f"transformers {theirs[max(0, index - 3):index + 5]} vs tokenmill {ours[max(0, index - 3):index + 5]}"
+        f"transformers {theirs[max(0, index - 3) : index + 5]} vs tokenmill {ours[max(0, index - 3) : index + 5]}"
     )
 
 
@@ -253,8 +253,22 @@ _MODEL_CONFIGS = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": "<|eot_id|>",
             "added_tokens_decoder": {
-                "128009": {"content": "<|eot_id|>", "lstrip": True, "rstrip": True, "normalized": False, "single_word": False, "special": True},
-                "128256": {"content": "<tool>", "lstrip": False, "rstrip": False, "normalized": True, "single_word": False, "special": False},
+                "128009": {
+                    "content": "<|eot_id|>",
+                    "lstrip": True,
+                    "rstrip": True,
+                    "normalized": False,
+                    "single_word": False,
+                    "special": True,
+                },
+                "128256": {
+                    "content": "<tool>",
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": True,
+                    "single_word": False,
+                    "special": False,
+                },
             },
         },
         "hi   <|eot_id|>   there <tool> x<tool>y",
@@ -264,7 +278,10 @@ _MODEL_CONFIGS = {
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": "<｜begin▁of▁sentence｜>",
-            "extra_special_tokens": ["<e1>", {"__type": "AddedToken", "content": "<e2>", "lstrip": True, "special": True}],
+            "extra_special_tokens": [
+                "<e1>",
+                {"__type": "AddedToken", "content": "<e2>", "lstrip": True, "special": True},
+            ],
         },
         "x <e1> y   <e2> z",
     ),
@@ -289,4 +306,7 @@ def test_model_directory_loads_like_transformers(case, tmp_path):
         return {i: (t.content, t.special, t.lstrip, t.rstrip, t.single_word, t.normalized) for i, t in decoder.items()}
 
     assert added(model.tokenizer.get_added_tokens_decoder()) == added(hf_tokenizer.added_tokens_decoder)
-    assert model.tokenizer.encode(text, add_special_tokens=False).ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (
+        model.tokenizer.encode(text, add_special_tokens=False).ids
+        == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    )

@@ -45,9 +45,21 @@ REASONING_PARSERS = {
 }
 
 __all__ = [
-    "CALL", "CONTENT", "REASONING", "TOOL_PARSERS", "REASONING_PARSERS", "OutputParser", "Piece", "ToolCall",
-    "join_pieces", "reasoning_parser_class", "tool_parser_class", "detect", "ParserChoice", "choose_parsers",
-]  # fmt: skip
+    "CALL",
+    "CONTENT",
+    "REASONING",
+    "TOOL_PARSERS",
+    "REASONING_PARSERS",
+    "OutputParser",
+    "Piece",
+    "ToolCall",
+    "join_pieces",
+    "reasoning_parser_class",
+    "tool_parser_class",
+    "detect",
+    "ParserChoice",
+    "choose_parsers",
+]
 
 
 def _load(table: dict[str, str], name: str, what: str):
@@ -85,8 +97,9 @@ class ParserChoice:
         self.tool_name = tool_cls.name if tool_cls else ""
         self.reasoning_name = reasoning_cls.name if reasoning_cls else ""
 
-    def make(self, tools: list[dict] | None, prompt_tail: str, forced: str | None = None,
-             max_calls: int = 0) -> OutputParser | None:
+    def make(
+        self, tools: list[dict] | None, prompt_tail: str, forced: str | None = None, max_calls: int = 0
+    ) -> OutputParser | None:
         """A parser for one choice: tool calls only when ``tools`` are to be parsed. ``forced``: the
         request forced calls (tool_choice "required": "", a named function: its name), so the output
         is constrained JSON rather than the model's markup. ``max_calls`` 1: parallel_tool_calls false."""

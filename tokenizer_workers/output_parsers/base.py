@@ -128,8 +128,11 @@ class ToolParser:
                 arguments = json_value(arguments) if arguments.strip() else {}
             except ValueError:
                 arguments = None
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict) or (
-            self.tools and name not in self.tools
+        if (
+            not isinstance(name, str)
+            or not name
+            or not isinstance(arguments, dict)
+            or (self.tools and name not in self.tools)
         ):
             self.failures += 1
             return (CONTENT, raw)

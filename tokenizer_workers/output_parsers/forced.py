@@ -34,9 +34,13 @@ class ForcedCallParser(ToolParser):
             calls = json_value(text)
         except ValueError:
             calls = None
-        if not isinstance(calls, list) or not calls or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
-            for c in calls
+        if (
+            not isinstance(calls, list)
+            or not calls
+            or not all(
+                isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("parameters"), dict)
+                for c in calls
+            )
         ):
             self.failures += 1
             return [(CONTENT, text)] if text else []

@@ -1,8 +1,8 @@
 """hermes: Hermes 2 Pro/3, Qwen2.5, Qwen3, QwQ.
 
-    text<tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+text<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris"}}
+</tool_call>
 """
 
 from __future__ import annotations

@@ -116,9 +116,10 @@ class MistralParser(ToolParser):
         failures = self.failures
         pieces = [
             self.call_or_content(obj.get("name"), {} if obj.get("arguments") is None else obj["arguments"], raw)
-            if isinstance(obj, dict) else self._failed_text(raw)
+            if isinstance(obj, dict)
+            else self._failed_text(raw)
             for obj, raw in items
-        ]  # fmt: skip
+        ]
         if not any(kind != CONTENT for kind, _ in pieces):  # no call at all: the segment is content
             self.failures = failures
             return self._failed(seg)

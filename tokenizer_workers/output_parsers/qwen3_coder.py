@@ -35,12 +35,22 @@ _ALIASES = {
     **dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
     **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"), "integer"),
     **dict.fromkeys(("float", "float32", "float64", "double"), "number"),
-    "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array",
-}  # fmt: skip
+    "bool": "boolean",
+    "dict": "object",
+    "arr": "array",
+    "list": "array",
+    "sequence": "array",
+}
 
 
-_ENUM_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
-               (list, "array"))
+_ENUM_TYPES = (
+    (type(None), "null"),
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+)
 
 
 def _types(schema: Any) -> set[str]:

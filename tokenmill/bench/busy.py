@@ -29,21 +29,45 @@ import sys
 import threading
 import time
 
-from tokenmill.bench.common import (add_common_options, add_long_prompt_options, add_server_options, health_prober,
-                                    long_bodies, pct, ratio_text, rnd, write_json)
+from tokenmill.bench.common import (
+    add_common_options,
+    add_long_prompt_options,
+    add_server_options,
+    health_prober,
+    long_bodies,
+    pct,
+    ratio_text,
+    rnd,
+    write_json,
+)
 from tokenmill.bench.servers import ServeProcess
 
 MODES = ("inline", "thread", "pool")
-FIGURES = ("health_p50_ms", "health_p99_ms", "health_max_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
-           "conversion_wall_s", "chat_ttft_p50_ms", "chat_ttft_p99_ms", "chats")  # fmt: skip
+FIGURES = (
+    "health_p50_ms",
+    "health_p99_ms",
+    "health_max_ms",
+    "loop_lag_p99_ms",
+    "loop_lag_max_ms",
+    "conversion_wall_s",
+    "chat_ttft_p50_ms",
+    "chat_ttft_p99_ms",
+    "chats",
+)
 ARRIVAL_LIMIT = 5000  # short chats started at most per measurement, whatever the rate and time
 
 
 def add_busy_load_options(parser) -> None:
     """--busy-rate and --busy-chat-tokens: the short chats that keep the engine busy (also bench vllm's)."""
-    parser.add_argument("--busy-rate", type=float, default=8.0,
-                        help="Short streaming chats started per second while the long prompts go (default 8).")
-    parser.add_argument("--busy-chat-tokens", type=int, default=64, help="Tokens each short chat generates (default 64).")
+    parser.add_argument(
+        "--busy-rate",
+        type=float,
+        default=8.0,
+        help="Short streaming chats started per second while the long prompts go (default 8).",
+    )
+    parser.add_argument(
+        "--busy-chat-tokens", type=int, default=64, help="Tokens each short chat generates (default 64)."
+    )
 
 
 def add_arguments(parser) -> None:
@@ -51,11 +75,19 @@ def add_arguments(parser) -> None:
     add_server_options(parser, MODES)
     add_long_prompt_options(parser, requests=(4, 2), tokens=(250_000, 60_000))
     add_busy_load_options(parser)
-    parser.add_argument("--busy-cores", type=int, default=None,
-                        help="Cores the simulated engine keeps busy while it has work (default: all).")
-    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
-                        help="A `tokenmill serve` flag for every server, e.g. --serve-arg=--conversion-nice=10 "
-                             "(repeatable).")  # fmt: skip
+    parser.add_argument(
+        "--busy-cores",
+        type=int,
+        default=None,
+        help="Cores the simulated engine keeps busy while it has work (default: all).",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="A `tokenmill serve` flag for every server, e.g. --serve-arg=--conversion-nice=10 (repeatable).",
+    )
 
 
 # ---- client processes ------------------------------------------------------------------------
@@ -74,8 +106,16 @@ def _first_content(line: bytes) -> bool:
 
 def _arrivals(port: int, model: str, rate: float, max_tokens: int, stop, out) -> None:
     """Short streaming chats started every 1/rate s until ``stop`` (at most ARRIVAL_LIMIT)."""
-    body = json.dumps({"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
-                       "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the storm."}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the storm."}],
+        }
+    ).encode()
     ttft, e2e, errors = [], [], []
 
     def one() -> None:
@@ -145,8 +185,16 @@ def _send_chat_rounds(port: int, rounds: list[list[bytes]], out) -> None:
 # ---- one measurement -------------------------------------------------------------------------
 
 
-def measure_busy(port: int, model: str, sender, rounds: list[list[bytes]], rate: float, chat_tokens: int,
-                 lag_of=None, warm_s: float = 2.0) -> dict:
+def measure_busy(
+    port: int,
+    model: str,
+    sender,
+    rounds: list[list[bytes]],
+    rate: float,
+    chat_tokens: int,
+    lag_of=None,
+    warm_s: float = 2.0,
+) -> dict:
     """Long rounds sent by ``sender(port, rounds, out)`` (a client process putting ("long", {"walls",
     "errors"})) while short chats arrive at ``rate`` per second and a prober GETs /health.
     ``lag_of``: a callable returning the server's /debug/loop-lag (reset=True resets it), if it has one."""
@@ -179,14 +227,18 @@ def measure_busy(port: int, model: str, sender, rounds: list[list[bytes]], rate:
                 p.kill()
     health, chats, long = got["health"], got["chats"], got["long"]
     return {
-        "health_p50_ms": rnd(pct(health, 0.5), 2), "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_p50_ms": rnd(pct(health, 0.5), 2),
+        "health_p99_ms": rnd(pct(health, 0.99), 2),
         "health_max_ms": rnd(max(health, default=None), 2),
-        "loop_lag_p99_ms": rnd(lag.get("p99_ms"), 2), "loop_lag_max_ms": rnd(lag.get("max_ms"), 2),
+        "loop_lag_p99_ms": rnd(lag.get("p99_ms"), 2),
+        "loop_lag_max_ms": rnd(lag.get("max_ms"), 2),
         "conversion_wall_s": round(statistics.mean(long["walls"]), 3) if long["walls"] else None,
-        "chat_ttft_p50_ms": rnd(pct(chats["ttft"], 0.5)), "chat_ttft_p99_ms": rnd(pct(chats["ttft"], 0.99)),
-        "chat_e2e_p99_ms": rnd(pct(chats["e2e"], 0.99)), "chats": len(chats["ttft"]),
+        "chat_ttft_p50_ms": rnd(pct(chats["ttft"], 0.5)),
+        "chat_ttft_p99_ms": rnd(pct(chats["ttft"], 0.99)),
+        "chat_e2e_p99_ms": rnd(pct(chats["e2e"], 0.99)),
+        "chats": len(chats["ttft"]),
         "errors": (long["errors"] + chats["errors"])[:5],
-    }  # fmt: skip
+    }
 
 
 def median_rows(rows: list[dict]) -> dict:
@@ -215,11 +267,19 @@ def run(args) -> int:
     everything = long_bodies(count * rounds_n, tokens, "deepseek-v4")
     rounds = [everything[r * count : (r + 1) * count] for r in range(rounds_n)]
     report = {
-        "workload": {"long_requests": count, "tokens": tokens, "rounds": rounds_n, "passes": passes,
-                     "busy_cores": cores, "chat_rate_per_s": args.busy_rate, "chat_tokens": args.busy_chat_tokens,
-                     "cores": os.cpu_count(), "serve_args": args.serve_arg},
+        "workload": {
+            "long_requests": count,
+            "tokens": tokens,
+            "rounds": rounds_n,
+            "passes": passes,
+            "busy_cores": cores,
+            "chat_rate_per_s": args.busy_rate,
+            "chat_tokens": args.busy_chat_tokens,
+            "cores": os.cpu_count(),
+            "serve_args": args.serve_arg,
+        },
         "modes": {},
-    }  # fmt: skip
+    }
     rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     for p in range(passes):
         # fresh servers every pass, so that no tokenization cache has seen the text; one per mode, all
@@ -227,13 +287,25 @@ def run(args) -> int:
         servers = {}
         try:
             for mode in modes:
-                servers[mode] = ServeProcess(mode, args.workers, itl_ms=20, extra=("--sim-busy-cores", str(cores), *args.serve_arg))
+                servers[mode] = ServeProcess(
+                    mode, args.workers, itl_ms=20, extra=("--sim-busy-cores", str(cores), *args.serve_arg)
+                )
             for mode in modes if p % 2 == 0 else modes[::-1]:
                 server = servers[mode]
                 print(f"  {mode}, pass {p + 1} of {passes} ...", file=sys.stderr, flush=True)
-                rows[mode].append(measure_busy(
-                    server.port, server.model, _send_chat_rounds, rounds, args.busy_rate, args.busy_chat_tokens,
-                    lag_of=lambda reset, s=server: s.get("/debug/loop-lag?reset=1" if reset else "/debug/loop-lag")[1]))  # fmt: skip
+                rows[mode].append(
+                    measure_busy(
+                        server.port,
+                        server.model,
+                        _send_chat_rounds,
+                        rounds,
+                        args.busy_rate,
+                        args.busy_chat_tokens,
+                        lag_of=lambda reset, s=server: s.get("/debug/loop-lag?reset=1" if reset else "/debug/loop-lag")[
+                            1
+                        ],
+                    )
+                )
         finally:
             for server in servers.values():
                 server.close()
@@ -246,17 +318,21 @@ def run(args) -> int:
 
 def print_report(report: dict) -> None:
     w, modes = report["workload"], report["modes"]
-    print(f"\ntokenmill bench busy: {w['long_requests']} chats of ~{w['tokens']:,} tokens sent together, "
-          f"{w['rounds']} round(s), while {w['chat_rate_per_s']:g} short streaming chats/s ({w['chat_tokens']} tokens "
-          f"each) arrive and the simulated engine keeps {w['busy_cores']} of {w['cores']} cores busy; "
-          f"medians of {w['passes']} pass(es)")  # fmt: skip
+    print(
+        f"\ntokenmill bench busy: {w['long_requests']} chats of ~{w['tokens']:,} tokens sent together, "
+        f"{w['rounds']} round(s), while {w['chat_rate_per_s']:g} short streaming chats/s ({w['chat_tokens']} tokens "
+        f"each) arrive and the simulated engine keeps {w['busy_cores']} of {w['cores']} cores busy; "
+        f"medians of {w['passes']} pass(es)"
+    )
     print(f"{'mode':>12} " + " ".join(f"{f:>18}" for f in FIGURES))
     for mode, row in modes.items():
         print(f"{mode:>12} " + " ".join(f"{row.get(f)!s:>18}" for f in FIGURES))
     for base in ("inline", "thread"):
         if base in modes and "pool" in modes:
-            print(f"{'pool/' + base:>12} " + " ".join(f"{ratio_text(modes['pool'].get(f), modes[base].get(f)):>18}"
-                                                     for f in FIGURES))  # fmt: skip
+            print(
+                f"{'pool/' + base:>12} "
+                + " ".join(f"{ratio_text(modes['pool'].get(f), modes[base].get(f)):>18}" for f in FIGURES)
+            )
     for mode, row in modes.items():
         if row.get("errors"):
             print(f"{mode}: errors: {row['errors']}")

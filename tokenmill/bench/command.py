@@ -13,15 +13,21 @@ import importlib
 DEFAULT = "frontloop"
 # name -> (module, one-line help)
 SCENARIOS = {
-    "frontloop": ("tokenmill.bench.frontloop", "Long-context responsiveness of the front loop, in three conversion modes (the default)."),
+    "frontloop": (
+        "tokenmill.bench.frontloop",
+        "Long-context responsiveness of the front loop, in three conversion modes (the default).",
+    ),
     "multiturn": ("tokenmill.bench.multiturn", "Agent conversations replayed: what the tokenization cache saves."),
-    "parsers": ("tokenmill.bench.parsers", "Tool-call and reasoning parsing cost per output token, beside vLLM's parsers."),
+    "parsers": (
+        "tokenmill.bench.parsers",
+        "Tool-call and reasoning parsing cost per output token, beside vLLM's parsers.",
+    ),
     "vllm": ("tokenmill.bench.vllm", "Side by side with vLLM's own server in front of the same vLLM engine."),
     "streams": ("tokenmill.bench.streams", "Hundreds of concurrent streams through one gateway, and slow readers."),
     "dp": ("tokenmill.bench.dp", "Data-parallel routing policies and the engines' prefix caches."),
     "gateways": ("tokenmill.bench.gateways", "What a second gateway process buys and costs."),
     "busy": ("tokenmill.bench.busy", "Long prompts while the engine keeps cores busy and short chats keep arriving."),
-}  # fmt: skip
+}
 HELP = ("-h", "--help")
 
 

@@ -245,13 +245,23 @@ def add_server_options(parser, modes: tuple[str, ...]) -> None:
 def add_long_prompt_options(parser, requests: tuple[int, int], tokens: tuple[int, int]) -> None:
     """--requests, --tokens, --rounds, --passes: rounds of long chats sent together. ``requests`` and
     ``tokens``: (default, quick default), for the help."""
-    parser.add_argument("--requests", type=int,
-                        help=f"Long requests sent together per round (default {requests[0]}; quick {requests[1]}).")
-    parser.add_argument("--tokens", type=int,
-                        help=f"Approximate prompt tokens per long request (default {tokens[0]}; quick {tokens[1]}).")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"Long requests sent together per round (default {requests[0]}; quick {requests[1]}).",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help=f"Approximate prompt tokens per long request (default {tokens[0]}; quick {tokens[1]}).",
+    )
     parser.add_argument("--rounds", type=int, help="Rounds of long requests (default 2).")
-    parser.add_argument("--passes", type=int, default=2,
-                        help="Runs of the long-request load per mode, the order reversed each time (default 2).")  # fmt: skip
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="Runs of the long-request load per mode, the order reversed each time (default 2).",
+    )
 
 
 def add_conversation_options(parser, defaults: str) -> None:
@@ -270,10 +280,14 @@ def vllm_venv_default() -> str:
 
 def add_vllm_options(parser) -> None:
     """--vllm-venv and --vllm-model: the scenarios that run vLLM."""
-    parser.add_argument("--vllm-venv", default=vllm_venv_default(),
-                        help="The virtual environment with vLLM (default: .venv-vllm, built by ./scripts/test.sh).")
-    parser.add_argument("--vllm-model", metavar="DIR",
-                        help="The model vLLM serves (default: a tiny random model made for the run).")
+    parser.add_argument(
+        "--vllm-venv",
+        default=vllm_venv_default(),
+        help="The virtual environment with vLLM (default: .venv-vllm, built by ./scripts/test.sh).",
+    )
+    parser.add_argument(
+        "--vllm-model", metavar="DIR", help="The model vLLM serves (default: a tiny random model made for the run)."
+    )
 
 
 def write_json(path: str | None, report: dict) -> None:

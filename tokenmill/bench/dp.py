@@ -48,8 +48,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.bench.common import (add_common_options, add_conversation_options, add_vllm_options, corpus, free_port,
-                                    pct, ratio_text, request, vllm_venv_default, write_json)
+from tokenmill.bench.common import (
+    add_common_options,
+    add_conversation_options,
+    add_vllm_options,
+    corpus,
+    free_port,
+    pct,
+    ratio_text,
+    request,
+    vllm_venv_default,
+    write_json,
+)
 from tokenmill.bench.servers import ROOT, ProcessHandle
 from tokenmill.process.procutil import die_with_parent
 
@@ -65,12 +75,19 @@ VLLM_MAX_MODEL_LEN = 16384
 
 def add_arguments(parser) -> None:
     add_common_options(parser)
-    parser.add_argument("--engine", choices=("vllm", "sim"), default=None,
-                        help="Two real vLLM engines (default where .venv-vllm is usable) or two simulated schedulers.")  # fmt: skip
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "sim"),
+        default=None,
+        help="Two real vLLM engines (default where .venv-vllm is usable) or two simulated schedulers.",
+    )
     parser.add_argument("--policies", default=",".join(POLICIES), help="The --dp-policy values compared, in order.")
     parser.add_argument("--concurrency", type=int, help="Requests in flight at once (default 3; 4 for a full sim run).")
-    add_conversation_options(parser, "sim: 9 conversations x 16 turns, 1500-3000 tokens appended per turn, quick 5 x 8, "
-                                     "800-1600; vllm: 7 x 12, 400-800, quick 5 x 8, 150-300")  # fmt: skip
+    add_conversation_options(
+        parser,
+        "sim: 9 conversations x 16 turns, 1500-3000 tokens appended per turn, quick 5 x 8, "
+        "800-1600; vllm: 7 x 12, 400-800, quick 5 x 8, 150-300",
+    )
     add_vllm_options(parser)
 
 
@@ -109,22 +126,30 @@ def transcripts(w: Workload) -> list[list[tuple[str, str]]]:
             tokens = w.min_tokens + ((c * 7919 + t * 104729) % (w.max_tokens - w.min_tokens + 1))
             chunk = text[pos : pos + tokens * 4]
             pos += tokens * 4
-            turns.append((f"Tool output (step {t + 1}):\n{chunk}",
-                          f"Step {t + 1} done: I read the output above and will look at the next file now."))  # fmt: skip
+            turns.append(
+                (
+                    f"Tool output (step {t + 1}):\n{chunk}",
+                    f"Step {t + 1} done: I read the output above and will look at the next file now.",
+                )
+            )
         out.append(turns)
     return out
 
 
 def system_prompt(run: int, conversation: int) -> str:
     # the tag comes first, so the first cache block differs: no prefix is shared between conversations or runs
-    return (f"[dp run {run} conversation {conversation:02d}] You are a coding agent working through a repository, "
-            "one tool call at a time.")
+    return (
+        f"[dp run {run} conversation {conversation:02d}] You are a coding agent working through a repository, "
+        "one tool call at a time."
+    )
 
 
 def history(run: int, c: int, transcript: list[tuple[str, str]], turn: int) -> list[dict]:
     """The messages sent at ``turn``: the whole conversation so far and the turn's tool output."""
-    msgs = [{"role": "system", "content": system_prompt(run, c)},
-            {"role": "user", "content": "Read the repository and fix the failing test."}]  # fmt: skip
+    msgs = [
+        {"role": "system", "content": system_prompt(run, c)},
+        {"role": "user", "content": "Read the repository and fix the failing test."},
+    ]
     for t in range(turn):
         msgs += [{"role": "user", "content": transcript[t][0]}, {"role": "assistant", "content": transcript[t][1]}]
     msgs.append({"role": "user", "content": transcript[turn][0]})
@@ -178,18 +203,56 @@ class Ranks:
         for i, endpoint in enumerate(self.endpoints):
             log = workdir / f"rank{i}.log"
             if engine == "sim":
-                args = [sys.executable, "-m", "tokenmill.cli", "simulate-scheduler", "--bind", endpoint,
-                        "--model", "default", "--prefix-cache-tokens", "20000000",
-                        "--prefill-tokens-per-s", str(SIM_PREFILL_TOKENS_PER_S),
-                        "--inter-token-latency-ms", str(SIM_ITL_MS), "--stats-interval-s", "0.2"]  # fmt: skip
+                args = [
+                    sys.executable,
+                    "-m",
+                    "tokenmill.cli",
+                    "simulate-scheduler",
+                    "--bind",
+                    endpoint,
+                    "--model",
+                    "default",
+                    "--prefix-cache-tokens",
+                    "20000000",
+                    "--prefill-tokens-per-s",
+                    str(SIM_PREFILL_TOKENS_PER_S),
+                    "--inter-token-latency-ms",
+                    str(SIM_ITL_MS),
+                    "--stats-interval-s",
+                    "0.2",
+                ]
                 env = None
             else:
-                args = [str(vllm_python), "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", model,
-                        "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--bind", endpoint, "--stats-interval-s", "0.2",
-                        "--engine-arg", "enable_prefix_caching=true", "--engine-arg", f"block_size={VLLM_BLOCK}",
-                        "--engine-arg", "enforce_eager=true"]  # fmt: skip
-                env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+                args = [
+                    str(vllm_python),
+                    "-m",
+                    "tokenmill.cli",
+                    "engine",
+                    "--backend",
+                    "vllm",
+                    "--model",
+                    model,
+                    "--max-model-len",
+                    str(VLLM_MAX_MODEL_LEN),
+                    "--bind",
+                    endpoint,
+                    "--stats-interval-s",
+                    "0.2",
+                    "--engine-arg",
+                    "enable_prefix_caching=true",
+                    "--engine-arg",
+                    f"block_size={VLLM_BLOCK}",
+                    "--engine-arg",
+                    "enforce_eager=true",
+                ]
+                env = {
+                    "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_NO_USAGE_STATS": "1",
+                    "DO_NOT_TRACK": "1",
+                    "PYTHONUNBUFFERED": "1",
+                }
                 if cores >= 2 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % cores)  # one core per rank, as one GPU each
             self.procs.append(Proc(f"rank {i} ({engine})", args, log, env))
@@ -222,12 +285,29 @@ class Front:
 
     def __init__(self, ranks: Ranks, policy: str, workdir: Path) -> None:
         self.port = free_port()
-        args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--dp-policy", policy,
-                "--log-level", "warning"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--dp-policy",
+            policy,
+            "--log-level",
+            "warning",
+        ]
         for endpoint in ranks.endpoints:
             args += ["--scheduler", endpoint]
         if ranks.model:
-            args += ["--model", ranks.model, "--served-model-name", VLLM_NAME, "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
+            args += [
+                "--model",
+                ranks.model,
+                "--served-model-name",
+                VLLM_NAME,
+                "--max-model-len",
+                str(VLLM_MAX_MODEL_LEN),
+            ]
         self.proc = Proc(f"tokenmill serve ({policy})", args, workdir / f"serve-{policy}.log")
         self.model = VLLM_NAME if ranks.model else None
 
@@ -262,8 +342,17 @@ class Front:
 
 
 def _turn(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     first, usage = None, None
@@ -276,8 +365,9 @@ def _turn(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if first is None and any(c.get("delta", {}).get("content") or c.get("finish_reason")
-                                     for c in chunk.get("choices", ())):  # fmt: skip
+            if first is None and any(
+                c.get("delta", {}).get("content") or c.get("finish_reason") for c in chunk.get("choices", ())
+            ):
                 first = time.perf_counter()
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -288,9 +378,12 @@ def _turn(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
     done = time.perf_counter()
     if usage is None:
         return {"error": "no usage in the stream"}
-    return {"ttft_ms": ((first or done) - t0) * 1000, "e2e_ms": (done - t0) * 1000,
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}  # fmt: skip
+    return {
+        "ttft_ms": ((first or done) - t0) * 1000,
+        "e2e_ms": (done - t0) * 1000,
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
 
 
 def replay(front: Front, run: int, scripts: list, w: Workload) -> tuple[list[list[dict]], float]:
@@ -331,8 +424,9 @@ def tokenized(front: Front, run: int, scripts: list, w: Workload) -> list[list[l
     return out
 
 
-def summarize(results: list[list[dict]], prompts: list[list[list[int]]], block: int, keep_last: bool,
-              elapsed: float) -> dict:  # fmt: skip
+def summarize(
+    results: list[list[dict]], prompts: list[list[list[int]]], block: int, keep_last: bool, elapsed: float
+) -> dict:
     ok = [(t, r) for conv in results for t, r in enumerate(conv) if "error" not in r]
     errors = [r["error"] for conv in results for r in conv if "error" in r]
     prompt = sum(r["prompt_tokens"] for _, r in ok)
@@ -351,15 +445,21 @@ def summarize(results: list[list[dict]], prompts: list[list[list[int]]], block: 
     rnd = lambda x, d=1: None if x is None else round(x, d)  # noqa: E731
     return {
         "cached_share": round(cached / prompt, 4) if prompt else 0.0,
-        "late_ttft_p50_ms": rnd(pct(late, 0.5)), "late_ttft_p99_ms": rnd(pct(late, 0.99)),
+        "late_ttft_p50_ms": rnd(pct(late, 0.5)),
+        "late_ttft_p99_ms": rnd(pct(late, 0.99)),
         "ttft_p50_ms": rnd(pct([r["ttft_ms"] for _, r in ok], 0.5)),
         "e2e_p50_ms": rnd(pct([r["e2e_ms"] for _, r in ok], 0.5)),
         "ideal_cached_share": round(ideal / prompt, 4) if prompt else 0.0,
-        "missed_turns": missed, "turns": len(ok), "prompt_tokens": prompt, "cached_tokens": cached,
-        "elapsed_s": round(elapsed, 1), "errors": errors[:5], "prompt_token_mismatches": mismatched,
+        "missed_turns": missed,
+        "turns": len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "elapsed_s": round(elapsed, 1),
+        "errors": errors[:5],
+        "prompt_token_mismatches": mismatched,
         # [conversation, turn, prompt tokens, cached tokens, ideal cached tokens, TTFT ms]: where the misses are
         "per_turn": turns,
-    }  # fmt: skip
+    }
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -382,8 +482,11 @@ def run(args) -> int:
     python = _vllm_python(args)
     engine = args.engine or ("vllm" if python else "sim")
     if engine == "vllm" and python is None:
-        print("tokenmill bench dp: --engine vllm needs vLLM's CPU build in .venv-vllm (x86_64 Linux; ./scripts/test.sh "
-              "builds it), or --vllm-venv; --engine sim runs without it", file=sys.stderr)  # fmt: skip
+        print(
+            "tokenmill bench dp: --engine vllm needs vLLM's CPU build in .venv-vllm (x86_64 Linux; ./scripts/test.sh "
+            "builds it), or --vllm-venv; --engine sim runs without it",
+            file=sys.stderr,
+        )
         return 2
     w = workload(args, engine)
     block, keep_last = (SIM_BLOCK, False) if engine == "sim" else (VLLM_BLOCK, True)
@@ -405,13 +508,20 @@ def run(args) -> int:
             model = args.vllm_model
             if model is None:
                 model = str(workdir / "tiny-model")
-                subprocess.run([str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True,
-                               stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                subprocess.run(
+                    [str(python), "-m", "tokenmill.tiny_model", model],
+                    cwd=ROOT,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                )
         ranks = Ranks(engine, workdir, python, model)
         ranks.wait_ready(600 if engine == "vllm" else 120)
-        print(f"two {engine} ranks ready after {time.monotonic() - started:.0f} s; {w.conversations} conversations x "
-              f"{w.turns} turns, {w.min_tokens}-{w.max_tokens} tokens appended per turn, {w.concurrency} in flight",
-              flush=True)  # fmt: skip
+        print(
+            f"two {engine} ranks ready after {time.monotonic() - started:.0f} s; {w.conversations} conversations x "
+            f"{w.turns} turns, {w.min_tokens}-{w.max_tokens} tokens appended per turn, {w.concurrency} in flight",
+            flush=True,
+        )
         report: dict = {"engine": engine}
         for run_index, policy in enumerate(policies):
             front = Front(ranks, policy, workdir)
@@ -426,10 +536,14 @@ def run(args) -> int:
             report[policy]["requests_per_rank"] = [int(x) for x in per_rank.get("requests", [])]
             report[policy]["cached_share_per_rank"] = [
                 round(c / p, 4) if p else 0.0
-                for c, p in zip(per_rank.get("cached_prompt_tokens", []), per_rank.get("prompt_tokens", []))]  # fmt: skip
+                for c, p in zip(per_rank.get("cached_prompt_tokens", []), per_rank.get("prompt_tokens", []))
+            ]
             r = report[policy]
-            print(f"  {policy}: cached share {r['cached_share']}, late TTFT p50 {r['late_ttft_p50_ms']} ms, "
-                  f"{r['elapsed_s']} s", flush=True)  # fmt: skip
+            print(
+                f"  {policy}: cached share {r['cached_share']}, late TTFT p50 {r['late_ttft_p50_ms']} ms, "
+                f"{r['elapsed_s']} s",
+                flush=True,
+            )
         first = report[policies[0]]
         report["ideal_cached_share"] = report.get("affinity", first)["ideal_cached_share"]
         report["block_tokens"] = block
@@ -456,24 +570,46 @@ def run(args) -> int:
 def print_table(report: dict, policies: list[str]) -> None:
     w, engine = report["workload"], report["engine"]
     ideal = report["ideal_cached_share"]
-    what = (f"simulated schedulers, prefix cache in blocks of {report['block_tokens']} tokens, prefill "
-            f"{w.get('sim_prefill_tokens_per_s', 0):,} tokens/s" if engine == "sim" else
-            f"vLLM engines (tiny random model), prefix caching in blocks of {report['block_tokens']} tokens")  # fmt: skip
-    print(f"\ntokenmill bench dp: 2 ranks ({what}); {w['conversations']} conversations x {w['turns']} turns, "
-          f"{w['min_tokens']}-{w['max_tokens']} tokens appended per turn, {w['concurrency']} in flight, {w['cores']} cores")
-    print(f"ideal cached share {ideal} (each turn finds its previous turn's prompt cached, in whole blocks); "
-          f"late = turns {w['late_from_turn']}+; TTFT in ms; ratios against affinity")
-    head = ["policy", "cached share", "of ideal", "vs affinity", "late TTFT p50", "vs affinity", "late TTFT p99",
-            "missed turns", "requests per rank"]  # fmt: skip
+    what = (
+        f"simulated schedulers, prefix cache in blocks of {report['block_tokens']} tokens, prefill "
+        f"{w.get('sim_prefill_tokens_per_s', 0):,} tokens/s"
+        if engine == "sim"
+        else f"vLLM engines (tiny random model), prefix caching in blocks of {report['block_tokens']} tokens"
+    )
+    print(
+        f"\ntokenmill bench dp: 2 ranks ({what}); {w['conversations']} conversations x {w['turns']} turns, "
+        f"{w['min_tokens']}-{w['max_tokens']} tokens appended per turn, {w['concurrency']} in flight, {w['cores']} cores"
+    )
+    print(
+        f"ideal cached share {ideal} (each turn finds its previous turn's prompt cached, in whole blocks); "
+        f"late = turns {w['late_from_turn']}+; TTFT in ms; ratios against affinity"
+    )
+    head = [
+        "policy",
+        "cached share",
+        "of ideal",
+        "vs affinity",
+        "late TTFT p50",
+        "vs affinity",
+        "late TTFT p99",
+        "missed turns",
+        "requests per rank",
+    ]
     print("  ".join(h.rjust(13) for h in head))
     base = report.get("affinity", {})
     for p in policies:
         r = report[p]
-        cells = [p, f"{r['cached_share']:.3f}", ratio_text(r["cached_share"], ideal),
-                 ratio_text(r["cached_share"], base.get("cached_share")),
-                 str(r["late_ttft_p50_ms"]), ratio_text(r["late_ttft_p50_ms"], base.get("late_ttft_p50_ms")),
-                 str(r["late_ttft_p99_ms"]), f"{r['missed_turns']}/{r['turns'] - w['conversations']}",
-                 "/".join(str(x) for x in r["requests_per_rank"])]  # fmt: skip
+        cells = [
+            p,
+            f"{r['cached_share']:.3f}",
+            ratio_text(r["cached_share"], ideal),
+            ratio_text(r["cached_share"], base.get("cached_share")),
+            str(r["late_ttft_p50_ms"]),
+            ratio_text(r["late_ttft_p50_ms"], base.get("late_ttft_p50_ms")),
+            str(r["late_ttft_p99_ms"]),
+            f"{r['missed_turns']}/{r['turns'] - w['conversations']}",
+            "/".join(str(x) for x in r["requests_per_rank"]),
+        ]
         print("  ".join(c.rjust(13) for c in cells))
     for p in policies:
         if report[p]["errors"]:

@@ -24,22 +24,41 @@ import sys
 import threading
 import time
 
-from tokenmill.bench.common import (add_common_options, add_long_prompt_options, add_server_options, corpus,
-                                    health_prober, long_bodies, pct, ratio_text, rnd, stream_gaps,
-                                    write_json)
+from tokenmill.bench.common import (
+    add_common_options,
+    add_long_prompt_options,
+    add_server_options,
+    corpus,
+    health_prober,
+    long_bodies,
+    pct,
+    ratio_text,
+    rnd,
+    stream_gaps,
+    write_json,
+)
 from tokenmill.bench.servers import ServeProcess
 
 MODES = ("inline", "thread", "pool")
-KEYS = ("health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
-        "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s")  # fmt: skip
+KEYS = (
+    "health_p99_ms",
+    "health_max_ms",
+    "stream_gap_p99_ms",
+    "stream_gap_max_ms",
+    "loop_lag_p99_ms",
+    "loop_lag_max_ms",
+    "requests_per_s",
+    "prompt_tokens_per_s",
+)
 
 
 def add_arguments(parser) -> None:
     add_common_options(parser)
     add_server_options(parser, MODES)
     add_long_prompt_options(parser, requests=(8, 4), tokens=(250_000, 80_000))
-    parser.add_argument("--small-requests", type=int,
-                        help="Small requests per mode at each concurrency (default 4000; quick 800).")
+    parser.add_argument(
+        "--small-requests", type=int, help="Small requests per mode at each concurrency (default 4000; quick 800)."
+    )
 
 
 # ---- client processes ------------------------------------------------------------------------
@@ -47,8 +66,15 @@ def add_arguments(parser) -> None:
 
 def stream_body(model: str) -> str:
     """The unrelated stream: as long as the simulated scheduler lets it be."""
-    return json.dumps({"model": model, "messages": [{"role": "user", "content": "Stream to me."}],
-                       "max_tokens": 1_000_000 - 100, "stream": True, "ignore_eos": True})
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Stream to me."}],
+            "max_tokens": 1_000_000 - 100,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    )
 
 
 def _send_long(port: int, rounds_of_bodies: list[list[bytes]], out) -> None:
@@ -81,17 +107,32 @@ def _send_long(port: int, rounds_of_bodies: list[list[bytes]], out) -> None:
 
 def small_body(model: str) -> bytes:
     """A ~50-token chat."""
-    return json.dumps({"model": model, "max_tokens": 1, "messages": [
-        {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper and a storm, "
-                                    "in one sentence, please, for a child."}]}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "Summarize the plot of a short story about a lighthouse keeper and a storm, "
+                    "in one sentence, please, for a child.",
+                }
+            ],
+        }
+    ).encode()
 
 
 def medium_body(model: str) -> bytes:
     """A 16 KB chat (~4k tokens): 12 KB of system prompt and a 4 KB question. Sent over and over, its
     prompt is cached after the first time, as an agent's next turn mostly is."""
     text = corpus(16_000)
-    return json.dumps({"model": model, "max_tokens": 1, "messages": [
-        {"role": "system", "content": text[:12_000]}, {"role": "user", "content": text[12_000:]}]}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [{"role": "system", "content": text[:12_000]}, {"role": "user", "content": text[12_000:]}],
+        }
+    ).encode()
 
 
 def _short_requests(port: int, body: bytes, count: int, concurrency: int, out) -> None:
@@ -113,8 +154,10 @@ def run_pass(modes: list[str], rounds_of_bodies: list[list[bytes]], workers: int
     try:
         for mode in modes:
             servers[mode] = ServeProcess(mode, workers, itl_ms=20)
-        samples = {mode: {"long": {"elapsed": 0.0, "prompt_tokens": [], "errors": []}, "health": [], "gaps": [],
-                          "lag": {}} for mode in modes}  # fmt: skip
+        samples = {
+            mode: {"long": {"elapsed": 0.0, "prompt_tokens": [], "errors": []}, "health": [], "gaps": [], "lag": {}}
+            for mode in modes
+        }
         for r, bodies in enumerate(rounds_of_bodies):
             for mode in modes[::-1] if (r % 2 == 1) != reverse else modes:
                 print(f"  {mode}, round {r + 1} of {len(rounds_of_bodies)} ...", file=sys.stderr, flush=True)
@@ -173,8 +216,10 @@ def summarize(passes: list[dict]) -> dict:
     health = [x for p in passes for x in p["health"]]
     gaps = [x for p in passes for x in p["gaps"]]
     lag = {key: max((p["lag"].get(key) or 0 for p in passes), default=None) for key in ("p99_ms", "max_ms")}
-    long = {"prompt_tokens": [x for p in passes for x in p["long"]["prompt_tokens"]],
-            "errors": [x for p in passes for x in p["long"]["errors"]]}  # fmt: skip
+    long = {
+        "prompt_tokens": [x for p in passes for x in p["long"]["prompt_tokens"]],
+        "errors": [x for p in passes for x in p["long"]["errors"]],
+    }
     elapsed = sum(p["long"]["elapsed"] for p in passes)
     return {
         "health_p50_ms": rnd(pct(health, 0.5), 2),
@@ -215,9 +260,10 @@ def run_small(modes: list[str], count: int, concurrencies: tuple, workers: int |
         parts: dict = {mode: {key: [] for key, _, _ in levels} for mode in modes}
         for key, clients, body in levels:
             for r in range(rounds):
-                for mode, server in (servers.items() if r % 2 == 0 else reversed(servers.items())):
-                    parts[mode][key].append(_short_run(server, per_round if body is None else per_round // 2,
-                                                       clients, body))  # fmt: skip
+                for mode, server in servers.items() if r % 2 == 0 else reversed(servers.items()):
+                    parts[mode][key].append(
+                        _short_run(server, per_round if body is None else per_round // 2, clients, body)
+                    )
         return {mode: {c: _short_row(runs) for c, runs in by_clients.items()} for mode, by_clients in parts.items()}
     finally:
         for server in servers.values():
@@ -265,8 +311,12 @@ def small_summary(small: dict) -> dict:
     for clients in (*map(str, SMALL_CLIENTS), MEDIUM_KEY):
         if "pool" in small and "inline" in small:
             pool, inline = small["pool"][clients], small["inline"][clients]
-            out[clients] = {"pool_req_s": pool["requests_per_s"], "inline_req_s": inline["requests_per_s"],
-                            "pool_p50_ms": pool["latency_p50_ms"], "inline_p50_ms": inline["latency_p50_ms"]}  # fmt: skip
+            out[clients] = {
+                "pool_req_s": pool["requests_per_s"],
+                "inline_req_s": inline["requests_per_s"],
+                "pool_p50_ms": pool["latency_p50_ms"],
+                "inline_p50_ms": inline["latency_p50_ms"],
+            }
     return out
 
 
@@ -303,14 +353,35 @@ def _fmt(x) -> str:
 
 def print_report(report: dict) -> None:
     modes = report["modes"]
-    cols = ["health_p50_ms", "health_p99_ms", "health_max_ms", "stream_gap_p99_ms", "stream_gap_max_ms",
-            "loop_lag_p99_ms", "loop_lag_max_ms", "requests_per_s", "prompt_tokens_per_s"]  # fmt: skip
-    heads = ["health p50", "health p99", "health max", "gap p99", "gap max", "lag p99", "lag max", "req/s", "prompt tok/s"]
+    cols = [
+        "health_p50_ms",
+        "health_p99_ms",
+        "health_max_ms",
+        "stream_gap_p99_ms",
+        "stream_gap_max_ms",
+        "loop_lag_p99_ms",
+        "loop_lag_max_ms",
+        "requests_per_s",
+        "prompt_tokens_per_s",
+    ]
+    heads = [
+        "health p50",
+        "health p99",
+        "health max",
+        "gap p99",
+        "gap max",
+        "lag p99",
+        "lag max",
+        "req/s",
+        "prompt tok/s",
+    ]
     m = report["machine"]
     print(f"\ntokenmill bench: {report['workload']}")
     print(f"machine: {m['cores']} cores, Python {m['python']}, tokenizers {m['tokenizers']}, {m['platform']}")
-    print("latencies in ms; health = GET /health every 10 ms; gap = SSE inter-event gap (20 ms emission); "
-          "lag = gateway event-loop lag")  # fmt: skip
+    print(
+        "latencies in ms; health = GET /health every 10 ms; gap = SSE inter-event gap (20 ms emission); "
+        "lag = gateway event-loop lag"
+    )
     width = [8] + [max(len(h), 9) for h in heads]
     print("  ".join(h.rjust(w) for h, w in zip(["mode"] + heads, width)))
     for mode, row in modes.items():
@@ -323,24 +394,32 @@ def print_report(report: dict) -> None:
         if row.get("errors"):
             print(f"{mode}: errors: {row['errors']}")
     if "worker_efficiency" in report:
-        print(f"worker efficiency: {report['worker_efficiency']} (pool prompt tokens/s per worker vs encode_batch in "
-              f"one plain process: {_fmt(report['plain_encode_tokens_per_s'])} tokens/s)")  # fmt: skip
+        print(
+            f"worker efficiency: {report['worker_efficiency']} (pool prompt tokens/s per worker vs encode_batch in "
+            f"one plain process: {_fmt(report['plain_encode_tokens_per_s'])} tokens/s)"
+        )
     if report.get("small_requests"):
         s = report["small_requests"]
-        print("small requests (~50-token chats, max_tokens 1, zero-latency scheduler; inline and pool take turns, 4 rounds;\n"
-              f"  {MEDIUM_KEY}: a 16 KB chat, its prompt cached, at {MEDIUM_CLIENTS} clients):")
+        print(
+            "small requests (~50-token chats, max_tokens 1, zero-latency scheduler; inline and pool take turns, 4 rounds;\n"
+            f"  {MEDIUM_KEY}: a 16 KB chat, its prompt cached, at {MEDIUM_CLIENTS} clients):"
+        )
         for mode, rows in s.items():
             for clients, row in rows.items():
                 level = clients if clients == MEDIUM_KEY else f"{clients:>2} clients"
-                print(f"  {mode:>6}, {level}: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
-                      f"errors {row['errors']}{' ' + str(row['error_samples']) if row['errors'] else ''}, "
-                      f"load client CPU {row['client_cpu_us']:g} µs/request")  # fmt: skip
+                print(
+                    f"  {mode:>6}, {level}: {row['requests_per_s']} req/s, latency p50 {row['latency_p50_ms']} ms, "
+                    f"errors {row['errors']}{' ' + str(row['error_samples']) if row['errors'] else ''}, "
+                    f"load client CPU {row['client_cpu_us']:g} µs/request"
+                )
         ratios = [(f"{c} clients", row) for c, row in report.get("small", {}).items()]
         if "medium" in report:
             ratios.append((MEDIUM_KEY, report["medium"]))
         for level, row in ratios:
-            print(f"  pool/inline at {level}: {ratio_text(row['pool_req_s'], row['inline_req_s'])} req/s, "
-                  f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms")  # fmt: skip
+            print(
+                f"  pool/inline at {level}: {ratio_text(row['pool_req_s'], row['inline_req_s'])} req/s, "
+                f"p50 {row['pool_p50_ms'] - row['inline_p50_ms']:+.2f} ms"
+            )
 
 
 def run(args) -> int:
@@ -349,8 +428,9 @@ def run(args) -> int:
     tokens = args.tokens or (80_000 if quick else 250_000)
     rounds = args.rounds or 2
     modes = [m for m in args.modes.split(",") if m]
-    from tokenmill.settings import ServeSettings
     import tokenizers
+
+    from tokenmill.settings import ServeSettings
 
     workers = args.workers or ServeSettings().workers
     # every request of every round has its own text: the tokenization cache (on, as deployed)
@@ -360,16 +440,22 @@ def run(args) -> int:
     n_passes = max(1, args.passes)
     report = {
         "workload": f"{count} chats of ~{tokens:,} tokens sent together, {rounds} round(s), {n_passes} pass(es), the modes taking turns round by round; pool mode with {workers} worker(s)",
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "tokenizers": tokenizers.__version__,
-                    "platform": platform.platform()},
+        "machine": {
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "tokenizers": tokenizers.__version__,
+            "platform": platform.platform(),
+        },
         "modes": {},
-    }  # fmt: skip
+    }
     # The modes take turns round by round (run_pass), in mirrored order: this machine's speed drifts
     # by tens of percent within a minute, and a fixed order would weigh that drift on one mode.
     passes: dict[str, list] = {mode: [] for mode in modes}
     for p in range(n_passes):
         print(f"running pass {p + 1} of {n_passes}: {', '.join(modes)} taking turns ...", file=sys.stderr, flush=True)
-        for mode, samples in run_pass(modes, rounds_of_bodies, workers, reverse=len(rounds_of_bodies) * p % 2 == 1).items():
+        for mode, samples in run_pass(
+            modes, rounds_of_bodies, workers, reverse=len(rounds_of_bodies) * p % 2 == 1
+        ).items():
             passes[mode].append(samples)
     report["modes"] = {mode: summarize(passes[mode]) for mode in modes}
     if "pool" in report["modes"]:
@@ -381,8 +467,11 @@ def run(args) -> int:
     report["small_requests"] = run_small(short_modes, small_count, SMALL_CLIENTS, workers) if short_modes else {}
     report["small"] = small_summary(report["small_requests"])
     if MEDIUM_KEY in report["small"]:
-        report["medium"] = {"clients": MEDIUM_CLIENTS, "body_bytes": len(medium_body("deepseek-v4")),
-                            **report["small"].pop(MEDIUM_KEY)}  # fmt: skip
+        report["medium"] = {
+            "clients": MEDIUM_CLIENTS,
+            "body_bytes": len(medium_body("deepseek-v4")),
+            **report["small"].pop(MEDIUM_KEY),
+        }
     print_report(report)
     write_json(args.json, report)
     return 0

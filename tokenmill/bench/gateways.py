@@ -28,8 +28,7 @@ import sys
 import time
 
 from tokenmill.bench import streams as bench_streams
-from tokenmill.bench.common import (add_common_options, cpu_seconds, process_role, process_tree, pss_kib, rnd,
-                                    write_json)
+from tokenmill.bench.common import add_common_options, cpu_seconds, process_role, process_tree, pss_kib, rnd, write_json
 from tokenmill.bench.frontloop import SMALL_CLIENTS, short_rows
 from tokenmill.bench.servers import ServeProcess
 
@@ -38,7 +37,9 @@ def add_arguments(parser) -> None:
     add_common_options(parser)
     parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers (default: as serve).")
     bench_streams.add_level_options(parser, "1024,2048; quick 2048", "8; quick 3")
-    parser.add_argument("--gateway-counts", default="1,2", help="Comma-separated --gateways values to compare (default 1,2).")
+    parser.add_argument(
+        "--gateway-counts", default="1,2", help="Comma-separated --gateways values to compare (default 1,2)."
+    )
 
 
 # ---- the node's processes ----------------------------------------------------------------------
@@ -75,8 +76,12 @@ def gateway_pids(server: ServeProcess, expected: int, timeout: float = 60.0) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status, state = server.get("/debug/state")
-        if status == 200 and state.get("scheduler_connected") and state.get("workers") and all(
-                w["alive"] for w in state["workers"]):
+        if (
+            status == 200
+            and state.get("scheduler_connected")
+            and state.get("workers")
+            and all(w["alive"] for w in state["workers"])
+        ):
             seen.add(state["pid"])
             if len(seen) >= expected:
                 return seen
@@ -102,8 +107,12 @@ def run_node(gateways: int, args, levels: list[int], window: float, small_count:
     finally:
         server.close()
     # streams: the echo scheduler at 20 ms, as tokenmill bench streams
-    server = ServeProcess("pool", workers, itl_ms=bench_streams.EMISSION_MS,
-                     extra=("--gateways", str(gateways), *bench_streams.serve_args(max(levels))))  # fmt: skip
+    server = ServeProcess(
+        "pool",
+        workers,
+        itl_ms=bench_streams.EMISSION_MS,
+        extra=("--gateways", str(gateways), *bench_streams.serve_args(max(levels))),
+    )
     try:
         gateway_pids(server, gateways)
         row["streams"] = []
@@ -124,8 +133,13 @@ def run(args) -> int:
     window = args.window or (3.0 if args.quick else 8.0)
     small_count = 300 if args.quick else 3000
     word_id = bench_streams.echo_word_id()
-    report = {"cores": os.cpu_count(), "emission_ms": bench_streams.EMISSION_MS, "window_s": window,
-              "small_requests_per_level": small_count, "nodes": []}  # fmt: skip
+    report = {
+        "cores": os.cpu_count(),
+        "emission_ms": bench_streams.EMISSION_MS,
+        "window_s": window,
+        "small_requests_per_level": small_count,
+        "nodes": [],
+    }
     for gateways in counts:
         report["nodes"].append(run_node(gateways, args, levels, window, small_count, word_id))
     print_report(report)
@@ -174,9 +188,11 @@ def print_report(report: dict) -> None:
     base = nodes[0]["gateways"]
     if len(nodes) > 1:
         heads += [f"{n['gateways']}/{base}" for n in nodes[1:]]
-    print(f"\ntokenmill bench gateways: {report['cores']} cores, simulated scheduler; small requests as tokenmill "
-          f"bench ({report['small_requests_per_level']} per level); streams at {report['emission_ms']:g} ms, "
-          f"{report['window_s']:g} s measured per level")  # fmt: skip
+    print(
+        f"\ntokenmill bench gateways: {report['cores']} cores, simulated scheduler; small requests as tokenmill "
+        f"bench ({report['small_requests_per_level']} per level); streams at {report['emission_ms']:g} ms, "
+        f"{report['window_s']:g} s measured per level"
+    )
     width = max(len(label) for label, _ in _lines(report)) + 2
     print("".ljust(width) + "".join(h.rjust(12) for h in heads))
     for label, values in _lines(report):

@@ -101,8 +101,10 @@ def post_many(port: int, path: str, body: bytes, count: int, concurrency: int, t
     CPU this process spent."""
     import uvloop
 
-    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
     async def main() -> dict:
         loop = asyncio.get_running_loop()
@@ -117,7 +119,11 @@ def post_many(port: int, path: str, body: bytes, count: int, concurrency: int, t
             conn.transport.close()
         if pending:
             load.fail(f"{len(pending)} connection(s) still waiting for an answer after {timeout:.0f} s")
-        return {"elapsed": time.perf_counter() - t0, "latencies": load.latencies, "errors": load.errors,
-                "cpu_s": time.process_time() - cpu0}  # fmt: skip
+        return {
+            "elapsed": time.perf_counter() - t0,
+            "latencies": load.latencies,
+            "errors": load.errors,
+            "cpu_s": time.process_time() - cpu0,
+        }
 
     return uvloop.run(main())

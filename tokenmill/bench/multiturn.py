@@ -34,8 +34,9 @@ _TIMING = re.compile(r"([\w-]+);dur=([\d.]+)")
 
 def add_arguments(parser) -> None:
     add_common_options(parser)
-    add_conversation_options(parser, "16 conversations x 30 turns, 2000-8000 tokens appended per turn; "
-                                     "quick 4 x 10, 1000-3000")  # fmt: skip
+    add_conversation_options(
+        parser, "16 conversations x 30 turns, 2000-8000 tokens appended per turn; quick 4 x 10, 1000-3000"
+    )
 
 
 def conversations(count: int, turns: int, min_tokens: int, max_tokens: int) -> list[list[dict]]:
@@ -50,8 +51,13 @@ def conversations(count: int, turns: int, min_tokens: int, max_tokens: int) -> l
             chunk = text[pos : pos + chars] if pos + chars <= len(text) else text[:chars]
             pos = (pos + chars) % max(1, len(text) - chars)
             turns_out.append({"role": "user", "content": f"Tool output (step {t + 1}):\n{chunk}"})
-            turns_out.append({"role": "assistant", "content": f"Step {t + 1} done: I read the output above and will "
-                              f"look at the next part of conversation {c}'s repository now."})  # fmt: skip
+            turns_out.append(
+                {
+                    "role": "assistant",
+                    "content": f"Step {t + 1} done: I read the output above and will "
+                    f"look at the next part of conversation {c}'s repository now.",
+                }
+            )
         out.append(turns_out)
     return out
 
@@ -69,12 +75,17 @@ def _replay(port: int, model: str, transcript: list[dict], system: str, results:
         timing = {k: float(v) / 1000 for k, v in _TIMING.findall(resp.getheader("server-timing") or "")}
         prompt_tokens = data.get("usage", {}).get("prompt_tokens", 0)
         with lock:
-            results.append({
-                "turn": turn // 2, "status": resp.status, "prompt_tokens": prompt_tokens,
-                "new_tokens": max(0, prompt_tokens - previous),
-                "cached": int(resp.getheader("x-tokenmill-cached-prompt-tokens") or 0),
-                "cpu_s": timing.get("tokenize-cpu", 0.0), "conversion_s": timing.get("render", 0.0) + timing.get("tokenize", 0.0),
-            })  # fmt: skip
+            results.append(
+                {
+                    "turn": turn // 2,
+                    "status": resp.status,
+                    "prompt_tokens": prompt_tokens,
+                    "new_tokens": max(0, prompt_tokens - previous),
+                    "cached": int(resp.getheader("x-tokenmill-cached-prompt-tokens") or 0),
+                    "cpu_s": timing.get("tokenize-cpu", 0.0),
+                    "conversion_s": timing.get("render", 0.0) + timing.get("tokenize", 0.0),
+                }
+            )
         history.append(transcript[turn + 1])
         previous = prompt_tokens
     conn.close()
@@ -133,21 +144,27 @@ def run(args) -> int:
     turns = args.turns or (10 if quick else 30)
     lo, hi = (int(x) for x in (args.append_tokens or ("1000-3000" if quick else "2000-8000")).split("-"))
     transcripts = conversations(count, turns, lo, hi)
-    report = {"workload": f"{count} conversations x {turns} turns, {lo}-{hi} tokens appended per turn, 2 workers", "configs": {}}
+    report = {
+        "workload": f"{count} conversations x {turns} turns, {lo}-{hi} tokens appended per turn, 2 workers",
+        "configs": {},
+    }
     for name in CONFIGS:
         print(f"running {name} ...", flush=True, file=sys.stderr)
         report["configs"][name] = run_config(name, transcripts, turns)
     off, on = report["configs"]["cache_off"], report["configs"]["cache_on"]
-    report.update({
-        "cache_off": {k: off[k] for k in ("tokenize_cpu_s", "conversion_p50_ms", "conversion_p99_ms")},
-        "cache_on": {k: on[k] for k in ("tokenize_cpu_s", "conversion_p50_ms", "conversion_p99_ms")},
-        "cpu_ratio": round(off["tokenize_cpu_s"] / on["tokenize_cpu_s"], 1) if on["tokenize_cpu_s"] else None,
-        "late_turn_p50_ratio": round(off["late_conversion_p50_ms"] / on["late_conversion_p50_ms"], 1)
-        if on["late_conversion_p50_ms"] else None,
-        "hit_rate": on["hit_rate"],
-        "ideal_cpu_ratio": round(1 / (1 - on["ideal_hit_rate"]), 1) if on["ideal_hit_rate"] < 1 else None,
-        "mismatches": report["configs"]["verify"]["mismatches"],
-    })  # fmt: skip
+    report.update(
+        {
+            "cache_off": {k: off[k] for k in ("tokenize_cpu_s", "conversion_p50_ms", "conversion_p99_ms")},
+            "cache_on": {k: on[k] for k in ("tokenize_cpu_s", "conversion_p50_ms", "conversion_p99_ms")},
+            "cpu_ratio": round(off["tokenize_cpu_s"] / on["tokenize_cpu_s"], 1) if on["tokenize_cpu_s"] else None,
+            "late_turn_p50_ratio": round(off["late_conversion_p50_ms"] / on["late_conversion_p50_ms"], 1)
+            if on["late_conversion_p50_ms"]
+            else None,
+            "hit_rate": on["hit_rate"],
+            "ideal_cpu_ratio": round(1 / (1 - on["ideal_hit_rate"]), 1) if on["ideal_hit_rate"] < 1 else None,
+            "mismatches": report["configs"]["verify"]["mismatches"],
+        }
+    )
     print_report(report)
     write_json(args.json, report)
     return 0
@@ -155,14 +172,39 @@ def run(args) -> int:
 
 def print_report(report: dict) -> None:
     print(f"\ntokenmill bench multiturn: {report['workload']}")
-    cols = ["tokenize_cpu_s", "conversion_p50_ms", "conversion_p99_ms", "late_conversion_p50_ms", "late_conversion_p99_ms",
-            "hit_rate", "ideal_hit_rate", "mean_prompt_tokens", "max_prompt_tokens", "errors"]  # fmt: skip
-    heads = ["CPU s/req", "conv p50", "conv p99", "last5 p50", "last5 p99", "hit rate", "ideal hits", "mean prompt", "max prompt", "errors"]
+    cols = [
+        "tokenize_cpu_s",
+        "conversion_p50_ms",
+        "conversion_p99_ms",
+        "late_conversion_p50_ms",
+        "late_conversion_p99_ms",
+        "hit_rate",
+        "ideal_hit_rate",
+        "mean_prompt_tokens",
+        "max_prompt_tokens",
+        "errors",
+    ]
+    heads = [
+        "CPU s/req",
+        "conv p50",
+        "conv p99",
+        "last5 p50",
+        "last5 p99",
+        "hit rate",
+        "ideal hits",
+        "mean prompt",
+        "max prompt",
+        "errors",
+    ]
     print("  ".join(["config".rjust(12)] + [h.rjust(11) for h in heads]))
     for name, row in report["configs"].items():
         print("  ".join([name.rjust(12)] + [str(row.get(c)).rjust(11) for c in cols]))
-    print(f"cpu_ratio (off/on): {report['cpu_ratio']}x; last-five-turn conversion p50: {report['late_turn_p50_ratio']}x lower; "
-          f"hit rate {report['hit_rate']}; mismatches under --verify-tokenize-cache: {report['mismatches']}")
-    print(f"bound for this workload: a cache that tokenized only each turn's new tokens would serve "
-          f"{report['configs']['cache_on']['ideal_hit_rate']} of prompt tokens from cache, a cpu_ratio of "
-          f"{report['ideal_cpu_ratio']}x at the same CPU per fresh token")
+    print(
+        f"cpu_ratio (off/on): {report['cpu_ratio']}x; last-five-turn conversion p50: {report['late_turn_p50_ratio']}x lower; "
+        f"hit rate {report['hit_rate']}; mismatches under --verify-tokenize-cache: {report['mismatches']}"
+    )
+    print(
+        f"bound for this workload: a cache that tokenized only each turn's new tokens would serve "
+        f"{report['configs']['cache_on']['ideal_hit_rate']} of prompt tokens from cache, a cpu_ratio of "
+        f"{report['ideal_cpu_ratio']}x at the same CPU per fresh token"
+    )

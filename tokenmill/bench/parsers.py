@@ -35,10 +35,18 @@ RUNS = 3
 VLLM_CAP_S = 60.0  # a vLLM format whose run takes longer skips its larger sizes
 VLLM_VENV = Path(vllm_venv_default())
 
-WRITE_FILE = {"type": "function", "function": {
-    "name": "write_file", "description": "Write a file in the workspace.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["path", "content"]}}}  # fmt: skip
+WRITE_FILE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Write a file in the workspace.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+}
 TOOLS = [WRITE_FILE]
 PATH = "src/module.py"
 LEAD = "I'll write the module now."
@@ -123,11 +131,15 @@ REASONING_TEXTS: dict[str, tuple[Callable[[str], str], str, dict]] = {
     "qwen3": (lambda r: f"<think>\n{r}\n</think>\n\n{ANSWER}", "<|im_start|>assistant\n", {}),
     "glm45": (lambda r: f"<think>{r}</think>{ANSWER}", "<|assistant|>", {}),
     "kimi_k2": (lambda r: f"<think>{r}</think>{ANSWER}", "<|im_assistant|>assistant<|im_middle|>", {}),
-    "openai_gptoss": (lambda r: f"<|channel|>analysis<|message|>{r}<|end|>"
-                      f"<|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>",
-                      "<|start|>assistant", {}),
+    "openai_gptoss": (
+        lambda r: (
+            f"<|channel|>analysis<|message|>{r}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}<|return|>"
+        ),
+        "<|start|>assistant",
+        {},
+    ),
     "granite": (lambda r: f"Here is my thought process:\n{r}\nHere is my response:\n{ANSWER}", "", {}),
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -170,8 +182,10 @@ def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
     tokenizer = load_model(None).tokenizer
     source = corpus(max(sizes) * 8 + 10_000)  # Python source: what an agent writes, and thinks about
     out = []
-    for kind, registry, generators in (("tool", TOOL_PARSERS, TOOL_TEXTS),
-                                       ("reasoning", REASONING_PARSERS, REASONING_TEXTS)):
+    for kind, registry, generators in (
+        ("tool", TOOL_PARSERS, TOOL_TEXTS),
+        ("reasoning", REASONING_PARSERS, REASONING_TEXTS),
+    ):
         for name in registry:
             if formats and name not in formats:
                 continue
@@ -251,13 +265,23 @@ def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
     cases = []
     for w in loads:
         cls = tool_parser_class(w.name) if w.kind == "tool" else reasoning_parser_class(w.name)
-        cases.append({"kind": w.kind, "name": w.name, "size": w.size, "text": w.text, "prompt": w.prompt,
-                      "markers": list(cls.markers), "chat_template_kwargs": w.kwargs})
+        cases.append(
+            {
+                "kind": w.kind,
+                "name": w.name,
+                "size": w.size,
+                "text": w.text,
+                "prompt": w.prompt,
+                "markers": list(cls.markers),
+                "chat_template_kwargs": w.kwargs,
+            }
+        )
     payload = json.dumps({"tools": TOOLS, "cases": cases, "cap_s": VLLM_CAP_S, "runs": RUNS}, ensure_ascii=False)
     # as a module from the checkout: run as a file, its folder would come first on sys.path and this
     # package's vllm.py would shadow vLLM
-    proc = subprocess.run([str(python), "-m", "tokenmill.bench.parsers_vllm"], input=payload, stdout=subprocess.PIPE,
-                          text=True, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [str(python), "-m", "tokenmill.bench.parsers_vllm"], input=payload, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines or "version" not in lines[0]:
         print(f"vLLM's side did not start (exit {proc.returncode}): tokenmill only", file=sys.stderr)
@@ -280,8 +304,11 @@ def print_table(report: dict, notes: list[str]) -> None:
     head = [f"{'format':<24}"] + [f"{f'{n} tm':>9}" for n in sizes]
     if with_vllm:
         head += [f"{f'{n} vLLM':>10}" for n in sizes] + [f"{f'{n} ratio':>10}" for n in sizes]
-    print(f"\ntokenmill bench parsers: µs per output token (tm: tokenmill {report['versions']['tokenmill']}"
-          + (f", vLLM {report['versions']['vllm']}; ratio: vLLM ÷ tokenmill" if with_vllm else "") + ")")
+    print(
+        f"\ntokenmill bench parsers: µs per output token (tm: tokenmill {report['versions']['tokenmill']}"
+        + (f", vLLM {report['versions']['vllm']}; ratio: vLLM ÷ tokenmill" if with_vllm else "")
+        + ")"
+    )
     print(" ".join(head))
     for kind in ("tool", "reasoning"):
         for name, row in report[kind].items():
@@ -306,8 +333,12 @@ def run(args) -> int:
     loads = workloads(formats, sizes)
     if not loads:
         raise SystemExit(f"bench parsers: no format named {args.formats!r}")
-    report: dict = {"tokens": sizes, "tool": {}, "reasoning": {},
-                    "versions": {"tokenmill": importlib.metadata.version("tokenmill"), "vllm": None}}
+    report: dict = {
+        "tokens": sizes,
+        "tool": {},
+        "reasoning": {},
+        "versions": {"tokenmill": importlib.metadata.version("tokenmill"), "vllm": None},
+    }
     for w in loads:
         check(w)
         row = report[w.kind].setdefault(w.name, {"tokenmill_us_per_token": {}, "vllm_us_per_token": {}})

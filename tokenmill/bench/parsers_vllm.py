@@ -36,8 +36,9 @@ def deepseek_tokenizer(markers: tuple[str, ...]):
         from transformers import PreTrainedTokenizerFast
 
         path = os.path.join(os.path.dirname(package.__file__), "tokenizer.json")
-        tok = PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<｜begin▁of▁sentence｜>",
-                                      eos_token="<｜end▁of▁sentence｜>")
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=path, bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>"
+        )
         missing = [m for m in markers if tok.convert_tokens_to_ids(m) in (None, tok.unk_token_id)]
         if missing:
             tok.add_special_tokens({"additional_special_tokens": missing})
@@ -81,14 +82,22 @@ def time_case(case: dict, tools: list[dict], runs: int, cap_s: float) -> dict:
     texts, ids, prompt, tokenizer = deltas(case)
     tool = case["kind"] == "tool"
     kwargs = case["chat_template_kwargs"]
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-                                    tools=tools if tool else None, chat_template_kwargs=kwargs or None)
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        tools=tools if tool else None,
+        chat_template_kwargs=kwargs or None,
+    )
     last = len(ids) - 1
     best, spent, calls, reasoning = float("inf"), 0.0, 0, 0
     for _ in range(runs):
-        cls = ParserManager.get_parser(tool_parser_name=case["name"] if tool else None,
-                                       reasoning_parser_name=None if tool else case["name"],
-                                       enable_auto_tools=True, is_harmony=case["name"] in HARMONY)
+        cls = ParserManager.get_parser(
+            tool_parser_name=case["name"] if tool else None,
+            reasoning_parser_name=None if tool else case["name"],
+            enable_auto_tools=True,
+            is_harmony=case["name"] in HARMONY,
+        )
         parser = cls(tokenizer, request.tools, chat_template_kwargs=kwargs)
         parse_delta, out = parser.parse_delta, []
         start = time.perf_counter()

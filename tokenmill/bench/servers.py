@@ -28,9 +28,19 @@ class ProcessHandle:
 
     TAIL = 4000  # characters of output an error message quotes
 
-    def __init__(self, name: str, args: list[str], *, log: Path | None = None, pipe: bool = False,
-                 quiet_stdout: bool = False, env: dict | None = None, cwd: Path | str | None = None,
-                 new_session: bool = False, preexec_fn: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        log: Path | None = None,
+        pipe: bool = False,
+        quiet_stdout: bool = False,
+        env: dict | None = None,
+        cwd: Path | str | None = None,
+        new_session: bool = False,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self.log_path = log
         self.new_session = new_session
@@ -41,9 +51,16 @@ class ProcessHandle:
         else:
             self._log = open(log, "ab") if log is not None else tempfile.TemporaryFile()
             stdout, stderr = (subprocess.DEVNULL, self._log) if quiet_stdout else (self._log, subprocess.STDOUT)
-        self.proc = subprocess.Popen(args, cwd=cwd, env=None if env is None else {**os.environ, **env},
-                                     stdout=stdout, stderr=stderr, text=pipe or None,
-                                     start_new_session=new_session, preexec_fn=preexec_fn)  # fmt: skip
+        self.proc = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=None if env is None else {**os.environ, **env},
+            stdout=stdout,
+            stderr=stderr,
+            text=pipe or None,
+            start_new_session=new_session,
+            preexec_fn=preexec_fn,
+        )
 
     @property
     def pid(self) -> int:
@@ -126,9 +143,24 @@ class ServeProcess(ProcessHandle):
 
     def __init__(self, mode: str, workers: int | None, itl_ms: float, extra: tuple = ()) -> None:
         self.port = free_port()
-        args = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port), "--conversion-mode", mode,
-                "--sim-inter-token-latency-ms", str(itl_ms), "--sim-prefill-tokens-per-s", "1e12",
-                "--log-level", "warning", "--max-queued-conversions", "100000"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--conversion-mode",
+            mode,
+            "--sim-inter-token-latency-ms",
+            str(itl_ms),
+            "--sim-prefill-tokens-per-s",
+            "1e12",
+            "--log-level",
+            "warning",
+            "--max-queued-conversions",
+            "100000",
+        ]
         if workers and mode == "pool":
             args += ["--workers", str(workers)]
         args += list(extra)

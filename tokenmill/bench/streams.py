@@ -33,8 +33,17 @@ import sys
 import threading
 import time
 
-from tokenmill.bench.common import (add_common_options, add_server_options, cpu_seconds, pct, probe_health,
-                                    process_role, process_tree, rnd, write_json)
+from tokenmill.bench.common import (
+    add_common_options,
+    add_server_options,
+    cpu_seconds,
+    pct,
+    probe_health,
+    process_role,
+    process_tree,
+    rnd,
+    write_json,
+)
 from tokenmill.bench.servers import ServeProcess
 
 WORD = b" elephant"  # one token with the embedded model's tokenizer
@@ -52,8 +61,12 @@ def add_arguments(parser) -> None:
     add_common_options(parser)
     add_server_options(parser, ("inline", "pool"))
     add_level_options(parser, "64,256,1024", "10; quick 3")
-    parser.add_argument("--slow-stall", type=float, default=SLOW_STALL_S,
-                        help=f"Seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).")
+    parser.add_argument(
+        "--slow-stall",
+        type=float,
+        default=SLOW_STALL_S,
+        help=f"Seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).",
+    )
 
 
 def echo_word_id() -> int:
@@ -69,7 +82,9 @@ def echo_word_id() -> int:
 # ---- the load client (its own process; asyncio, no JSON parsing) --------------------------
 
 
-def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_read_s: float, stall_s: float, out) -> None:
+def _client(
+    port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_read_s: float, stall_s: float, out
+) -> None:
     import asyncio
 
     try:
@@ -78,8 +93,10 @@ def _client(port: int, streams: int, body: bytes, ramp_s: float, stop_at, slow_r
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     tail_len = len(WORD) - 1
     results = []
 
@@ -153,13 +170,21 @@ def _counters(port: int) -> tuple[float, float]:
 # ---- one level -----------------------------------------------------------------------------
 
 
-def run_level(server: ServeProcess, streams: int, window: float, tokens_per_step: int, word_id: int,
-              slow_read_s: float = 0.0, stall_s: float = SLOW_STALL_S) -> dict:  # fmt: skip
+def run_level(
+    server: ServeProcess,
+    streams: int,
+    window: float,
+    tokens_per_step: int,
+    word_id: int,
+    slow_read_s: float = 0.0,
+    stall_s: float = SLOW_STALL_S,
+) -> dict:
     ramp = min(2.0, 0.002 * streams)
     # past the ramp and the first tokens of every stream; slow readers: until their sockets have backed up
     settle = ramp + (stall_s + 2.0 if slow_read_s else 1.5 + streams / 512)
-    body = json.dumps({"model": server.model, "prompt": [word_id] * 16, "max_tokens": 1_000_000,
-                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": server.model, "prompt": [word_id] * 16, "max_tokens": 1_000_000, "ignore_eos": True, "stream": True}
+    ).encode()
     clients = 1 if streams <= 128 else 2
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -179,8 +204,12 @@ def run_level(server: ServeProcess, streams: int, window: float, tokens_per_step
     time.sleep(max(0.0, t0 - time.time()))
     health: list[float] = []
     stop = threading.Event()
-    prober = threading.Thread(target=probe_health, args=(server.port, stop, health),
-                              kwargs={"count_failures": True, "timeout": 30}, daemon=True)  # fmt: skip
+    prober = threading.Thread(
+        target=probe_health,
+        args=(server.port, stop, health),
+        kwargs={"count_failures": True, "timeout": 30},
+        daemon=True,
+    )
     prober.start()
     # the window runs between the two readings of the gateway's token counter (taken as the
     # midpoint of each request: under overload /metrics answers late), CPU read right after each
@@ -250,9 +279,16 @@ def run_level(server: ServeProcess, streams: int, window: float, tokens_per_step
 def serve_args(streams: int) -> tuple:
     """``tokenmill serve`` flags for this benchmark: the echo scheduler with room for every stream, and a
     fixed send buffer (docs/security.md) so that slow readers back up soon."""
-    return ("--sim-mode", "echo", "--sim-max-running", str(streams * 2), "--log-level", "warning",
-            "--send-buffer-bytes", "16384")  # fmt: skip
-
+    return (
+        "--sim-mode",
+        "echo",
+        "--sim-max-running",
+        str(streams * 2),
+        "--log-level",
+        "warning",
+        "--send-buffer-bytes",
+        "16384",
+    )
 
 
 def run(args) -> int:
@@ -265,11 +301,17 @@ def run(args) -> int:
     sim = serve_args(max(levels))
     for tokens_per_step in (1, 4):
         for mode in modes:
-            server = ServeProcess(mode, args.workers, itl_ms=EMISSION_MS, extra=(*sim, "--sim-tokens-per-step", str(tokens_per_step)))
+            server = ServeProcess(
+                mode, args.workers, itl_ms=EMISSION_MS, extra=(*sim, "--sim-tokens-per-step", str(tokens_per_step))
+            )
             try:
                 runs = levels if tokens_per_step == 1 else [256 if 256 in levels else levels[0]]
                 for streams in runs:
-                    print(f"streams: {mode}, {streams} streams, {tokens_per_step} token(s) per step ...", file=sys.stderr, flush=True)
+                    print(
+                        f"streams: {mode}, {streams} streams, {tokens_per_step} token(s) per step ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     row = run_level(server, streams, window, tokens_per_step, wid)
                     report["levels"].append({"mode": mode, **row})
                 if tokens_per_step == 1:
@@ -284,17 +326,35 @@ def run(args) -> int:
 
 
 def print_report(report: dict) -> None:
-    cols = [("mode", "mode"), ("streams", "streams"), ("tokens_per_step", "tok/step"), ("slow_read_ms", "read ms"),
-            ("emitted_tokens_per_s", "emitted/s"), ("emitted_ratio", "emit/ideal"), ("delivered_ratio", "deliv/emit"),
-            ("gap_p50_ms", "gap p50"), ("gap_p99_ms", "gap p99"), ("events_per_token", "events/tok"), ("coalesced_share", "coalesced"),
-            ("cpu_ms_per_1k_tokens", "cpu ms/1k"), ("gateway_cpu_share", "gw cpu"), ("workers_cpu_share", "wk cpu"),
-            ("scheduler_cpu_share", "sim cpu"), ("client_cpu_share", "client cpu"), ("health_p99_ms", "health p99")]  # fmt: skip
-    print(f"\ntokenmill bench streams: {report['emission_ms']:g} ms between decode steps, {report['window_s']:g} s "
-          f"measured per row, {report['cores']} cores")  # fmt: skip
-    print("deliv/emit = tokens clients read / tokens the gateway got from the scheduler; emit/ideal = the simulated "
-          "scheduler's own pace; gap = client-observed time between reads carrying tokens (ms); coalesced = share of deltas merged into an "
-          "earlier SSE event; cpu ms/1k = gateway + "
-          "worker CPU per 1,000 delivered tokens; *_cpu = cores busy")  # fmt: skip
+    cols = [
+        ("mode", "mode"),
+        ("streams", "streams"),
+        ("tokens_per_step", "tok/step"),
+        ("slow_read_ms", "read ms"),
+        ("emitted_tokens_per_s", "emitted/s"),
+        ("emitted_ratio", "emit/ideal"),
+        ("delivered_ratio", "deliv/emit"),
+        ("gap_p50_ms", "gap p50"),
+        ("gap_p99_ms", "gap p99"),
+        ("events_per_token", "events/tok"),
+        ("coalesced_share", "coalesced"),
+        ("cpu_ms_per_1k_tokens", "cpu ms/1k"),
+        ("gateway_cpu_share", "gw cpu"),
+        ("workers_cpu_share", "wk cpu"),
+        ("scheduler_cpu_share", "sim cpu"),
+        ("client_cpu_share", "client cpu"),
+        ("health_p99_ms", "health p99"),
+    ]
+    print(
+        f"\ntokenmill bench streams: {report['emission_ms']:g} ms between decode steps, {report['window_s']:g} s "
+        f"measured per row, {report['cores']} cores"
+    )
+    print(
+        "deliv/emit = tokens clients read / tokens the gateway got from the scheduler; emit/ideal = the simulated "
+        "scheduler's own pace; gap = client-observed time between reads carrying tokens (ms); coalesced = share of deltas merged into an "
+        "earlier SSE event; cpu ms/1k = gateway + "
+        "worker CPU per 1,000 delivered tokens; *_cpu = cores busy"
+    )
     widths = [max(len(h), 7) for _, h in cols]
     print("  ".join(h.rjust(w) for (_, h), w in zip(cols, widths)))
     for row in report["levels"]:
@@ -315,6 +375,8 @@ def print_report(report: dict) -> None:
             def ratio(k):
                 return f"{a[k] / b[k]:.2f}x" if a.get(k) and b.get(k) else "-"
 
-            print(f"  {streams} streams, {tps} tok/step{', slow readers' if slow else ''}: delivered/s "
-                  f"{ratio('delivered_tokens_per_s')}, gap p99 {ratio('gap_p99_ms')}, cpu/1k {ratio('cpu_ms_per_1k_tokens')}, "
-                  f"health p99 {ratio('health_p99_ms')}")  # fmt: skip
+            print(
+                f"  {streams} streams, {tps} tok/step{', slow readers' if slow else ''}: delivered/s "
+                f"{ratio('delivered_tokens_per_s')}, gap p99 {ratio('gap_p99_ms')}, cpu/1k {ratio('cpu_ms_per_1k_tokens')}, "
+                f"health p99 {ratio('health_p99_ms')}"
+            )

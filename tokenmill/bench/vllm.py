@@ -36,8 +36,20 @@ import time
 from pathlib import Path
 
 from tokenmill.bench.busy import add_busy_load_options, measure_busy
-from tokenmill.bench.common import (add_common_options, add_vllm_options, corpus, free_port, health_prober, pct,
-                                    ratio, request, rnd, stream_gaps, try_get, write_json)
+from tokenmill.bench.common import (
+    add_common_options,
+    add_vllm_options,
+    corpus,
+    free_port,
+    health_prober,
+    pct,
+    ratio,
+    request,
+    rnd,
+    stream_gaps,
+    try_get,
+    write_json,
+)
 from tokenmill.bench.servers import ROOT, ProcessHandle
 
 NAME = "bench"
@@ -47,9 +59,13 @@ MAX_MODEL_LEN = 65536
 def add_arguments(parser) -> None:
     add_common_options(parser)
     add_vllm_options(parser)
-    parser.add_argument("--repeat", type=int, help="Runs of each scenario on each stack, alternating (default 2; quick 1).")
+    parser.add_argument(
+        "--repeat", type=int, help="Runs of each scenario on each stack, alternating (default 2; quick 1)."
+    )
     parser.add_argument("--short-seconds", type=float, help="Length of the short-chat load (default 20; quick 8).")
-    parser.add_argument("--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 60000).")
+    parser.add_argument(
+        "--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 60000)."
+    )
     add_busy_load_options(parser)
 
 
@@ -64,14 +80,64 @@ class Stacks:
         self.procs: list[ProcessHandle] = []
         self.vllm_port, self.tokenmill_port = free_port(), free_port()
         engine = f"ipc://{workdir}/engine.sock"
-        start = [("vllm", [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                           "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
-                           "--host", "127.0.0.1", "--port", str(self.vllm_port)]),
-                 ("engine", [vllm_python, "-m", "tokenmill.cli", "engine", "--backend", "vllm", "--model", model,
-                             "--max-model-len", str(MAX_MODEL_LEN), "--bind", engine]),
-                 ("tokenmill", [sys.executable, "-m", "tokenmill.cli", "serve", "--model", model, "--scheduler", engine,
-                                "--served-model-name", NAME, "--port", str(self.tokenmill_port),
-                                "--log-level", "warning", "--max-queued-conversions", "100000"])]  # fmt: skip
+        start = [
+            (
+                "vllm",
+                [
+                    vllm_python,
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    model,
+                    "--served-model-name",
+                    NAME,
+                    "--max-model-len",
+                    str(MAX_MODEL_LEN),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.vllm_port),
+                ],
+            ),
+            (
+                "engine",
+                [
+                    vllm_python,
+                    "-m",
+                    "tokenmill.cli",
+                    "engine",
+                    "--backend",
+                    "vllm",
+                    "--model",
+                    model,
+                    "--max-model-len",
+                    str(MAX_MODEL_LEN),
+                    "--bind",
+                    engine,
+                ],
+            ),
+            (
+                "tokenmill",
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenmill.cli",
+                    "serve",
+                    "--model",
+                    model,
+                    "--scheduler",
+                    engine,
+                    "--served-model-name",
+                    NAME,
+                    "--port",
+                    str(self.tokenmill_port),
+                    "--log-level",
+                    "warning",
+                    "--max-queued-conversions",
+                    "100000",
+                ],
+            ),
+        ]
         for name, args in start:
             self.procs.append(ProcessHandle(name, args, log=Path(workdir) / f"{name}.log", env=env, cwd=ROOT))
 
@@ -101,8 +167,16 @@ class Stacks:
 
 def stream_body() -> str:
     """An unrelated stream: the engine's tokens, one SSE event each, for as long as the model allows."""
-    return json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Stream to me."}], "stream": True,
-                       "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "temperature": 0})  # fmt: skip
+    return json.dumps(
+        {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "Stream to me."}],
+            "stream": True,
+            "max_tokens": MAX_MODEL_LEN - 100,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    )
 
 
 class Texts:
@@ -122,10 +196,18 @@ class Texts:
 
 def long_bodies(texts: Texts, tag: str, count: int, tokens: int) -> list[bytes]:
     chars = int(tokens * 4.1)  # ~4.1 characters per token for Python source with this tokenizer
-    return [json.dumps({"model": NAME, "messages": [
-        {"role": "system", "content": "You are a coding agent. Review the repository below."},
-        {"role": "user", "content": f"[{tag} {i}]\n" + texts.take(chars)}]}).encode()  # fmt: skip
-        for i in range(count)]
+    return [
+        json.dumps(
+            {
+                "model": NAME,
+                "messages": [
+                    {"role": "system", "content": "You are a coding agent. Review the repository below."},
+                    {"role": "user", "content": f"[{tag} {i}]\n" + texts.take(chars)},
+                ],
+            }
+        ).encode()
+        for i in range(count)
+    ]
 
 
 def _send_rounds(port: int, rounds: list[list[bytes]], out) -> None:
@@ -168,14 +250,16 @@ def long_context(port: int, bodies: list[list[bytes]]) -> dict:
         p.join(30)
     health, gaps, long = got["health"], got["stream"], got["long"]
     return {
-        "health_p50_ms": rnd(pct(health, 0.5), 2), "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_p50_ms": rnd(pct(health, 0.5), 2),
+        "health_p99_ms": rnd(pct(health, 0.99), 2),
         "health_max_ms": rnd(max(health, default=None), 2),
-        "stream_gap_p50_ms": rnd(pct(gaps, 0.5)), "stream_gap_p99_ms": rnd(pct(gaps, 0.99)),
+        "stream_gap_p50_ms": rnd(pct(gaps, 0.5)),
+        "stream_gap_p99_ms": rnd(pct(gaps, 0.99)),
         "stream_gap_max_ms": rnd(max(gaps, default=None)),
         "conversion_wall_s": round(statistics.mean(long["walls"]), 3),
         "mean_prompt_tokens": round(statistics.mean(long["tokens"])) if long["tokens"] else 0,
         "errors": long["errors"][:3],
-    }  # fmt: skip
+    }
 
 
 def agent_pieces(texts: Texts, conversations: int, turns: int, turn_tokens: int) -> list[list[str]]:
@@ -186,35 +270,56 @@ def agent_pieces(texts: Texts, conversations: int, turns: int, turn_tokens: int)
 def agent_replay(port: int, tag: str, pieces: list[list[str]]) -> dict:
     """Conversations that grow by a tool output per turn, each turn sent whole to /tokenize."""
     turns, conversations = len(pieces), len(pieces[0])
-    histories = [[{"role": "system", "content": f"[{tag} agent {c}] You are a coding agent with tools."},
-                  {"role": "user", "content": "Read the repository and fix the failing test."}]
-                 for c in range(conversations)]  # fmt: skip
+    histories = [
+        [
+            {"role": "system", "content": f"[{tag} agent {c}] You are a coding agent with tools."},
+            {"role": "user", "content": "Read the repository and fix the failing test."},
+        ]
+        for c in range(conversations)
+    ]
     times: list[list[float]] = [[] for _ in range(turns)]
     tokens, errors = [], []
     for turn in range(turns):
         for c, history in enumerate(histories):
             piece = pieces[turn][c]
-            history += [{"role": "assistant", "content": f"Reading part {turn}."},
-                        {"role": "user", "content": piece}]  # fmt: skip
+            history += [{"role": "assistant", "content": f"Reading part {turn}."}, {"role": "user", "content": piece}]
             t0 = time.perf_counter()
-            status, data = request(port, "POST", "/tokenize", json.dumps({"model": NAME, "messages": history}).encode(),
-                                   timeout=600)
+            status, data = request(
+                port, "POST", "/tokenize", json.dumps({"model": NAME, "messages": history}).encode(), timeout=600
+            )
             times[turn].append((time.perf_counter() - t0) * 1000)
             if status == 200:
                 tokens.append(json.loads(data)["count"])
             else:
                 errors.append(f"{status}: {data[:200]!r}")
     late = [t for turn_times in times[-3:] for t in turn_times]
-    return {"late_turn_p50_ms": rnd(pct(late, 0.5), 2), "late_turn_max_ms": rnd(max(late, default=None), 2),
-            "first_turn_p50_ms": rnd(pct(times[0], 0.5), 2), "final_prompt_tokens": max(tokens, default=0),
-            "errors": errors[:3]}  # fmt: skip
+    return {
+        "late_turn_p50_ms": rnd(pct(late, 0.5), 2),
+        "late_turn_max_ms": rnd(max(late, default=None), 2),
+        "first_turn_p50_ms": rnd(pct(times[0], 0.5), 2),
+        "final_prompt_tokens": max(tokens, default=0),
+        "errors": errors[:3],
+    }
 
 
 def _short_chats(port: int, concurrency: int, seconds: float, out) -> None:
-    body = json.dumps({"model": NAME, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}, "messages": [
-                           {"role": "user", "content": "Summarize the plot of a short story about a lighthouse keeper "
-                                                       "and a storm, in one sentence, please, for a child."}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": NAME,
+            "max_tokens": 32,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "Summarize the plot of a short story about a lighthouse keeper "
+                    "and a storm, in one sentence, please, for a child.",
+                }
+            ],
+        }
+    ).encode()
     ttft, e2e, output_tokens, errors = [], [], [], []
     end = time.perf_counter() + seconds
 
@@ -254,8 +359,18 @@ def _short_chats(port: int, concurrency: int, seconds: float, out) -> None:
         t.start()
     for t in threads:
         t.join()
-    out.put(("short", {"elapsed": time.perf_counter() - t0, "ttft": ttft, "e2e": e2e, "tokens": output_tokens,
-                       "errors": errors[:3]}))  # fmt: skip
+    out.put(
+        (
+            "short",
+            {
+                "elapsed": time.perf_counter() - t0,
+                "ttft": ttft,
+                "e2e": e2e,
+                "tokens": output_tokens,
+                "errors": errors[:3],
+            },
+        )
+    )
 
 
 def short_chats(port: int, concurrency: int, seconds: float) -> dict:
@@ -266,24 +381,44 @@ def short_chats(port: int, concurrency: int, seconds: float) -> dict:
     _, res = out.get(timeout=seconds + 600)
     p.join(30)
     elapsed = res["elapsed"]
-    return {"requests_per_s": round(len(res["e2e"]) / elapsed, 2),
-            "output_tokens_per_s": round(sum(res["tokens"]) / elapsed, 1),
-            "ttft_p50_ms": rnd(pct(res["ttft"], 0.5)), "ttft_p99_ms": rnd(pct(res["ttft"], 0.99)),
-            "e2e_p50_ms": rnd(pct(res["e2e"], 0.5)), "e2e_p99_ms": rnd(pct(res["e2e"], 0.99)),
-            "errors": res["errors"]}  # fmt: skip
+    return {
+        "requests_per_s": round(len(res["e2e"]) / elapsed, 2),
+        "output_tokens_per_s": round(sum(res["tokens"]) / elapsed, 1),
+        "ttft_p50_ms": rnd(pct(res["ttft"], 0.5)),
+        "ttft_p99_ms": rnd(pct(res["ttft"], 0.99)),
+        "e2e_p50_ms": rnd(pct(res["e2e"], 0.5)),
+        "e2e_p99_ms": rnd(pct(res["e2e"], 0.99)),
+        "errors": res["errors"],
+    }
 
 
 # ---- the run ----------------------------------------------------------------------------------------
 
 # figure -> True when lower is better (the ratio tokenmill / vLLM below 1 is then tokenmill's win)
 FIGURES = {
-    "long_context": ["health_p50_ms", "health_p99_ms", "health_max_ms", "stream_gap_p50_ms", "stream_gap_p99_ms",
-                     "stream_gap_max_ms", "conversion_wall_s", "mean_prompt_tokens"],
+    "long_context": [
+        "health_p50_ms",
+        "health_p99_ms",
+        "health_max_ms",
+        "stream_gap_p50_ms",
+        "stream_gap_p99_ms",
+        "stream_gap_max_ms",
+        "conversion_wall_s",
+        "mean_prompt_tokens",
+    ],
     "agent_replay": ["first_turn_p50_ms", "late_turn_p50_ms", "late_turn_max_ms", "final_prompt_tokens"],
     "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
-    "busy_engine": ["health_p50_ms", "health_p99_ms", "health_max_ms", "conversion_wall_s", "chat_ttft_p50_ms",
-                    "chat_ttft_p99_ms", "chat_e2e_p99_ms", "chats"],
-}  # fmt: skip
+    "busy_engine": [
+        "health_p50_ms",
+        "health_p99_ms",
+        "health_max_ms",
+        "conversion_wall_s",
+        "chat_ttft_p50_ms",
+        "chat_ttft_p99_ms",
+        "chat_e2e_p99_ms",
+        "chats",
+    ],
+}
 
 
 def _median_runs(runs: list[dict]) -> dict:
@@ -298,8 +433,10 @@ def run(args) -> int:
     venv = Path(args.vllm_venv)
     python = venv / "bin" / "python"
     if not python.exists():
-        print(f"tokenmill bench vllm: no vLLM environment at {venv} (./scripts/test.sh builds it on x86_64 Linux)",
-              file=sys.stderr)
+        print(
+            f"tokenmill bench vllm: no vLLM environment at {venv} (./scripts/test.sh builds it on x86_64 Linux)",
+            file=sys.stderr,
+        )
         return 2
     quick = args.quick
     repeat = args.repeat or (1 if quick else 2)
@@ -312,8 +449,9 @@ def run(args) -> int:
         model = args.vllm_model
         if model is None:
             model = os.path.join(workdir, "tiny-model")
-            subprocess.run([str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
+            subprocess.run(
+                [str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
+            )
         stacks = Stacks(str(python), model, workdir)
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
@@ -330,13 +468,16 @@ def run(args) -> int:
                 results[side]["long_context"].append(long_context(port, rounds))
                 results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
                 results[side]["short_chats"].append(short_chats(port, 32, seconds))
-                results[side]["busy_engine"].append(measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate,
-                                                                 args.busy_chat_tokens))  # fmt: skip
+                results[side]["busy_engine"].append(
+                    measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate, args.busy_chat_tokens)
+                )
                 print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
         report = {side: {s: _median_runs(runs) for s, runs in per.items()} for side, per in results.items()}
         report["runs"] = results
-        report["ratios"] = {s: {f: _ratio(report["tokenmill"][s].get(f), report["vllm"][s].get(f)) for f in figs}
-                            for s, figs in FIGURES.items()}  # fmt: skip
+        report["ratios"] = {
+            s: {f: _ratio(report["tokenmill"][s].get(f), report["vllm"][s].get(f)) for f in figs}
+            for s, figs in FIGURES.items()
+        }
         report["versions"] = _versions(python)
         print_table(report, repeat)
         write_json(args.json, report)
@@ -357,8 +498,13 @@ def _versions(python: Path) -> dict:
 
     probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
     found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True).stdout.split()
-    return {"tokenmill": version("tokenmill"), "vllm": found[0] if found else None, "torch": found[1] if len(found) > 1 else None,
-            "python": platform.python_version(), "cores": os.cpu_count()}  # fmt: skip
+    return {
+        "tokenmill": version("tokenmill"),
+        "vllm": found[0] if found else None,
+        "torch": found[1] if len(found) > 1 else None,
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+    }
 
 
 def _spread(runs: list[dict], figure: str) -> str:
@@ -369,16 +515,22 @@ def _spread(runs: list[dict], figure: str) -> str:
 
 def print_table(report: dict, repeat: int) -> None:
     v = report["versions"]
-    print(f"\ntokenmill bench vllm: vLLM {v['vllm']}'s own server vs tokenmill in front of the same engine "
-          f"({v['cores']} cores; medians of {repeat} alternating run(s) each; ratio = tokenmill / vLLM)")
-    print(f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}")
+    print(
+        f"\ntokenmill bench vllm: vLLM {v['vllm']}'s own server vs tokenmill in front of the same engine "
+        f"({v['cores']} cores; medians of {repeat} alternating run(s) each; ratio = tokenmill / vLLM)"
+    )
+    print(
+        f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}"
+    )
     for scenario, figures in FIGURES.items():
         for figure in figures:
             a, b = report["vllm"][scenario].get(figure), report["tokenmill"][scenario].get(figure)
             r = report["ratios"][scenario][figure]
             spread = [_spread(report["runs"][side][scenario], figure) for side in ("vllm", "tokenmill")]
-            print(f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if r is None else f'{r:.2f}x':>8}"
-                  f"   {spread[0]:>17} {spread[1]:>17}")
+            print(
+                f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if r is None else f'{r:.2f}x':>8}"
+                f"   {spread[0]:>17} {spread[1]:>17}"
+            )
     for side in ("vllm", "tokenmill"):
         errors = [e for s in FIGURES for e in report[side][s].get("errors") or []]
         if errors:

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 def add_arguments(parser) -> None:
     parser.add_argument("directory", help="Where to write the keys.")
-    parser.add_argument("--worker", metavar="NAME", action="append", default=[],
-                        help="Make keys for a remote tokenizer worker NAME instead (repeatable): DIR/workers/NAME "
-                             "goes to the worker's host, DIR/authorized_workers/NAME.key admits it.")
+    parser.add_argument(
+        "--worker",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="Make keys for a remote tokenizer worker NAME instead (repeatable): DIR/workers/NAME "
+        "goes to the worker's host, DIR/authorized_workers/NAME.key admits it.",
+    )
 
 
 def run(args) -> int:

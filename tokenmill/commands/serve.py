@@ -17,7 +17,7 @@ def run(args) -> int:
         print(f"tokenmill is ready at {url}  (model {gw.model_name}, {settings.workers} tokenizer workers)", flush=True)
         print(
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{gw.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+            f'-d \'{{"model": "{gw.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}\'',
             flush=True,
         )
 

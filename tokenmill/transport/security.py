@@ -103,8 +103,11 @@ class RemoteWorkerSecurity:
         now = time.monotonic()
         if now - self._logged.get(client_key, -1e9) > 60:  # a refused worker retries without end: log once a minute
             self._logged[client_key] = now
-            log.warning("refused a remote tokenizer worker: its CURVE public key %s is not in %s/authorized_workers",
-                        client_key.decode(), self.dir)
+            log.warning(
+                "refused a remote tokenizer worker: its CURVE public key %s is not in %s/authorized_workers",
+                client_key.decode(),
+                self.dir,
+            )
         if self.on_refused:
             try:
                 self.on_refused("curve_key")
