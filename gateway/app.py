@@ -328,6 +328,7 @@ class App:
             prompt_ids,
             done.token_ids,
             done.functions,
+            done.role,
         )
         try:
             if done.stream:
@@ -394,7 +395,7 @@ class App:
                         gen.buffered -= len(event[3])
                         parts.append(framer.ids_chunk(*event[1:]))
                     elif kind == "finish":
-                        parts.append(framer.finish_chunk(event[1], event[2], event[3]))
+                        parts.append(framer.finish_chunk(event[1], event[2], event[3], event[4]))
                         self.gw.metrics.finished(event[2])
                         open_choices -= 1
                     elif kind == "error":
@@ -427,6 +428,7 @@ class App:
         reasoning = [[] for _ in gen.choices]
         calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
+        stop_reasons = [None] * len(gen.choices)
         open_choices = len(gen.choices)
         while open_choices:
             event = await gen.events.get()
@@ -454,6 +456,7 @@ class App:
                 gen.buffered -= len(event[2].text)
             elif event[0] == "finish":
                 reasons[event[1]] = event[2]
+                stop_reasons[event[1]] = event[4]
                 self.gw.metrics.finished(event[2])
                 open_choices -= 1
             elif event[0] == "error":
@@ -481,6 +484,7 @@ class App:
             logprobs,
             forced_calls=bool(done is not None and done.forced_calls),
             token_ids=token_ids,
+            stop_reasons=stop_reasons,
             prompt_logprobs=prompt_logprobs,
             kv_transfer_params=kv_transfer_params,
         )

@@ -29,6 +29,7 @@ class Choice:
     tool_calls: int = 0  # calls parsed out of its output
     calls_finish: str = "tool_calls"  # the finish_reason of a choice with calls ("stop" for a named tool_choice)
     error: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token ID that ended it
     done: bool = False  # its final text has arrived
     scheduler_done: bool = False
     prompt_logprobs: bytes | None = None  # vLLM's prompt_logprobs as JSON (the worker's), when asked and sent
@@ -63,7 +64,7 @@ class Generation:
 #   ("ids", choice_index, kind, text, ids, fragments, tokens) -- vLLM's return_token_ids: one delta's text
 #        ("text", "reasoning", or None for none) with its generated token IDs (``ids``: comma-joined) and
 #        logprob fragments (None without), in one chunk
-#   ("finish", choice_index, finish_reason, tokens)
+#   ("finish", choice_index, finish_reason, tokens, stop_reason)  -- stop_reason: vLLM's (None: not written)
 #   ("error", ApiError)            -- the whole request failed; nothing follows
 # ``tokens``: the choice's tokens generated up to this event (usage in every chunk, vLLM's
 # continuous_usage_stats), as the worker counted them when it decoded the event's text.
@@ -225,6 +226,9 @@ class Generations:
                 continue
             if delta.stopped:  # a stop string matched: "stop", even if the scheduler hit its limit meanwhile
                 choice.finish_reason = protocol.FINISH_STOP
+                # usage counts the tokens up to the one that completed the stop string, as vLLM does, not
+                # those the scheduler generated before the abort reached it
+                choice.completion_tokens = tokens or choice.completion_tokens
                 if not choice.scheduler_done:
                     self.scheduler.abort(gen.rank, [choice.request_id])
             if delta.final:
@@ -242,8 +246,15 @@ class Generations:
                         ),
                     )
                     continue
+                reason = _openai_finish(choice)
                 gen.events.put_nowait(
-                    ("finish", choice.index, _openai_finish(choice), tokens or choice.completion_tokens)
+                    (
+                        "finish",
+                        choice.index,
+                        reason,
+                        tokens or choice.completion_tokens,
+                        delta.stop_reason if reason == "stop" else None,
+                    )
                 )
                 if gen.finished:
                     self.live.discard(gen)

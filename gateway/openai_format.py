@@ -43,12 +43,14 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return out
 
 
-def message(content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False) -> dict:
+def message(
+    content: str, reasoning: str, calls, forced_calls: bool = False, functions: bool = False, role: str = "assistant"
+) -> dict:
     """A chat.completion message: content null when the model only reasoned or called tools (""
     when the request forced the calls, as vLLM answers); with OpenAI's legacy functions, the call
     is function_call {name, arguments}."""
     empty = "" if forced_calls else None
-    out: dict = {"role": "assistant", "content": content if content or not (reasoning or calls) else empty}
+    out: dict = {"role": role, "content": content if content or not (reasoning or calls) else empty}
     if reasoning:
         out["reasoning"] = reasoning
         out["reasoning_content"] = reasoning
@@ -94,6 +96,7 @@ class Framer:
         prompt_ids: list[bytes] | None = None,
         token_ids: bool = False,
         functions: bool = False,
+        role: str = "assistant",
     ):
         self.chat = kind == "chat"
         self.id = request_id
@@ -110,6 +113,7 @@ class Framer:
         self.prompt_ids = prompt_ids
         self.functions = functions  # OpenAI's legacy functions: a call is message.function_call / delta.function_call
         self.token_ids = token_ids
+        self.role = role  # chat: the answer's role (vLLM: the last message's with add_generation_prompt false)
         self._prompt_ids_due = set(range(len(prompt_ids))) if prompt_ids is not None and not self.chat else set()
         self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
 
@@ -149,7 +153,7 @@ class Framer:
 
     def role_chunk(self, index: int) -> bytes:
         chunk = self._chunk(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            [{"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}],
             self._usage(index, 0),
         )
         if self.prompt_ids is not None:  # as vLLM: every choice's role chunk, the first of its stream
@@ -252,11 +256,13 @@ class Framer:
             choice = {"index": index, "text": text, "logprobs": completion_logprobs([fragments]), "finish_reason": None}
         return sse(self._chunk([choice], self._usage(index, tokens)))
 
-    def finish_chunk(self, index: int, reason: str, tokens: int = 0) -> bytes:
+    def finish_chunk(self, index: int, reason: str, tokens: int = 0, stop_reason: str | int | None = None) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        if stop_reason is not None:  # vLLM's: the stop string or stop token ID that ended the choice
+            choice["stop_reason"] = stop_reason
         if self.token_ids:  # its tokens went out with the deltas before it
             self._choice_ids(choice, index, b"")
         return sse(self._chunk([choice], self._usage(index, tokens)))
@@ -283,6 +289,7 @@ class Framer:
         logprobs=None,
         forced_calls: bool = False,
         token_ids=None,
+        stop_reasons=None,
         prompt_logprobs=None,
         kv_transfer_params=None,
     ) -> bytes:
@@ -298,7 +305,12 @@ class Framer:
                 {
                     "index": i,
                     "message": message(
-                        t, reasoning[i] if reasoning else "", calls[i] if calls else (), forced_calls, self.functions
+                        t,
+                        reasoning[i] if reasoning else "",
+                        calls[i] if calls else (),
+                        forced_calls,
+                        self.functions,
+                        self.role,
                     ),
                     "logprobs": lps[i],
                     "finish_reason": r,
@@ -312,6 +324,9 @@ class Framer:
                 for i, (t, r) in enumerate(zip(texts, reasons))
             ]
             obj = "text_completion"
+        for choice, stop_reason in zip(choices, stop_reasons or ()):
+            if stop_reason is not None:  # vLLM's: the stop string or stop token ID that ended the choice
+                choice["stop_reason"] = stop_reason
         out = {
             "id": self.id,
             "object": obj,

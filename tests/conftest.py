@@ -34,7 +34,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_collection_finish(session) -> None:
     """Test modules with something slow to start (test_output_parsers: vLLM's parsers;
-    test_vllm_engine: two vLLMs) start it now, so it loads while the tests before them run."""
+    test_vllm_engine and test_vllm_field_parity: the two vLLMs they share, tests/vllm_stack.py) start
+    it now, so it loads while the tests before them run."""
     modules = {}
     for item in session.items:
         module = getattr(item, "module", None)
@@ -42,6 +43,13 @@ def pytest_collection_finish(session) -> None:
             modules.setdefault(module, []).append(item)
     for module, items in modules.items():
         module.start_early(items)
+
+
+def pytest_sessionfinish(session) -> None:
+    """The shared vLLM stack stops when its last module is done; this catches a run stopped before that."""
+    stack = sys.modules.get("vllm_stack")
+    if stack is not None and stack.EARLY.procs:
+        stack.shutdown()
 
 
 def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:

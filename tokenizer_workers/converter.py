@@ -68,6 +68,9 @@ class DetokSpec:
     chat: bool = True  # logprobs in chat's shape, else in completions'
     token_ids: bool = False  # vLLM's return_token_ids: each delta carries its generated token IDs
     spaces_between: bool = True  # vLLM's spaces_between_special_tokens (has effect only without skip_special_tokens)
+    # the request's stop_token_ids that vLLM names in stop_reason when one ends the choice (the model's EOS
+    # is not named unless ignore_eos)
+    stop_reason_ids: frozenset = frozenset()
     # vLLM's prompt_logprobs: how many top tokens per prompt position (None: not asked), and the prompt's
     # token IDs (the engine's prompt), whose own entries head each position's
     prompt_logprobs: int | None = None
@@ -245,6 +248,7 @@ class Converter:
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.functions = functions
+        conversion.done.role = _answer_role(req)
         conversion.done.cache = report
         conversion.done.tokenize_cpu_s = cpu
         conversion.done.conversation = _conversation_key(req.messages)
@@ -375,6 +379,12 @@ class Converter:
         fmt = self.settings.content_format
         if fmt == "auto":
             fmt = self.templates.content_format(source)
+        if req.continue_final_message and req.add_generation_prompt:  # as vLLM 0.32 and transformers refuse it
+            raise oa.InvalidRequest(
+                "continue_final_message and add_generation_prompt are not compatible: set "
+                "add_generation_prompt to false to continue the final message.",
+                "continue_final_message",
+            )
         try:
             template_messages = to_template_messages(messages, fmt, source)
         except ValueError as exc:
@@ -383,7 +393,7 @@ class Converter:
             template_messages,
             tools=req.tools,
             documents=getattr(req, "documents", None),
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_source=req.chat_template,
             kwargs=_template_kwargs(req),
@@ -468,6 +478,9 @@ class Converter:
         if req.stop_token_ids:
             self._check_token_ids(req.stop_token_ids, "stop_token_ids")  # one the model cannot emit is a mistake
         stop_ids = ([] if req.ignore_eos else list(self.model.eos_token_ids)) + list(req.stop_token_ids or [])
+        named_stops = frozenset(req.stop_token_ids or ()) - frozenset(
+            () if req.ignore_eos else self.model.eos_token_ids
+        )
         stops = oa.stop_strings(req)
         seed = params.sampling.seed
         keep, left = self._truncation(req)
@@ -528,6 +541,7 @@ class Converter:
                         prefix=echo[p] if echo else "",
                         token_ids=bool(req.return_token_ids),
                         spaces_between=req.spaces_between_special_tokens is not False,
+                        stop_reason_ids=named_stops,
                         prompt_logprobs=shown,
                         prompt_ids=ids if shown is not None or echo_logprobs is not None else None,
                         echo_logprobs=echo_logprobs,
@@ -605,13 +619,22 @@ def _legacy_functions(req) -> bool:
     return True
 
 
+def _answer_role(req) -> str:
+    """The answer's role, as vLLM 0.32 names it: the assistant's, or with add_generation_prompt false
+    the last message's own (the model goes on writing that message)."""
+    if req.add_generation_prompt or not req.messages:
+        return "assistant"
+    role = req.messages[-1].get("role")
+    return role if isinstance(role, str) and role else "assistant"
+
+
 def _chat_echo(req) -> str:
     """vLLM's chat echo: the last message's content, when its role is the answer's (the assistant's,
     or with add_generation_prompt false the last message's own); parts' texts joined by newlines."""
     if not req.echo or not req.messages:
         return ""
     last = req.messages[-1]
-    role = "assistant" if req.add_generation_prompt else last.get("role")
+    role = _answer_role(req)
     content = last.get("content")
     if last.get("role") != role or not content:
         return ""
@@ -628,9 +651,13 @@ def _conversation_key(messages: list[dict]) -> int:
 
 
 def _template_kwargs(req) -> dict | None:
-    """chat_template_kwargs, with OpenAI's reasoning_effort as a template variable (as vLLM passes it);
-    a reasoning_effort in chat_template_kwargs wins."""
+    """chat_template_kwargs, with OpenAI's reasoning_effort as a template variable, as vLLM 0.32 passes
+    it: it wins over a reasoning_effort in chat_template_kwargs, and it sets enable_thinking (false for
+    "none") unless chat_template_kwargs sets that."""
     effort = getattr(req, "reasoning_effort", None)
     if effort is None:
         return req.chat_template_kwargs
-    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs["reasoning_effort"] = effort
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs

@@ -65,6 +65,9 @@ class _Stream:
         "added",
         "last_added",
         "plain",
+        "stop_hit",
+        "stop_reason_ids",
+        "last_token",
         "prompt_top_n",
         "prompt_ids",
         "show_prompt",
@@ -98,6 +101,9 @@ class _Stream:
         self.count = 0  # tokens taken so far, dropped special tokens included (usage in every chunk)
         self.show_ids = spec.token_ids  # vLLM's return_token_ids: each delta says its generated token IDs
         self.stop_end = 0  # where the matched stop string ends, counted from the start of pending
+        self.stop_hit: str | None = None  # the stop string that matched (vLLM's stop_reason)
+        self.stop_reason_ids = spec.stop_reason_ids  # stop tokens vLLM names in stop_reason
+        self.last_token: int | None = None
         # spaces_between_special_tokens false (with skip_special_tokens false): an added token right after
         # another is its bare content, without the space the decoder may put before it (vLLM's fast
         # detokenizer); added: added token ID -> content, else None
@@ -202,11 +208,13 @@ class Detokenizer:
     def _advance(self, rid: str, state: _Stream, frame: bytes, finished: bool) -> DetokDelta:
         raw = new_ids = frame_to_ids(frame)
         state.count += len(new_ids)
+        if len(raw):
+            state.last_token = int(raw[-1])
         if state.drop_ids:
             new_ids = [t for t in new_ids if t not in state.drop_ids]
-        # return_token_ids with stop strings: where each new token's text ends, to tell which token
-        # completed a stop string (vLLM leaves out those generated after it in the same step)
-        ends = [] if state.show_ids and state.stop else None
+        # with stop strings: where each new token's text ends, to tell which token completed a stop
+        # string (vLLM counts no token generated after it in the same step, and shows none of their IDs)
+        ends = [] if state.stop else None
         state.ids.extend(new_ids)
         for tid in new_ids:
             try:
@@ -234,35 +242,45 @@ class Detokenizer:
                 state.pending += full[len(decoded) :]
         pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
+        if stopped and ends:
+            ends[-1] += settled
+            # keep the tokens up to the one whose text reaches the end of the stop string
+            kept = bisect_left(ends, pending_start + state.stop_end) + 1
+            if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
+                decoded, cut = 0, len(raw)
+                for k, tid in enumerate(raw):
+                    decoded += tid not in state.drop_ids
+                    if decoded == kept:
+                        cut = k + 1
+                        break
+                kept = cut
+            state.count -= len(raw) - kept  # usage counts them no more than vLLM does
+            raw = raw[:kept]
         shown = None
         if state.show_ids:
-            if stopped and ends:
-                ends[-1] += settled
-                # keep the tokens up to the one whose text reaches the end of the stop string
-                kept = bisect_left(ends, pending_start + state.stop_end) + 1
-                if len(new_ids) != len(raw):  # dropped special tokens made no text: find the kept-th decoded one
-                    decoded, cut = 0, len(raw)
-                    for k, tid in enumerate(raw):
-                        decoded += tid not in state.drop_ids
-                        if decoded == kept:
-                            cut = k + 1
-                            break
-                    kept = cut
-                raw = raw[:kept]
             shown = _json.encode(raw.tolist() if hasattr(raw, "tolist") else raw)[1:-1]
         prefix = ""
         if state.prefix:  # after the stop strings: they are looked for in the generated text only, as vLLM does
             prefix, state.prefix = state.prefix, ""
             if state.parser is None:
                 text, prefix = prefix + text, ""
+        reason = None
         if stopped or finished:
             del self.states[rid]
+            if stopped:
+                reason = state.stop_hit
+            elif state.last_token is not None and state.last_token in state.stop_reason_ids:
+                reason = state.last_token  # a stop token ended it (the engine stops at once on one)
         if state.parser is None:
-            return DetokDelta(rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown)
+            return DetokDelta(
+                rid, text, stopped, stopped or finished, tokens=state.count, token_ids=shown, stop_reason=reason
+            )
         pieces = self._parse(state, text, stopped or finished)
         if prefix:  # chat's echo is content, ahead of what the parser makes of the output
             pieces.insert(0, OutPiece("content", prefix))
-        return DetokDelta(rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown)
+        return DetokDelta(
+            rid, "", stopped, stopped or finished, pieces, tokens=state.count, token_ids=shown, stop_reason=reason
+        )
 
     def _parse(self, state: _Stream, text: str, last: bool) -> list[OutPiece]:
         parser = state.parser
@@ -290,6 +308,7 @@ class Detokenizer:
             if hits:
                 state.pending = ""
                 start, state.stop_end = min(hits)
+                state.stop_hit = pending[start : state.stop_end]
                 return pending[:start], True
         if finished or not state.hold:
             state.pending = ""
@@ -318,6 +337,7 @@ class Detokenizer:
             i = text.find(s)
             if i >= 0 and (end < 0 or i + len(s) < end):
                 end = i + len(s)
+                state.stop_hit = s
         if end >= 0:
             state.stop_end = end - len(state.tail)
             return text[len(state.tail) : end], True

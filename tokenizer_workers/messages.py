@@ -171,6 +171,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     prompt_token_ids: list[bytes] | None = None
     token_ids: bool = False
     functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
+    role: str = "assistant"  # chat: the answer's role (the last message's with add_generation_prompt false, as vLLM)
     # vLLM's prompt_logprobs (non-streamed): the response carries them (chat: at the top, completions: per
     # choice), null where the engine sent none; kv_transfer_params: the request passed some to the engine,
     # so the response carries what the engine returned (null if nothing)
@@ -207,6 +208,8 @@ class DetokDelta(msgspec.Struct, array_like=True):
     # vLLM's return_token_ids: this delta's generated token IDs, comma-joined without brackets; None when
     # the request did not ask for them
     token_ids: bytes | None = None
+    # the last delta's: vLLM's stop_reason, the stop string or the stop token ID that ended the choice
+    stop_reason: str | int | None = None
     # vLLM's prompt_logprobs: the JSON array of the prompt's logprobs (null first), with the request's first delta
     prompt_logprobs: bytes | None = None
 

@@ -8,7 +8,7 @@ vendors' extensions keep working.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -77,7 +77,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     top_logprobs: int | None = None
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
-    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss's and others' read it)
+    # passed to the chat template (gpt-oss's and others' read it); vLLM 0.32's values
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -158,6 +159,8 @@ def check_sampling(req: SamplingFields) -> None:
     if refused is not None:
         name, reason = refused
         raise InvalidRequest(f"{name} is not supported by this server: {reason}.", name)
+    if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI refuse it
+        raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise InvalidRequest("temperature must be between 0 and 2.", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

@@ -64,6 +64,20 @@ def test_the_table_the_struct_and_the_docs_agree():
     assert not missing, f"docs/request-fields.md does not list {sorted(missing)}"
 
 
+def test_the_honoured_table_says_what_vllm_does():
+    """docs/request-fields.md's Honoured table has a "vLLM 0.32" column, filled in on every row
+    (tests/engines/test_vllm_field_parity.py checks what it says against vLLM's own server)."""
+    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    table = doc.split("## Honoured", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in rows[0].strip("|").split("|")] == ["field", "endpoints", "notes", "vLLM 0.32"]
+    assert len(rows) > 30
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 4 and cells[0].startswith("`") and cells[3], line[:80]
+    assert "tests/engines/test_vllm_field_parity.py" in table
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 def test_every_refused_field_is_a_400_naming_it(server, endpoint):
     base = {"model": "deepseek-v4", "max_tokens": 2}
@@ -73,7 +87,9 @@ def test_every_refused_field_is_a_400_naming_it(server, endpoint):
         assert status == 400, (name, status, body)
         assert body["error"]["param"] == name and name in body["error"]["message"], body
         assert body["error"]["type"] == "BadRequestError"
-    status, _, body = http("POST", server.url + endpoint, {**base, "stream_options": {"continuous_usage_stats": True}})
+    status, _, body = http(
+        "POST", server.url + endpoint, {**base, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    )
     assert status == 200, body  # honoured (tests/serving/test_vllm_fields.py)
     status, _, body = http(
         "POST", server.url + endpoint, {**base, **DEFAULTS, **{k: None for k in REFUSED if k not in DEFAULTS}}
@@ -95,11 +111,26 @@ def test_reasoning_effort_reaches_the_chat_template(tmp_path):
     converter = Converter(ConverterSettings(chat_template_file=str(template)))
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}')
     assert converter.render(chat.messages, chat) == "low|hi"
+    # as vLLM 0.32: the request's reasoning_effort wins over chat_template_kwargs'
     chat = oa.parse(
         "chat",
         b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low", '
         b'"chat_template_kwargs": {"reasoning_effort": "high"}}',
     )
-    assert converter.render(chat.messages, chat) == "high|hi"
+    assert converter.render(chat.messages, chat) == "low|hi"
     chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
     assert converter.render(chat.messages, chat) == "unset|hi"
+    # and it turns thinking on ("none": off) unless chat_template_kwargs says otherwise, as vLLM 0.32
+    template.write_text("{{ enable_thinking | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    converter = Converter(ConverterSettings(chat_template_file=str(template)))
+    for body, expected in (
+        (b'"reasoning_effort": "low"', "True|hi"),
+        (b'"reasoning_effort": "none"', "False|hi"),
+        (b'"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": false}', "False|hi"),
+        (b'"max_tokens": 1', "unset|hi"),
+    ):
+        chat = oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], ' + body + b"}")
+        assert converter.render(chat.messages, chat) == expected, body
+    with pytest.raises(oa.InvalidRequest) as refused:  # vLLM 0.32's values only
+        oa.parse("chat", b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}')
+    assert refused.value.param == "reasoning_effort"

@@ -112,8 +112,8 @@ def test_continuous_usage_counts_tokens_behind_the_text(echo_server, default_tok
 
 
 def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
-    """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); a request
-    that is not streamed just answers."""
+    """continuous_usage_stats alone gives no usage (vLLM reads it only with include_usage); stream_options
+    on a request that is not streamed is a 400 naming it, as vLLM (and OpenAI) answer."""
     events = _sse(
         echo_server,
         "/v1/chat/completions",
@@ -146,7 +146,13 @@ def test_continuous_usage_needs_include_usage_as_in_vllm(echo_server):
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         },
     )
-    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    status, _, body = http(
+        "POST",
+        echo_server.url + "/v1/completions",
+        {"model": MODEL, "prompt": WORDS, "max_tokens": 2, "stream_options": None},
+    )  # null is as absent
+    assert status == 200, body
     status, _, body = http(
         "POST",
         echo_server.url + "/v1/completions",
@@ -213,6 +219,62 @@ def test_include_stop_str_in_output_on_chat_and_bad_values(echo_server):
         {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"},
     )
     assert status == 400 and body["error"]["param"] == "include_stop_str_in_output", body
+
+
+def test_usage_counts_tokens_up_to_the_stop_string_as_vllm(echo_server, default_tokenizer):
+    """A stop string ends the choice at the token that completes it: usage counts the tokens up to that
+    one, as vLLM does, not those the scheduler generated before the abort reached it (the echo
+    scheduler, at no latency, has generated them all by then)."""
+    ids = default_tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta", add_special_tokens=False).ids
+    upto = next(k for k in range(1, len(ids)) if "beta" in default_tokenizer.decode(ids[:k]))
+    client = echo_server.client()
+    for include in (False, True):
+        extra = {"include_stop_str_in_output": include}
+        whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=["beta"], extra_body=extra)
+        assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens == upto, whole
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=ids,
+                max_tokens=len(ids),
+                stop=["beta"],
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        )
+        assert chunks[-1].usage.completion_tokens == upto
+
+
+def test_stop_reason_names_what_stopped_the_choice_as_vllm(echo_server, default_tokenizer):
+    """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry that ended the
+    choice; not written when the choice ran to max_tokens (vLLM writes null there)."""
+    ids = default_tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta", add_special_tokens=False).ids
+    client = echo_server.client()
+    cases = ((["gamma", "zeta"], None, "gamma"), (None, [ids[3]], ids[3]), (["nowhere"], None, None))
+    for stop, stop_ids, expected in cases:
+        extra = {"stop_token_ids": stop_ids} if stop_ids else {}
+        whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, extra_body=extra)
+        choice = whole.choices[0].model_dump()
+        assert choice.get("stop_reason") == expected and whole.choices[0].finish_reason == (
+            "stop" if expected else "length"
+        ), choice
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=len(ids), stop=stop, stream=True, extra_body=extra
+            )
+        )
+        reasons = [c.choices[0].model_dump().get("stop_reason") for c in chunks]
+        assert reasons[-1] == expected and not any(reasons[:-1]), reasons
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "alpha beta gamma"}],
+            max_tokens=40,
+            stop=stop,
+            extra_body=extra,
+        )
+        if stop:
+            assert chat.choices[0].model_dump().get("stop_reason") == expected
 
 
 # ---- request_id ---------------------------------------------------------------------------------
@@ -586,6 +648,40 @@ def test_chat_echo_repeats_the_last_assistant_message(echo_server):
         "POST", echo_server.url + "/v1/chat/completions", {"model": MODEL, "messages": user_last, "echo": 3}
     )
     assert status == 400 and err["error"]["param"] == "echo", err
+
+
+def test_answer_role_without_a_generation_prompt_as_vllm(echo_server):
+    """With add_generation_prompt false the model goes on writing the last message, and the answer
+    carries that message's role, as vLLM 0.32 names it (get_chat_request_role); the assistant's
+    otherwise."""
+    client = echo_server.client()
+    for messages, extra, role in (
+        ([{"role": "user", "content": "Say"}], {"add_generation_prompt": False}, "user"),
+        ([{"role": "user", "content": "Say"}], {}, "assistant"),
+        (
+            [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}],
+            {"add_generation_prompt": False, "continue_final_message": True},
+            "assistant",
+        ),
+    ):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+        assert out.choices[0].message.role == role, (extra, out)
+        chunks = list(
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True, extra_body=extra)
+        )
+        assert chunks[0].choices[0].delta.role == role and not any(c.choices[0].delta.role for c in chunks[1:])
+
+
+def test_continue_final_message_needs_add_generation_prompt_false_as_vllm(echo_server):
+    """continue_final_message with add_generation_prompt true (its default) is a 400 naming it, as vLLM
+    0.32 (and transformers' apply_chat_template) refuse it; with add_generation_prompt false it continues."""
+    messages = [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Well"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "continue_final_message": True}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, _, err = http("POST", echo_server.url + path, body)
+        assert status == 400 and err["error"]["param"] == "continue_final_message", (path, err)
+        status, _, out = http("POST", echo_server.url + path, {**body, "add_generation_prompt": False})
+        assert status == 200, (path, out)
 
 
 # ---- return_token_ids ---------------------------------------------------------------------------

@@ -1,0 +1,355 @@
+"""The vLLM stack the vLLM-backed test modules share (tests/engines/test_vllm_engine.py,
+tests/engines/test_vllm_field_parity.py): one tiny random-weight Llama (tokenmill/tiny_model.py) served by vLLM's
+own OpenAI server and by `tokenmill engine --backend vllm` behind `tokenmill serve`.
+
+It is started once per test session, as soon as pytest has collected the tests (conftest calls each
+module's start_early), and stopped when the last module that uses it releases it (each module's
+`stack` fixture: `stack = vllm_stack.module_fixture()`), or at the end of the session (conftest's
+pytest_sessionfinish calls shutdown) if a module never got to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import ROOT, Server, free_port, http
+from tokenizers import Tokenizer
+from vllm_env import VLLM_PYTHON
+
+NAME = "tiny-llama"
+MAX_MODEL_LEN = 4096
+VOCAB = 129280
+EOS, EOS_TEXT = 1, "<｜end▁of▁sentence｜>"
+STARTUP_TIMEOUT = 420.0  # each vLLM start takes ~40 s here, ~2 min when compiling; leave room for a busy machine
+MAKE_MODEL = ["-m", "tokenmill.tiny_model"]
+
+# Identical engine settings in both vLLMs. enforce_eager skips torch.compile (a minute of start-up
+# on 2 cores); without a prefix cache a request's numerics do not depend on earlier requests.
+# enable_log_requests: the engine log (shown when a test fails) lists every request vLLM adds and ends.
+VLLM_SERVER_FLAGS = ["--enforce-eager", "--no-enable-prefix-caching"]
+ENGINE_FLAGS = [
+    "--engine-arg",
+    "enforce_eager=true",
+    "--engine-arg",
+    "enable_prefix_caching=false",
+    "--engine-arg",
+    "enable_log_requests=true",
+]
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: 2M tokens of this model's cache, plenty
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",  # vLLM logs to stdout: the tests read the log file as it grows
+}
+
+
+# ---- processes ------------------------------------------------------------------------------------
+
+
+_PRCTL = ctypes.CDLL(None).prctl  # looked up here: the child, between fork and exec, only calls it
+
+
+def _die_with_the_tests(nice: int) -> None:
+    """In the child, before exec: SIGTERM when the test process dies (even by SIGKILL), so that a killed
+    pytest leaves no vLLM behind (SIGTERM lets vLLM stop its own engine-core and worker processes); and
+    the CPU priority asked for."""
+    _PRCTL(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if nice:
+        os.nice(nice)
+
+
+class Proc:
+    """A vLLM-venv subprocess in its own process group (vLLM's engine-core and worker processes
+    included), logging to a file; stop() ends the whole group."""
+
+    def __init__(self, args: list[str], log_path: Path, nice: int = 0) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**os.environ, **VLLM_ENV},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_the_tests(nice),
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_alive(self, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group: vLLM's children, orphans of a killed parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class VLLMServer(Proc):
+    def __init__(self, model: Path, log_path: Path, nice: int = 0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--served-model-name",
+                NAME,
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *VLLM_SERVER_FLAGS,
+            ],
+            log_path,
+            nice,
+        )
+
+    def ready(self) -> bool:
+        self.check_alive("vLLM's server")
+        try:
+            return http("GET", self.url + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+class Engine(Proc):
+    def __init__(self, model: Path, endpoint: str, log_path: Path, nice: int = 0) -> None:
+        self.endpoint = endpoint
+        self._seen = len(log_path.read_text(errors="replace")) if log_path.exists() else 0  # a restart appends
+        super().__init__(
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                "tokenmill.cli",
+                "engine",
+                "--backend",
+                "vllm",
+                "--model",
+                str(model),
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--bind",
+                endpoint,
+                "--stats-interval-s",
+                "0.2",
+                *ENGINE_FLAGS,
+            ],
+            log_path,
+            nice,
+        )
+
+    def ready(self) -> bool:
+        self.check_alive("tokenmill engine --backend vllm")
+        return "listening on" in self.log()[self._seen :]
+
+
+def wait_all(*procs, timeout: float = STARTUP_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if not p.ready()]
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {timeout:.0f} s:\n" + "\n".join(p.log()[-4000:] for p in pending))
+        time.sleep(0.5)
+
+
+@dataclass
+class Stack:
+    dir: Path
+    model: Path
+    vllm: VLLMServer
+    engine: Engine
+    front: Server
+    tokenizer: Tokenizer
+    started_s: float
+    standby: Engine | None = None  # a second engine, started with the stack, for the kill test to bring in
+
+    def __post_init__(self) -> None:
+        self.v = self.vllm.client()  # one client each: their connections are reused
+        self.t = self.front.client()
+
+
+class _EarlyStart:
+    """Makes the model and starts both vLLMs while the test modules before this one run (conftest
+    calls start_early once collection is done): a vLLM start is ~40 s, mostly imports, and the
+    earlier tests leave much of the machine idle while they wait for servers and sockets.
+
+    They start at a lower CPU priority, so that they take the CPU the other tests leave idle rather
+    than slow them down (a test process may raise its children's nice value, not lower it again).
+    The starting happens in a thread that lives as long as the processes do: PR_SET_PDEATHSIG (see
+    _die_with_the_tests) fires when the thread that started a child ends, not the process."""
+
+    NICE = 10
+
+    def __init__(self) -> None:
+        self.standby = False  # the kill test will want a replacement engine
+        self.users: set[str] = set()  # the modules whose tests use the stack (start_early), until they release it
+        self.stack: Stack | None = None
+        self.t0 = 0.0
+        self.thread: threading.Thread | None = None
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.root: Path | None = None
+        self.procs: list = []
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="vllm-stack", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix="tmvllm-"))  # short: ipc paths are limited to ~100 bytes
+            model = self.root / NAME
+            made = subprocess.run(
+                ["nice", "-n", str(self.NICE), str(VLLM_PYTHON), *MAKE_MODEL, str(model)],
+                cwd=ROOT,
+                env={**os.environ, **VLLM_ENV},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
+            self.procs.append(VLLMServer(model, self.root / "vllm.log", nice=self.NICE))
+            self.procs.append(Engine(model, f"ipc://{self.root}/engine.sock", self.root / "engine.log", nice=self.NICE))
+        except BaseException as exc:  # the fixture raises it
+            self.error = exc
+        finally:
+            self.started.set()
+        self.finished.wait()  # keep the processes' parent-death signal armed until they are stopped
+
+    def take(self) -> tuple[Path, list]:
+        self.start()  # not yet started when this module's tests were picked some other way
+        self.started.wait()
+        return self.root, self.procs
+
+
+EARLY = _EarlyStart()
+
+
+def start_early(items) -> None:
+    """Called by conftest once collection is done, once per module that uses the stack (see _EarlyStart):
+    the stack is started once, and stopped when the last of those modules is done with it (release)."""
+    EARLY.standby = EARLY.standby or any(item.name == "test_engine_killed_mid_stream_then_restarted" for item in items)
+    EARLY.users |= {item.module.__name__ for item in items}
+    EARLY.start()
+
+
+def acquire() -> Stack:
+    """The shared stack, started (and waited for) by the first module that needs it."""
+    if EARLY.stack is not None:
+        return EARLY.stack
+    EARLY.t0 = time.monotonic()
+    root, procs = EARLY.take()
+    if EARLY.error is not None:
+        raise EARLY.error
+    try:
+        wait_all(*procs)
+        model = root / NAME
+        front = Server(
+            "--model",
+            str(model),
+            "--scheduler",
+            procs[1].endpoint,
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--workers",
+            "1",
+            timeout=120,
+        )
+        procs.append(front)
+        s = Stack(
+            root,
+            model,
+            procs[0],
+            procs[1],
+            front,
+            Tokenizer.from_file(str(model / "tokenizer.json")),
+            time.monotonic() - EARLY.t0,
+        )
+        if EARLY.standby:  # it starts while the tests before the kill test run (not earlier: beside the
+            # CPU-bound bench tests, a third vLLM start cost them more than it saves here)
+            s.standby = Engine(model, f"ipc://{root}/standby.sock", root / "standby.log", nice=_EarlyStart.NICE)
+            procs.append(s.standby)
+    except BaseException as exc:
+        EARLY.error = exc  # the next module fails at once instead of waiting again
+        shutdown()
+        raise
+    print(f"\nvLLM stack ready {s.started_s:.1f} s after the first test that needs it began")
+    EARLY.stack = s
+    return s
+
+
+def shutdown() -> list:
+    """Stops every process of the stack (the newest first): [(process, exit status)]."""
+    procs, s = EARLY.procs, EARLY.stack
+    if s is not None and s.engine not in procs:
+        procs.append(s.engine)  # the kill test started a new one
+    statuses = [(p, p.stop()) for p in reversed(procs)]
+    procs.clear()
+    EARLY.finished.set()
+    if EARLY.root is not None:
+        shutil.rmtree(EARLY.root, ignore_errors=True)
+    return statuses
+
+
+def release(module: str) -> None:
+    """A module is done with the stack: the last one stops it and checks that every process shut down
+    cleanly on SIGTERM."""
+    EARLY.users.discard(module)
+    if EARLY.users or not EARLY.procs:
+        return
+    statuses = shutdown()
+    for p, status in statuses:
+        assert status == 0 or getattr(p, "killed", False), f"{type(p).__name__} exited with {status}"
+    print(f"\nvLLM stack wall time {time.monotonic() - EARLY.t0:.1f} s")
+
+
+def module_fixture():
+    """A module's `stack` fixture: the shared stack, released when the module's tests are done."""
+
+    @pytest.fixture(scope="module")
+    def stack(request):
+        yield acquire()
+        release(request.module.__name__)
+
+    return stack
