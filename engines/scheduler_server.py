@@ -78,6 +78,10 @@ def features_used(gen: Generate) -> list[tuple[str, str]]:
         used.append(("logprobs", "logprobs"))
     if gen.structured is not None:
         used.append((f"structured.{gen.structured.kind}", "structured"))
+        if gen.structured.disable_any_whitespace:
+            used.append(("structured.disable_any_whitespace", "structured.disable_any_whitespace"))
+        if gen.structured.whitespace_pattern is not None:
+            used.append(("structured.whitespace_pattern", "structured.whitespace_pattern"))
     if s.min_p:
         used.append(("min_p", "sampling.min_p"))
     if s.repetition_penalty != 1.0:

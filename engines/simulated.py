@@ -52,7 +52,10 @@ Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_toke
 * ``priority``: the waiting queue is a heap on (priority, arrival): lowest first, FIFO among equals;
 * ``cache_salt``: starts the ``--prefix-cache-tokens`` model's chain of block hashes;
 * ``allowed_token_ids`` / ``bad_words`` (random mode): draws keep to the allowed IDs and never
-  complete a banned sequence (its last token after the others as the latest generated tokens).
+  complete a banned sequence (its last token after the others as the latest generated tokens);
+* ``structured.disable_any_whitespace`` / ``structured.whitespace_pattern`` (listed with a tokenizer):
+  a JSON instance is written compact, or with whitespace drawn from the pattern at every place JSON
+  allows it (:func:`scheduler_client.structured.generate.example`); other kinds are unchanged.
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m engines.simulated --bind ENDPOINT``.
@@ -101,6 +104,7 @@ from scheduler_client.protocol import (
     FINISH_STOP,
     PROTOCOL_VERSION,
     STRUCTURED_FEATURES,
+    STRUCTURED_OPTION_FEATURES,
     Generate,
     Outputs,
     PromptLogprobs,
@@ -431,7 +435,9 @@ class SimulatedScheduler(SchedulerServer):
             self._tokens = _TokenSource(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
         # 1.1: structured outputs need a tokenizer to turn their text into tokens
         self._features = (
-            frozenset(FEATURES) if self._tokenizer is not None else frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES)
+            frozenset(FEATURES)
+            if self._tokenizer is not None
+            else frozenset(FEATURES) - frozenset(STRUCTURED_FEATURES) - frozenset(STRUCTURED_OPTION_FEATURES)
         )
         # 1.2: priority is honoured (and listed) only when the queue is ordered by it, as vLLM's --scheduling-policy
         self.scheduling = scheduling
@@ -519,7 +525,8 @@ class SimulatedScheduler(SchedulerServer):
             try:
                 structured.check(gen.structured, "structured")
             except structured.StructuredError as exc:
-                raise Rejected(str(exc), param="structured") from None
+                param = "structured.whitespace_pattern" if exc.where == "whitespace_pattern" else "structured"
+                raise Rejected(str(exc), param=param) from None
 
     def stats(self) -> Stats:
         return Stats(num_running=self.num_running, num_waiting=self.num_waiting)

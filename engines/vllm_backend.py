@@ -44,6 +44,14 @@ builds it (the extra args, with ``kv_transfer_params`` beside them), and the fin
 ``kv_transfer_params`` (its KV connector's) go back in the final RequestOutput. The
 ``kv_transfer_params`` feature is listed only with a KV connector (``--engine-arg
 kv_transfer_config=...``): without one vLLM 0.32 takes the field and ignores it.
+``Structured.disable_any_whitespace`` and ``whitespace_pattern`` -> StructuredOutputsParams' fields of
+those names, but vLLM 0.32's grammar backends read neither per request: xgrammar and guidance
+compile JSON without optional whitespace only when the engine's ``structured_outputs_config`` says
+``disable_any_whitespace`` (and vLLM allows that only with one of those two backends), and nothing
+reads ``whitespace_pattern``. So the ``structured.disable_any_whitespace`` feature is listed only with
+``--engine-arg structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}'``
+(then every JSON output is compact, which honours a request with or without it), and
+``structured.whitespace_pattern`` never.
 
 Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
 before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
@@ -61,14 +69,17 @@ from typing import Any
 from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
+    FEATURE_DISABLE_ANY_WHITESPACE,
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_PRIORITY,
+    FEATURE_WHITESPACE_PATTERN,
     FEATURES,
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     STRUCTURED_FEATURES,
+    STRUCTURED_OPTION_FEATURES,
     Structured,
 )
 
@@ -100,7 +111,16 @@ def vllm_sampling_params(**kwargs: Any):
 
 
 def structured_outputs(structured: Structured) -> dict[str, Any]:
-    """A protocol Structured as StructuredOutputsParams keywords."""
+    """A protocol Structured as StructuredOutputsParams keywords (the constraint and its options)."""
+    options: dict[str, Any] = {}
+    if structured.disable_any_whitespace:
+        options["disable_any_whitespace"] = True
+    if structured.whitespace_pattern is not None:
+        options["whitespace_pattern"] = structured.whitespace_pattern
+    return {**_constraint(structured), **options}
+
+
+def _constraint(structured: Structured) -> dict[str, Any]:
     kind = structured.kind
     if kind == "json_schema":
         return {"json": structured.spec}
@@ -292,7 +312,20 @@ class VLLMBackend(Backend):
         if no_tokenizer is None:
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
         if no_tokenizer:  # vLLM refuses structured outputs without its tokenizer
-            features -= set(STRUCTURED_FEATURES)
+            features -= set(STRUCTURED_FEATURES) | set(STRUCTURED_OPTION_FEATURES)
+        # vLLM 0.32's grammar backends ignore the request's whitespace options: compact JSON only with
+        # the engine-wide structured_outputs_config.disable_any_whitespace, a whitespace pattern never
+        so_config = (
+            getattr(config, "structured_outputs_config", None)
+            if config is not None
+            else self.engine_args.get("structured_outputs_config")
+        )
+        so_compact = so_config.get("disable_any_whitespace") if isinstance(so_config, dict) else None
+        if so_compact is None:
+            so_compact = getattr(so_config, "disable_any_whitespace", False)
+        if not so_compact:
+            features.discard(FEATURE_DISABLE_ANY_WHITESPACE)
+        features.discard(FEATURE_WHITESPACE_PATTERN)
         policy = getattr(scheduler_config, "policy", None) or self.engine_args.get("scheduling_policy")
         if str(getattr(policy, "value", policy)) != "priority":  # vLLM's "fcfs" ignores a request's priority
             features.discard(FEATURE_PRIORITY)

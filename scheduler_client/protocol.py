@@ -51,6 +51,10 @@ class Structured(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=Fals
     kind: str  # one of STRUCTURED_KINDS
     spec: str = ""  # json_schema / structural_tag: JSON text; regex: the pattern; grammar: EBNF; json_object: ""
     choices: list[str] = []  # kind "choice": the output is exactly one of these
+    # 1.2, each with its feature: JSON (json_schema, json_object) without optional whitespace ...
+    disable_any_whitespace: bool = False
+    # ... or with its optional whitespace matching this regex (None: the engine's own)
+    whitespace_pattern: str | None = None
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
@@ -69,6 +73,10 @@ SAMPLING_FEATURES_12 = ("allowed_token_ids", "bad_words")
 FEATURE_PROMPT_LOGPROBS = "prompt_logprobs"  # Generate.prompt_logprobs, and the first RequestOutput's prompt_* arrays
 FEATURE_KV_TRANSFER_PARAMS = "kv_transfer_params"  # Generate.kv_transfer_params, RequestOutput.kv_transfer_params
 FEATURE_EXTRA_ARGS = "extra_args"  # Generate.extra_args (vLLM's vllm_xargs)
+# 1.2, continued: the whitespace a JSON constraint allows
+FEATURE_DISABLE_ANY_WHITESPACE = "structured.disable_any_whitespace"  # Structured.disable_any_whitespace
+FEATURE_WHITESPACE_PATTERN = "structured.whitespace_pattern"  # Structured.whitespace_pattern
+STRUCTURED_OPTION_FEATURES = (FEATURE_DISABLE_ANY_WHITESPACE, FEATURE_WHITESPACE_PATTERN)
 FEATURES_12 = (
     FEATURE_PRIORITY,
     FEATURE_CACHE_SALT,
@@ -76,6 +84,7 @@ FEATURES_12 = (
     FEATURE_PROMPT_LOGPROBS,
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_EXTRA_ARGS,
+    *STRUCTURED_OPTION_FEATURES,
 )
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from scheduler_client import protocol
-from scheduler_client.structured import StructuredError
+from scheduler_client.structured import StructuredError, whitespace_problem
 from scheduler_client.structured import check as check_structured
 from tokenizer_workers.openai_requests import InvalidRequest
 from tokenizer_workers.output_parsers.base import functions as tool_functions
@@ -37,6 +37,11 @@ _STRUCTURED_KEYS = {
     "grammar": "grammar",
     "json_object": "json_object",
     "structural_tag": "structural_tag",
+}
+# structured_outputs keys that are options of the constraint (protocol 1.2's Structured fields)
+_STRUCTURED_OPTIONS = {
+    "disable_any_whitespace": protocol.FEATURE_DISABLE_ANY_WHITESPACE,
+    "whitespace_pattern": protocol.FEATURE_WHITESPACE_PATTERN,
 }
 # vLLM's guided_* fields (older releases) and the kind each means
 _GUIDED = {
@@ -334,19 +339,34 @@ def structured(req, engine: Engine) -> protocol.Structured | None:
         if spec is not None:
             where = "response_format.json_schema.schema" if spec.kind == "json_schema" else "response_format"
             found.append(("response_format", where, spec))
+    options: dict[str, tuple[str, Any]] = {}  # the constraint's whitespace options (protocol 1.2) -> (field, value)
     if req.structured_outputs is not None:
-        key, spec = _structured_outputs(req.structured_outputs)
+        key, spec, options = _structured_outputs(req.structured_outputs)
         found.append(("structured_outputs", f"structured_outputs.{key}", spec))
     for name, kind in _GUIDED.items():
         value = getattr(req, name)
         if value is not None:
             found.append((name, name, _spec(kind, value, name)))
+    pattern = req.guided_whitespace_pattern  # older vLLM's name for structured_outputs.whitespace_pattern
+    if pattern is not None:
+        if "whitespace_pattern" in options:
+            raise InvalidRequest(
+                "Give structured_outputs.whitespace_pattern or guided_whitespace_pattern, not both.",
+                "guided_whitespace_pattern",
+            )
+        _whitespace_pattern(pattern, "guided_whitespace_pattern")
+        options["whitespace_pattern"] = ("guided_whitespace_pattern", pattern)
     if not found:
-        return None
+        return None  # a whitespace pattern without a constraint shapes nothing (older vLLM dropped it too)
     if len(found) > 1:
         raise InvalidRequest(f"Give one output constraint, not {' and '.join(f[0] for f in found)}.", found[1][0])
     param, where, spec = found[0]
     validate(spec, param, engine, where)
+    for name, feature in _STRUCTURED_OPTIONS.items():
+        if name in options:
+            field, value = options[name]
+            engine.require(feature, field, field)
+            setattr(spec, name, value)
     return spec
 
 
@@ -385,9 +405,15 @@ def _response_format(rf: dict) -> protocol.Structured | None:
     )
 
 
-def _structured_outputs(so: dict) -> tuple[str, protocol.Structured]:
+def _structured_outputs(so: dict) -> tuple[str, protocol.Structured, dict[str, tuple[str, Any]]]:
+    """(the key holding the constraint, its spec, the whitespace options set -> (field, value)); the
+    options stay off the spec until it has been validated."""
     chosen = [key for key in _STRUCTURED_KEYS if so.get(key) not in (None, False)]
-    others = [key for key, value in so.items() if key not in _STRUCTURED_KEYS and value not in (None, False)]
+    others = [
+        key
+        for key, value in so.items()
+        if key not in _STRUCTURED_KEYS and key not in _STRUCTURED_OPTIONS and value not in (None, False)
+    ]
     if others:
         raise InvalidRequest(
             f"structured_outputs.{others[0]} is not supported by this server: the engine's "
@@ -399,7 +425,32 @@ def _structured_outputs(so: dict) -> tuple[str, protocol.Structured]:
             "structured_outputs must set exactly one of " + ", ".join(_STRUCTURED_KEYS) + ".", "structured_outputs"
         )
     key = chosen[0]
-    return key, _spec(_STRUCTURED_KEYS[key], so[key], f"structured_outputs.{key}")
+    spec = _spec(_STRUCTURED_KEYS[key], so[key], f"structured_outputs.{key}")
+    options: dict[str, tuple[str, Any]] = {}
+    if "disable_any_whitespace" in so:  # vLLM's StructuredOutputsParams field: a bool (null is refused too)
+        value = so["disable_any_whitespace"]
+        if not isinstance(value, bool):
+            raise InvalidRequest(
+                "structured_outputs.disable_any_whitespace must be a boolean.",
+                "structured_outputs.disable_any_whitespace",
+            )
+        if value:
+            options["disable_any_whitespace"] = ("structured_outputs.disable_any_whitespace", True)
+    pattern = so.get("whitespace_pattern")
+    if pattern is not None:
+        _whitespace_pattern(pattern, "structured_outputs.whitespace_pattern")
+        options["whitespace_pattern"] = ("structured_outputs.whitespace_pattern", pattern)
+    return key, spec, options
+
+
+def _whitespace_pattern(pattern: Any, param: str) -> None:
+    """A 400 naming ``param`` unless ``pattern`` is a string (as vLLM's pydantic model checks) holding a
+    regex of the dialect structured ``regex`` specs use (the engine compiles it into its JSON grammar)."""
+    if not isinstance(pattern, str):
+        raise InvalidRequest(f"{param} must be a string.", param)
+    problem = whitespace_problem(pattern)
+    if problem is not None:
+        raise InvalidRequest(f"{param}: {problem}", param)
 
 
 def _spec(kind: str, value: Any, param: str) -> protocol.Structured:

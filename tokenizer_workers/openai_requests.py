@@ -52,6 +52,7 @@ class SamplingFields(RefusableFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: Any = None  # older vLLM's structured_outputs.whitespace_pattern
     # vLLM's: keep N of the prompt's tokens (-1: as many as fit), the last N unless truncation_side "right"
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None

@@ -42,7 +42,6 @@ _STRUCTURED = "use structured_outputs (json, regex, choice, grammar, structural_
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_none, _STRUCTURED),
     "guided_decoding_backend": (_none, "the engine chooses its constrained-decoding backend"),
-    "guided_whitespace_pattern": (_none, "the engine's constrained-decoding backend decides whitespace"),
     "logits_processors": (_none, "custom logits processors cannot cross the scheduler protocol"),
     "best_of": (_equals(1), "only one sequence per choice is generated"),
     "use_beam_search": (_false, "beam search is not available"),

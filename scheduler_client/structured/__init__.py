@@ -39,6 +39,6 @@ The kinds (``protocol.STRUCTURED_KINDS``):
 """
 
 from scheduler_client.structured.spec import StructuredError
-from scheduler_client.structured.validate import check, compile_spec
+from scheduler_client.structured.validate import check, compile_spec, whitespace_problem
 
-__all__ = ["StructuredError", "check", "compile_spec"]
+__all__ = ["StructuredError", "check", "compile_spec", "whitespace_problem"]

@@ -56,9 +56,9 @@ def example(s: Structured, rng: random.Random) -> str:
         raise StructuredError(problem, kind)
     try:
         if kind == "json_schema":
-            return json.dumps(_SchemaGen(compiled, rng).instance())
+            return _dump(_SchemaGen(compiled, rng).instance(), s, rng)
         if kind == "json_object":
-            return json.dumps(_small_object(rng))
+            return _dump(_small_object(rng), s, rng)
         if kind == "regex":
             return _regex_example(compiled, rng)
         if kind == "grammar":
@@ -68,6 +68,44 @@ def example(s: Structured, rng: random.Random) -> str:
         raise StructuredError(str(exc) or "the spec accepts no text the simulator can find", kind) from None
     except RecursionError:
         raise StructuredError("the spec is nested too deeply to write an instance", kind) from None
+
+
+# =========================================================================== JSON text
+
+
+def _dump(value: Any, s: Structured, rng: random.Random) -> str:
+    """A JSON instance as text, with the optional whitespace the spec's options allow (protocol 1.2):
+    none with ``disable_any_whitespace``; with ``whitespace_pattern``, a text drawn from that regex at
+    every place JSON allows whitespace (inside brackets and braces that hold something, on both sides
+    of each ``,`` and ``:``), the text before the first and after the last value excepted; otherwise a
+    space after each ``,`` and ``:`` (json.dumps' default)."""
+    if s.disable_any_whitespace:
+        return json.dumps(value, separators=(",", ":"))
+    if s.whitespace_pattern is None:
+        return json.dumps(value)
+    pattern, problem = compile_spec("regex", s.whitespace_pattern)
+    if problem is not None:
+        raise StructuredError(problem, "whitespace_pattern")
+    out: list[str] = []
+    _write_json(value, lambda: _regex_example(pattern, rng), out)
+    return "".join(out)
+
+
+def _write_json(value: Any, ws, out: list[str]) -> None:
+    if isinstance(value, dict) and value:
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.extend((ws(), "," if i else "", ws() if i else "", json.dumps(key), ws(), ":", ws()))
+            _write_json(item, ws, out)
+        out.extend((ws(), "}"))
+    elif isinstance(value, list) and value:
+        out.append("[")
+        for i, item in enumerate(value):
+            out.extend((ws(), ",", ws()) if i else (ws(),))
+            _write_json(item, ws, out)
+        out.extend((ws(), "]"))
+    else:
+        out.append(json.dumps(value))
 
 
 # =========================================================================== regular expressions

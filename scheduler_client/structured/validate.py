@@ -49,6 +49,18 @@ def check(s: Structured, where: str | None = None) -> None:
         problem = compile_spec(kind, s.spec)[1]
     if problem is not None:
         raise StructuredError(problem, kind if where is None else where)
+    if s.whitespace_pattern is not None:
+        problem = whitespace_problem(s.whitespace_pattern)
+        if problem is not None:
+            raise StructuredError(problem, "whitespace_pattern")
+
+
+def whitespace_problem(pattern) -> str | None:
+    """What is wrong with a whitespace pattern (protocol 1.2's ``Structured.whitespace_pattern``), or None:
+    it must be a regex of the dialect ``regex`` specs use, which an engine compiles into its JSON grammar."""
+    if not isinstance(pattern, str):
+        return f"must be a string, got {show(pattern)}"
+    return parse_regex(pattern)[1]
 
 
 def choice_problem(choices) -> str | None:

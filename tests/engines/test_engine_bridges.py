@@ -54,6 +54,7 @@ from scheduler_client.protocol import (
     FEATURES_12,
     PROTOCOL_VERSION,
     STRUCTURED_FEATURES,
+    STRUCTURED_OPTION_FEATURES,
     Abort,
     Error,
     Generate,
@@ -422,6 +423,11 @@ STRUCTURED = {
 }
 
 
+# what the vLLM bridge does not list by default: priority under FCFS, kv_transfer_params without a KV
+# connector, disable_any_whitespace without the engine-wide option, whitespace_pattern ever
+VLLM_UNLISTED = {"priority", "kv_transfer_params", *STRUCTURED_OPTION_FEATURES}
+
+
 def test_sglang_protocol_1_1_params_and_features():
     backend, _ = sglang_backend()
     try:  # token IDs only (the default): no min_new_tokens, no grammar backend in SGLang
@@ -742,7 +748,7 @@ def test_vllm_protocol_1_1_params_and_features():
     backend, _ = vllm_backend()
     info = backend.info()
     # vLLM's default FCFS; no KV connector
-    assert info.features == set(FEATURES) - {"priority", "kv_transfer_params"} and info.max_logprobs == 20
+    assert info.features == set(FEATURES) - VLLM_UNLISTED and info.max_logprobs == 20
     params = backend.sampling_params(
         request(
             "p",
@@ -773,7 +779,7 @@ def test_vllm_protocol_1_1_params_and_features():
     }
 
     no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})  # vLLM refuses structured outputs then
-    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority", "kv_transfer_params"}
+    assert no_tokenizer.info().features == set(FEATURES) - set(STRUCTURED_FEATURES) - VLLM_UNLISTED
     assert no_tokenizer.engine_args["skip_tokenizer_init"] is True
     whole_vocab, _ = vllm_backend(max_logprobs=-1)  # vLLM's -1: as many as the vocabulary has
     assert whole_vocab.info().max_logprobs == 6000
@@ -787,7 +793,7 @@ def test_vllm_protocol_1_2_params_and_features():
     assert "priority" not in fcfs.info().features
     assert {"cache_salt", "allowed_token_ids", "bad_words"} <= fcfs.info().features
     backend, engine = vllm_backend(policy="priority")
-    assert backend.info().features == set(FEATURES) - {"kv_transfer_params"}
+    assert backend.info().features == (set(FEATURES) - VLLM_UNLISTED) | {"priority"}
     params = backend.sampling_params(request("p", allowed_token_ids=[5, 9], bad_words=[[7, 8], [3]]))
     assert params["allowed_token_ids"] == [5, 9] and params["bad_words_token_ids"] == [[7, 8], [3]]
     plain = backend.sampling_params(request("q"))
@@ -801,6 +807,79 @@ def test_vllm_protocol_1_2_params_and_features():
         assert engine.prompts["plain"] == {"prompt_token_ids": [4, 5]} and engine.priorities["plain"] == 0
 
     asyncio.run(main())
+
+
+def test_vllm_structured_whitespace_options():
+    """Structured.disable_any_whitespace and whitespace_pattern -> StructuredOutputsParams' fields beside
+    the constraint. vLLM 0.32's grammar backends read neither per request, only the engine-wide
+    structured_outputs_config.disable_any_whitespace, so the bridge lists that feature only with it, and
+    the whitespace_pattern one never; the engine server refuses an unlisted one naming the field."""
+    options = {"disable_any_whitespace": True, "whitespace_pattern": r"[ ]?"}
+    assert structured_outputs(Structured("json_schema", SCHEMA, **options)) == {"json": SCHEMA, **options}
+    assert structured_outputs(Structured("json_object", disable_any_whitespace=True)) == {
+        "json_object": True,
+        "disable_any_whitespace": True,
+    }
+    assert structured_outputs(Structured("regex", "a+", whitespace_pattern="")) == {
+        "regex": "a+",
+        "whitespace_pattern": "",
+    }
+    assert structured_outputs(STRUCTURED["choice"]) == {"choice": ["yes", "no"]}  # defaults: not passed
+
+    engine = FakeAsyncLLM()
+    engine.vllm_config.structured_outputs_config = SimpleNamespace(backend="xgrammar", disable_any_whitespace=True)
+    compact = VLLMBackend(
+        engine=engine,
+        engine_args={"model": "fake/model"},
+        make_sampling_params=lambda **kw: {**kw, "detokenize": False, "output_kind": "DELTA"},
+    )
+    compact.prepare()
+    assert "structured.disable_any_whitespace" in compact.info().features
+    assert "structured.whitespace_pattern" not in compact.info().features
+    params = compact.sampling_params(request("p", structured=Structured("json_object", disable_any_whitespace=True)))
+    assert params["structured_outputs"] == {"json_object": True, "disable_any_whitespace": True}
+    no_tokenizer, _ = vllm_backend({"skip_tokenizer_init": True})
+    assert not set(STRUCTURED_OPTION_FEATURES) & no_tokenizer.info().features
+
+    plain, _ = vllm_backend()
+
+    async def main():
+        server, task, endpoint = await serving(plain)
+        fe = Frontend(endpoint)
+        try:
+            await fe.hello()
+            await fe.generate("compact", (1, 2), 2, structured=Structured("json_object", disable_any_whitespace=True))
+            await fe.generate("pattern", (1, 2), 2, structured=Structured("regex", "a+", whitespace_pattern=" "))
+            done = await fe.results(["compact", "pattern"])
+            assert (done["compact"][2].code, done["compact"][2].param) == (
+                "unsupported",
+                "structured.disable_any_whitespace",
+            )
+            assert (done["pattern"][2].code, done["pattern"][2].param) == (
+                "unsupported",
+                "structured.whitespace_pattern",
+            )
+        finally:
+            fe.close()
+            await stop_serving(server, task)
+
+    asyncio.run(main())
+
+
+def test_vllm_structured_options_reach_the_engine_core():
+    """With vLLM installed: the real StructuredOutputsParams keeps both options through the msgpack trip."""
+    pytest.importorskip("vllm")
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from engines.vllm_backend import vllm_sampling_params
+
+    so = structured_outputs(Structured("json_object", disable_any_whitespace=True, whitespace_pattern=r"\n?"))
+    params = vllm_sampling_params(max_tokens=3, structured_outputs=so)
+    back = MsgpackDecoder(type(params)).decode(MsgpackEncoder().encode(params))
+    assert back.structured_outputs.json_object is True
+    assert (
+        back.structured_outputs.disable_any_whitespace is True and back.structured_outputs.whitespace_pattern == r"\n?"
+    )
 
 
 def test_vllm_sampling_params_carry_bad_words_token_ids():
@@ -1277,7 +1356,7 @@ def test_vllm_errors_name_the_field():
         fe = Frontend(endpoint)
         try:
             welcome = await fe.hello()
-            assert welcome.features == sorted(set(FEATURES) - {"priority", "kv_transfer_params"})
+            assert welcome.features == sorted(set(FEATURES) - VLLM_UNLISTED)
             assert welcome.max_logprobs == 20
             await fe.generate("many", (1, 2), 3, logprobs=11)  # within Welcome's 20, beyond this vLLM's 10
             await fe.generate("schema", (1, 2), 3, structured=Structured(kind="json_schema", spec="{not json"))

@@ -720,7 +720,10 @@ def test_engine_announces_every_feature_it_honours(stack):
     ignores a priority) and kv_transfer_params (nothing consumes them without a KV connector)."""
     with engine_session(stack.engine.endpoint, "test-welcome") as front:
         welcome = next(m for m in front.messages(10) if isinstance(m, Welcome))
-    assert welcome.features == sorted(set(FEATURES) - {"priority", "kv_transfer_params"})
+    assert welcome.features == sorted(
+        set(FEATURES)
+        - {"priority", "kv_transfer_params", "structured.disable_any_whitespace", "structured.whitespace_pattern"}
+    )
     assert welcome.max_logprobs == 20  # vLLM's max_logprobs default
 
 

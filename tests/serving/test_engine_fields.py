@@ -1,5 +1,6 @@
 """vLLM's request fields that need the engine (issue 29, scheduler protocol 1.2): priority, cache_salt,
-allowed_token_ids, bad_words, prompt_logprobs, kv_transfer_params and vllm_xargs.
+allowed_token_ids, bad_words, prompt_logprobs, kv_transfer_params and vllm_xargs; structured_outputs'
+disable_any_whitespace and whitespace_pattern (and guided_whitespace_pattern).
 
 A real `tokenmill serve` in front of a real simulated scheduler process (over ZeroMQ), driven with the
 official OpenAI client: the simulator honours each field visibly (its waiting queue ordered by
@@ -9,6 +10,7 @@ banned sequences). An engine that does not list a field's feature gets a 400 nam
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -342,6 +344,108 @@ def test_kv_transfer_params_and_vllm_xargs_reach_the_engine(server):
         assert status == 400 and body["error"]["param"] == param, (field, value, body)
 
 
+# ---- structured_outputs.disable_any_whitespace, whitespace_pattern ----------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+        "size": {"type": "object", "properties": {"w": {"type": "integer"}}, "required": ["w"]},
+    },
+    "required": ["name", "tags", "size"],
+}
+
+
+def _compact(text: str) -> str:
+    return json.dumps(json.loads(text), separators=(",", ":"))
+
+
+def test_whitespace_options_shape_the_json(server):
+    """The simulator writes JSON with json.dumps' spaces by default, none with disable_any_whitespace,
+    and whitespace drawn from whitespace_pattern (older vLLM's guided_whitespace_pattern too). JSON
+    strings hold no raw newlines, so every newline of the output is whitespace the pattern put there."""
+    client = server.client()
+
+    def content(seed: int, **extra) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=400, seed=seed, extra_body=extra)
+        assert out.choices[0].finish_reason == "stop", out
+        return out.choices[0].message.content
+
+    for seed in range(3):
+        plain = content(seed, structured_outputs={"json": SCHEMA})
+        assert plain == json.dumps(json.loads(plain)) and ", " in plain and ": " in plain
+        compact = content(seed, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+        assert compact == _compact(compact) and json.loads(compact) == json.loads(plain)  # same instance
+        obj = content(seed, structured_outputs={"json_object": True, "disable_any_whitespace": True})
+        assert obj == _compact(obj) and isinstance(json.loads(obj), dict)
+        for extra in (
+            {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": r"\n{1,2}"}},
+            {"guided_json": SCHEMA, "guided_whitespace_pattern": r"\n{1,2}"},
+        ):
+            lines = content(seed, **extra)
+            assert json.loads(lines) == json.loads(plain), lines
+            assert lines.replace("\n", "") == compact, lines
+            assert "\n:\n" in lines and "{\n" in lines and "\n}" in lines and "[\n" in lines, lines
+            assert "\n\n\n" not in lines, lines
+    # the options with other constraints are accepted (they shape JSON only), false needs no feature
+    out = content(0, structured_outputs={"choice": ["a b", "c"], "disable_any_whitespace": True})
+    assert out in ("a b", "c")
+    assert content(0, structured_outputs={"regex": "x y", "whitespace_pattern": " "}) == "x y"
+    off = content(1, structured_outputs={"json": SCHEMA, "disable_any_whitespace": False, "whitespace_pattern": None})
+    assert off == json.dumps(json.loads(off))
+    # completions too, and a streamed answer is the same text
+    done = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=400,
+        seed=4,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    )
+    text = done.choices[0].text
+    assert text == _compact(text)
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=400,
+        seed=4,
+        stream=True,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+
+def test_whitespace_options_checked_as_vllm(server):
+    """vLLM's pydantic model takes a bool and a string (null is no bool); tokenmill also checks that the
+    pattern is a regex an engine can compile. Each is a 400 naming the field."""
+    base = {"messages": CHAT, "max_tokens": 2}
+    for extra, param in (
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}}, "disable_any_whitespace"),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": 1}}, "disable_any_whitespace"),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": None}}, "disable_any_whitespace"),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": 5}}, "whitespace_pattern"),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": "(\\s"}}, "whitespace_pattern"),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": "(?= )"}}, "whitespace_pattern"),
+        ({"structured_outputs": {"json_object": True, "disable_additional_properties": True}}, None),
+    ):
+        param = f"structured_outputs.{param or 'disable_additional_properties'}"
+        status, _, body = _post(server, {**base, **extra})
+        assert status == 400 and body["error"]["param"] == param, (extra, body)
+    for extra in (
+        {"guided_json": SCHEMA, "guided_whitespace_pattern": ["\\s"]},
+        {"guided_json": SCHEMA, "guided_whitespace_pattern": "[ "},
+        {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}, "guided_whitespace_pattern": " "},
+    ):
+        status, _, body = _post(server, {**base, **extra})
+        assert status == 400 and body["error"]["param"] == "guided_whitespace_pattern", (extra, body)
+    # options alone are no constraint (vLLM's StructuredOutputsParams needs one); a guided pattern alone
+    # shapes nothing and is dropped, as older vLLM dropped it
+    status, _, body = _post(server, {**base, "structured_outputs": {"disable_any_whitespace": True}})
+    assert status == 400 and body["error"]["param"] == "structured_outputs", body
+    status, _, body = _post(server, {**base, "guided_whitespace_pattern": " "})
+    assert status == 200, body
+
+
 # ---- an engine without the features -----------------------------------------------------------------
 
 
@@ -383,6 +487,26 @@ def test_a_1_1_scheduler_gets_none_of_the_1_2_fields(tmp_path):
                 status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, field: value})
                 assert status == 400, (field, body)
                 assert body["error"]["param"] == field and body["error"]["code"] == "unsupported", (field, body)
+            for so, param in (
+                ({"json_object": True, "disable_any_whitespace": True}, "structured_outputs.disable_any_whitespace"),
+                ({"regex": "a+", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+            ):
+                status, _, body = _post(srv, {"messages": CHAT, "max_tokens": 2, "structured_outputs": so})
+                assert status == 400, (so, body)
+                assert body["error"]["param"] == param and body["error"]["code"] == "unsupported", (so, body)
+            status, _, body = _post(
+                srv, {"messages": CHAT, "max_tokens": 2, "guided_regex": "a+", "guided_whitespace_pattern": " "}
+            )
+            assert status == 400 and body["error"]["param"] == "guided_whitespace_pattern", body
+            status, _, body = _post(  # a 1.1 constraint without the options still works
+                srv,
+                {
+                    "messages": CHAT,
+                    "max_tokens": 20,
+                    "structured_outputs": {"regex": "a+", "disable_any_whitespace": False},
+                },
+            )
+            assert status == 200 and re.fullmatch("a+", body["choices"][0]["message"]["content"]), body
             with pytest.raises(openai.BadRequestError):  # a 1.1 field still works, a 1.2 one does not
                 srv.client().chat.completions.create(
                     model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, extra_body={"cache_salt": "x"}

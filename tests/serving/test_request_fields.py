@@ -17,7 +17,6 @@ CHAT = [{"role": "user", "content": "Hello"}]
 NON_DEFAULT = {
     "structural_tag": {"type": "structural_tag"},
     "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ",
     "logits_processors": ["my.module:Proc"],
     "best_of": 2,
     "use_beam_search": True,

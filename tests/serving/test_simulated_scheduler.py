@@ -29,6 +29,7 @@ from scheduler_client.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
     STRUCTURED_FEATURES,
+    STRUCTURED_OPTION_FEATURES,
     Abort,
     Error,
     Generate,
@@ -647,7 +648,9 @@ def expect_error(client, request_id):
 def test_welcome_lists_features(sched, model_sched):
     welcome = sched.client(handshake=False).handshake()
     # priority (1.2) only with --scheduling priority
-    assert welcome.features == sorted(set(FEATURES) - set(STRUCTURED_FEATURES) - {"priority"})
+    assert welcome.features == sorted(
+        set(FEATURES) - set(STRUCTURED_FEATURES) - set(STRUCTURED_OPTION_FEATURES) - {"priority"}
+    )
     assert welcome.max_logprobs == 20
     welcome = model_sched.client(handshake=False).handshake()
     assert welcome.features == sorted(set(FEATURES) - {"priority"})

@@ -719,3 +719,62 @@ def test_structural_tag_format_examples():
         match = re.fullmatch(r"ID:[0-9]{3}!?<json>(.*)</json>(xx|y)[^<]*<t>[^<]*</t>", text)
         assert match, text
         jsonschema.validate(json.loads(match.group(1)), TAG_SCHEMA)
+
+
+# ---- protocol 1.2: the whitespace options -------------------------------------------------------------
+
+NESTED = json.dumps(
+    {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 2}, "b": {"type": "string"}},
+        "required": ["a", "b"],
+    }
+)
+
+
+def _separators(value) -> int:
+    """The commas between members and items in a JSON value (tabs never appear in its strings)."""
+    if isinstance(value, dict):
+        return max(len(value) - 1, 0) + sum(_separators(v) for v in value.values())
+    if isinstance(value, list):
+        return max(len(value) - 1, 0) + sum(_separators(v) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_whitespace_options_shape_json_instances(kind):
+    """The same instance for the same generator state: json.dumps' spaces by default, none with
+    disable_any_whitespace, the pattern's text at every place JSON allows whitespace with
+    whitespace_pattern (disable_any_whitespace wins over it)."""
+    spec = NESTED if kind == "json_schema" else ""
+    for seed in SEEDS:
+        plain = example(Structured(kind, spec), random.Random(seed))
+        value = json.loads(plain)
+        assert plain == json.dumps(value)
+        compact = example(Structured(kind, spec, disable_any_whitespace=True), random.Random(seed))
+        assert compact == json.dumps(value, separators=(",", ":"))
+        both = Structured(kind, spec, disable_any_whitespace=True, whitespace_pattern="\t+")
+        assert example(both, random.Random(seed)) == compact
+        tabs = example(Structured(kind, spec, whitespace_pattern=r"\t{1,3}"), random.Random(seed))
+        assert json.loads(tabs) == value and tabs.replace("\t", "") == compact
+        assert re.fullmatch(r"\{\t{1,3}\".*\t{1,3}\}", tabs, re.S) and "\t\t\t\t" not in tabs
+        assert tabs.count("\t:\t") >= 1 and tabs.count("\t,\t") == _separators(value)
+        empty = example(Structured(kind, spec, whitespace_pattern=""), random.Random(seed))
+        assert empty == compact
+
+
+def test_whitespace_options_leave_other_kinds_alone():
+    for s in (S("regex", "a b"), S("choice", choices=["x y"]), S("grammar", 'root ::= "p q"')):
+        shaped = Structured(s.kind, s.spec, list(s.choices), disable_any_whitespace=True, whitespace_pattern="\n")
+        assert example(shaped, random.Random(0)) == example(s, random.Random(0))
+
+
+def test_whitespace_pattern_is_checked_as_a_regex():
+    for bad in ("(", r"(?= )", r"(a)\1", 5):
+        assert structured.whitespace_problem(bad), bad
+        with pytest.raises(StructuredError) as exc:
+            check(Structured("json_object", whitespace_pattern=bad), "structured")
+        assert exc.value.where == "whitespace_pattern"
+    for good in ("", " ", r"[ \t\n]*", r"\s{0,4}"):
+        assert structured.whitespace_problem(good) is None
+        check(Structured("json_object", whitespace_pattern=good))
