@@ -41,18 +41,19 @@ def _named(parent: int, name: str) -> list[int]:
     return pids
 
 
-def _simulator(server: Server) -> int:
+def _child(server: Server, module: bytes) -> int:
+    """The gateway's child process running ``python -m MODULE``."""
     for pid in server.children():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"engines.simulated" in f.read():
+            if module in f.read():
                 return pid
-    raise AssertionError("no simulated scheduler among the gateway's children")
+    raise AssertionError(f"no {module.decode()} among the gateway's children")
 
 
 def test_busy_cores_spin_while_requests_run_sleep_when_idle_and_die_with_the_simulator():
     server = Server("--sim-busy-cores", "2", "--sim-inter-token-latency-ms", "20")
     try:
-        sim = _simulator(server)
+        sim = _child(server, b"engines.simulated")
         deadline = time.monotonic() + 30
         while len(spinners := _named(sim, "tm-sim-busy")) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -95,14 +96,6 @@ def _thread_nices(pid: int) -> list[int]:
     return nices
 
 
-def _worker(server: Server) -> int:
-    for pid in server.children():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"tokenizer_workers.worker" in f.read():
-                return pid
-    raise AssertionError("no tokenizer worker among the gateway's children")
-
-
 def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_process_priority():
     niced = Server("--conversion-nice", "7", "--conversion-threads", "2")
     plain = Server()
@@ -111,14 +104,14 @@ def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_pro
             server.client().chat.completions.create(
                 model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
             )
-        worker = _worker(niced)
+        worker = _child(niced, b"tokenizer_workers.worker")
         with open(f"/proc/{worker}/stat") as f:  # the main (IO) thread keeps the process's niceness
             base = int(f.read().rsplit(")", 1)[1].split()[16])
         nices = _thread_nices(worker)
         lowered = min(19, base + 7)
         assert base < lowered and nices.count(lowered) >= 2, (base, nices)  # both conversion threads (and their pool)
         assert base in nices, nices  # the IO thread, which detokenizes streams, is not lowered
-        plain_worker = _worker(plain)
+        plain_worker = _child(plain, b"tokenizer_workers.worker")
         assert set(_thread_nices(plain_worker)) == {_thread_nices(plain_worker)[0]}, "the default shares the CPU evenly"
     finally:
         niced.stop()
