@@ -172,6 +172,11 @@ class WorkerPool:
         return self.policy.queued
 
     @property
+    def jobs(self) -> dict:
+        """The conversions in flight (queued or converting), by job id: /debug/state counts them."""
+        return self.policy.jobs
+
+    @property
     def busy(self) -> int:
         return self.policy.busy
 

@@ -61,13 +61,13 @@ CASES = _load()
 VLLM_REFUSES = {
     "openai-python:chat.misuse_stream_options_without_stream": (
         "stream_options",
-        False,
+        True,
         "chat_completion/protocol.py ChatCompletionRequest.validate_stream_options: "
-        "'Stream options can only be defined when `stream=True`.' (tokenmill ignores stream_options then)",
+        "'Stream options can only be defined when `stream=True`.'",
     ),
     "openai-python:completions.misuse_stream_options_without_stream": (
         "stream_options",
-        False,
+        True,
         "completion/protocol.py CompletionRequest.validate_stream_options: the same",
     ),
     "openai-python:chat.misuse_top_logprobs_without_logprobs": (

@@ -60,7 +60,7 @@ def test_soft_split_long_text_is_exact(encoders, lines):
 
 
 def test_long_prompt_cut_and_cached_is_exact(default_tokenizer):
-    from tokenmill.bench import corpus
+    from tokenmill.bench.common import corpus
 
     enc = SegmentEncoder(default_tokenizer, 64 << 20)  # default thresholds: 32k-character soft splits
     text = "<｜User｜>" + corpus(300_000) + "<｜Assistant｜>"
@@ -76,7 +76,7 @@ def test_long_prompt_cut_and_cached_is_exact(default_tokenizer):
 
 
 def test_next_turn_reuses_the_previous_prompt(default_tokenizer):
-    from tokenmill.bench import corpus
+    from tokenmill.bench.common import corpus
 
     enc = SegmentEncoder(default_tokenizer, 64 << 20)
     history = "<｜begin▁of▁sentence｜>You are an agent."
@@ -94,7 +94,7 @@ def test_next_turn_reuses_the_previous_prompt(default_tokenizer):
 
 
 def test_a_conversation_sharing_only_the_system_prompt_leaves_the_other_in_place(default_tokenizer):
-    from tokenmill.bench import corpus
+    from tokenmill.bench.common import corpus
 
     enc = SegmentEncoder(default_tokenizer, 64 << 20)
     text = corpus(200_000)
@@ -351,7 +351,7 @@ def test_conversion_threads_share_one_cache_exactly(default_tokenizer):
     import threading
 
     from tokenizer_workers.segment_cache import EncodeStats
-    from tokenmill.bench import corpus
+    from tokenmill.bench.common import corpus
 
     enc = SegmentEncoder(default_tokenizer, 128 << 10)  # 96 KiB of pieces for ~170 KiB drawn: evictions all the time
     text = corpus(120_000)
@@ -392,7 +392,7 @@ def test_conversion_threads_share_one_cache_exactly(default_tokenizer):
 def test_prefix_accounting_survives_a_prompt_text_growing_its_utf8_form(default_tokenizer):
     """A str keeps its UTF-8 form once asked for it (the tokenizer asks), and sys.getsizeof counts it:
     dropping a remembered prompt gives back the size it added, not its size now."""
-    from tokenmill.bench import corpus
+    from tokenmill.bench.common import corpus
 
     enc = SegmentEncoder(default_tokenizer, 64 << 20)
     first = "<｜User｜>" + corpus(20_000) + "<｜Assistant｜>"  # not ASCII: its UTF-8 form is a buffer of its own
