@@ -206,10 +206,13 @@ def measure_busy(
         chats.start()
         procs.append(chats)
         time.sleep(warm_s)  # the engine fills with chats before the long prompts come
-        prober = ctx.Process(target=health_prober, args=(port, stop, out))
+        probing = ctx.Event()
+        prober = ctx.Process(target=health_prober, args=(port, stop, out, probing))
         prober.start()
         procs.append(prober)
-        time.sleep(0.3)
+        if not probing.wait(60):  # a spawned process takes a while to import: the rounds start once it probes
+            raise RuntimeError("the /health prober never got an answer")
+        time.sleep(0.1)
         if lag_of is not None:
             lag_of(True)
         long_sender = ctx.Process(target=sender, args=(port, rounds, out))

@@ -118,9 +118,12 @@ def try_get(port: int, path: str, timeout: float = 10) -> tuple[int | None, byte
 # ---- client loops (each run in a process of its own) -----------------------------------------
 
 
-def probe_health(port: int, stop, latencies: list, *, count_failures: bool = False, timeout: float = 60.0) -> None:
+def probe_health(
+    port: int, stop, latencies: list, *, count_failures: bool = False, timeout: float = 60.0, started=None
+) -> None:
     """GET /health every 10 ms until ``stop`` is set, appending each latency in ms to ``latencies``.
-    A failed probe reconnects; with ``count_failures`` it counts as taking until it failed."""
+    A failed probe reconnects; with ``count_failures`` it counts as taking until it failed. ``started``
+    (an Event) is set once the first probe has been answered."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     while not stop.is_set():
         t0 = time.perf_counter()
@@ -128,6 +131,8 @@ def probe_health(port: int, stop, latencies: list, *, count_failures: bool = Fal
             conn.request("GET", "/health")
             conn.getresponse().read()
             latencies.append((time.perf_counter() - t0) * 1000)
+            if started is not None and not started.is_set():
+                started.set()
         except (OSError, http.client.HTTPException):
             if count_failures:
                 latencies.append((time.perf_counter() - t0) * 1000)
@@ -136,10 +141,11 @@ def probe_health(port: int, stop, latencies: list, *, count_failures: bool = Fal
         time.sleep(0.010)
 
 
-def health_prober(port: int, stop, out) -> None:
-    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies) on ``out``."""
+def health_prober(port: int, stop, out, started=None) -> None:
+    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies) on ``out``;
+    ``started`` is set once it has a first answer."""
     latencies: list[float] = []
-    probe_health(port, stop, latencies)
+    probe_health(port, stop, latencies, started=started)
     out.put(("health", latencies))
 
 
