@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from scheduler_client.protocol import (
+    IMAGE_DTYPES,
     PROTOCOL_VERSION,
     STRUCTURED_KINDS,
     Abort,
@@ -104,6 +105,8 @@ def features_used(gen: Generate) -> list[tuple[str, str]]:
         used.append(("kv_transfer_params", "kv_transfer_params"))
     if gen.extra_args is not None:
         used.append(("extra_args", "extra_args"))
+    if gen.images:
+        used.append(("images", "images"))
     return used
 
 
@@ -454,9 +457,13 @@ class SchedulerServer:
             raise Rejected("request_id must not be empty")
         if self.has_request(session.identity, gen.request_id):
             raise Rejected(f"request_id {gen.request_id!r} is already in flight", ERR_DUPLICATE)
-        if len(extra) != 1:
-            what = "is missing" if not extra else f"must be one frame, got {len(extra)} frames"
-            raise Rejected(f"the prompt frame {what}")
+        if len(extra) != 1 + len(gen.images):
+            if not extra:
+                raise Rejected("the prompt frame is missing")
+            raise Rejected(
+                f"a generate with {len(gen.images)} image(s) takes {1 + len(gen.images)} frames after its header "
+                f"(the prompt, then one per image), got {len(extra)}"
+            )
         if gen.prompt_token_count < 1:
             raise Rejected("prompt_token_count must be at least 1")
         if gen.max_new_tokens < 1:
@@ -485,6 +492,7 @@ class SchedulerServer:
                 f"the prompt frame has {len(buf)} bytes, expected 4 * prompt_token_count = {4 * gen.prompt_token_count}"
             )
         prompt = frame_to_ids(buf)
+        self._validate_images(gen, extra[1:])
         vocab_size = self.vocab_size
         if vocab_size is not None:
             highest = max(prompt)
@@ -492,6 +500,32 @@ class SchedulerServer:
                 hint = f" {self.vocab_hint}" if self.vocab_hint else ""
                 raise Rejected(f"prompt token id {highest} is out of range for vocabulary size {vocab_size}{hint}")
         return prompt, bytes(buf)
+
+    @staticmethod
+    def _validate_images(gen: Generate, frames: list) -> None:
+        """Each image item's pixel frame matches its dtype and shape, and its placeholder lies inside
+        the prompt, after the previous image's."""
+        end = 0
+        for i, (item, frame) in enumerate(zip(gen.images, frames)):
+            size = IMAGE_DTYPES.get(item.dtype)
+            if size is None:
+                raise Rejected(f"images[{i}].dtype must be one of {', '.join(IMAGE_DTYPES)}", param="images")
+            expected = size
+            for dim in item.shape:
+                expected *= dim
+            if any(d < 1 for d in item.shape) or len(frame.buffer) != expected:
+                raise Rejected(
+                    f"images[{i}]: the pixel frame has {len(frame.buffer)} bytes, expected {expected} "
+                    f"for {item.dtype} {item.shape}",
+                    param="images",
+                )
+            if item.length < 1 or item.offset < end or item.offset + item.length > gen.prompt_token_count:
+                raise Rejected(
+                    f"images[{i}]: placeholder offset {item.offset} length {item.length} must lie within the "
+                    "prompt, after the previous image's",
+                    param="images",
+                )
+            end = item.offset + item.length
 
     def _validate_11(self, gen: Generate) -> None:
         """Ranges of the 1.1 fields (their use was checked against ``features`` already)."""

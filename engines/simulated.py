@@ -444,6 +444,7 @@ class SimulatedScheduler(SchedulerServer):
         if scheduling != "priority":
             self._features -= {FEATURE_PRIORITY}
         self.max_logprobs = min(20, self._tokens.vocab_size)
+        self.image_placeholder_tokens = 0  # 1.2 images: placeholder tokens of the prompts accepted
         # distinct token IDs the top-N alternatives come from (the palette's, else the vocabulary)
         self._alternatives = list(dict.fromkeys(t for sentence in self._tokens.sentences for t in sentence))
 
@@ -554,6 +555,8 @@ class SimulatedScheduler(SchedulerServer):
         return len(gone)
 
     def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
+        # 1.2 images: their placeholder tokens are prompt tokens like any other here (no vision tower)
+        self.image_placeholder_tokens += sum(item.length for item in gen.images)
         max_new = gen.max_new_tokens
         if self.max_model_len is not None:
             max_new = min(max_new, self.max_model_len - len(prompt))  # the context ends it with "length"

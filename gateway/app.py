@@ -298,8 +298,9 @@ class App:
             if gw.shares_placements and done.conversation is not None:
                 gw.conversion.placed(result.owner, done.conversation, rank.index)
             gw.generations.add(gen)
+            k = done.frames_per_choice
             for i in range(len(done.choices)):
-                gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])
+                gw.scheduler.generate(rank, *result.frames[k * i : k * i + k])
         except SchedulerUnavailable:
             gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state
             watcher.cancel()

@@ -151,8 +151,8 @@ class SchedulerRanks:
         order = ready[start:] + ready[:start]
         return min(order, key=lambda r: r.load)
 
-    def generate(self, rank: Rank, header: bytes, prompt_frame: bytes) -> None:
-        rank.client.generate(header, prompt_frame)
+    def generate(self, rank: Rank, header: bytes, prompt_frame: bytes, *image_frames) -> None:
+        rank.client.generate(header, prompt_frame, *image_frames)
         rank.in_flight += 1
         rank.requests += 1
 

@@ -35,6 +35,7 @@ from gateway.settings import ServeSettings
 from gateway.siblings import MetricsExchange, SiblingGateways
 from gateway.worker_pool import WorkerPool
 from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.images.fetch import ImageFetchSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill.process import systemd_notify
@@ -120,6 +121,15 @@ class Gateway:
             trust_request_chat_template=s.trust_request_chat_template,
             tokenize_cache_bytes=s.tokenize_cache_bytes,
             verify_tokenize_cache=s.verify_tokenize_cache,
+            image_cache_bytes=s.image_cache_bytes,
+            image_max_pixels=s.image_max_pixels,
+            image_fetch=ImageFetchSettings(
+                enabled=s.image_fetch,
+                timeout_s=s.image_fetch_timeout,
+                max_bytes=s.image_fetch_max_bytes,
+                max_redirects=s.image_fetch_max_redirects,
+                allow_networks=[n.strip() for n in s.image_fetch_allow.split(",") if n.strip()],
+            ),
             tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
             reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
             max_n=s.max_n,

@@ -51,6 +51,13 @@ class ServeSettings:
     curve_keys_dir: str | None = None
     tokenize_cache_bytes: int = 256 << 20
     verify_tokenize_cache: bool = False
+    image_cache_bytes: int = 256 << 20
+    image_max_pixels: int = 50_000_000
+    image_fetch: bool = False
+    image_fetch_timeout: float = 10.0
+    image_fetch_max_bytes: int = 20 << 20
+    image_fetch_max_redirects: int = 3
+    image_fetch_allow: str = ""
     affinity: bool = True
     quick_conversion_bytes: int = 8192
     quick_turn_bytes: int = 65536

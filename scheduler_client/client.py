@@ -85,12 +85,12 @@ class SchedulerClient:
         except asyncio.TimeoutError:
             return False
 
-    def generate(self, header: bytes, prompt_frame: bytes) -> None:
-        """Send a ready-made Generate header and its prompt frame."""
+    def generate(self, header: bytes, prompt_frame: bytes, *image_frames) -> None:
+        """Send a ready-made Generate header, its prompt frame and its images' pixel frames (1.2)."""
         if not self.connected:
             raise SchedulerUnavailable("the scheduler is not connected")
         try:
-            self.sock.send([header, prompt_frame])
+            self.sock.send([header, prompt_frame, *image_frames])
         except zmq.ZMQError as exc:  # no connection after all (IMMEDIATE): the request must not vanish
             raise SchedulerUnavailable(f"the scheduler cannot take messages: {exc}") from None
 

@@ -77,6 +77,8 @@ FEATURE_EXTRA_ARGS = "extra_args"  # Generate.extra_args (vLLM's vllm_xargs)
 FEATURE_DISABLE_ANY_WHITESPACE = "structured.disable_any_whitespace"  # Structured.disable_any_whitespace
 FEATURE_WHITESPACE_PATTERN = "structured.whitespace_pattern"  # Structured.whitespace_pattern
 STRUCTURED_OPTION_FEATURES = (FEATURE_DISABLE_ANY_WHITESPACE, FEATURE_WHITESPACE_PATTERN)
+# 1.2, continued: images (processed pixels as binary frames after the prompt frame)
+FEATURE_IMAGES = "images"  # Generate.images
 FEATURES_12 = (
     FEATURE_PRIORITY,
     FEATURE_CACHE_SALT,
@@ -85,6 +87,7 @@ FEATURES_12 = (
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_EXTRA_ARGS,
     *STRUCTURED_OPTION_FEATURES,
+    FEATURE_IMAGES,
 )
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
@@ -94,6 +97,22 @@ class Hello(msgspec.Struct, tag="hello"):
 
     protocol_version: int
     client_name: str = "tokenmill"
+
+
+class ImageItem(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
+    """One processed image of a prompt (1.2, feature ``images``); its pixels are the frame after the
+    prompt frame at this item's position among ``Generate.images``."""
+
+    family: str  # the preprocessing that made the pixels, e.g. "qwen2_vl" (Qwen2-VL's pixel_values)
+    dtype: str  # of the pixel frame, little-endian: "float32" (or "uint8", "float16", "bfloat16")
+    shape: list[int]  # of the pixel array, row-major; qwen2_vl: [patches, 1176]
+    grid_thw: list[int]  # qwen2_vl: [1, height / 14, width / 14] (image_grid_thw)
+    offset: int  # the first of the image's placeholder tokens in the prompt
+    length: int  # how many placeholder tokens it occupies there
+    content_hash: str  # equal hashes: equal pixels (an engine may cache by it)
+
+
+IMAGE_DTYPES = {"float32": 4, "uint8": 1, "float16": 2, "bfloat16": 2}
 
 
 class Generate(msgspec.Struct, tag="generate"):
@@ -123,6 +142,8 @@ class Generate(msgspec.Struct, tag="generate"):
     kv_transfer_params: dict[str, Any] | None = None
     # 1.2: engine-specific extra arguments (vLLM's vllm_xargs: str -> str | int | float | list of those)
     extra_args: dict[str, Any] | None = None
+    # 1.2: the prompt's images, in prompt order; each one's pixels follow the prompt frame as a frame of its own
+    images: list[ImageItem] = []
 
 
 class Abort(msgspec.Struct, tag="abort"):

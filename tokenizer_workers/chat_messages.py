@@ -11,15 +11,41 @@
   tool_call_id (tool), reasoning (assistant), task, tools (developer).
 * ``developer`` becomes ``system`` when the template never mentions "developer".
 
-Images, audio, video and embeddings are refused: this front end serves text-only models.
+Images (``image_url`` parts, and a part holding an ``image_url`` key without a type) are taken
+only when the caller passes an ``images`` list (the model has an image processor): each image's
+URL and field path is appended to it in prompt order, and the part becomes ``{"type": "image"}``
+(transformers' form, which templates test with ``content['type'] == 'image'``), or the model's
+placeholder text within the joined string for string-content templates. Otherwise images are
+refused naming the part. Audio, video and embeddings are always refused.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = ["to_template_messages"]
+__all__ = ["ContentError", "ImageRef", "to_template_messages"]
+
+
+class ContentError(ValueError):
+    """A message the server refuses; ``param`` names the field at fault (a content part, or "messages")."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part as the request gave it: its URL (data: or http(s)) and where it was."""
+
+    url: str
+    where: str
+    detail: str = "auto"
+
+
+_DETAILS = ("auto", "low", "high")
 
 _CONTENT_FORMATS = ("string", "openai")
 # Part type -> the key that holds its text.
@@ -46,23 +72,38 @@ _MEDIA_PARTS = {
 _SUPPORTED_PART_TYPES = ", ".join(sorted([*_TEXT_PARTS, "tool_reference"]))
 
 
-def to_template_messages(messages: list[dict], content_format: str, template_source: str) -> list[dict]:
+def to_template_messages(
+    messages: list[dict],
+    content_format: str,
+    template_source: str,
+    images: list[ImageRef] | None = None,
+    image_text: str = "",
+) -> list[dict]:
     """Convert OpenAI chat messages for a template whose content format is ``content_format``.
 
-    Raises ValueError, with a message for the user, for malformed messages and unsupported content.
+    ``images``: None refuses image parts; a list collects them (``image_text`` stands in for each in
+    string-content templates). Raises ValueError (a ContentError naming the part where one is at
+    fault), with a message for the user, for malformed messages and unsupported content.
     """
     if content_format not in _CONTENT_FORMATS:
         raise ValueError(f"content format must be 'string' or 'openai', got {content_format!r}")
     if not isinstance(messages, (list, tuple)):
         raise ValueError("'messages' must be a list of message objects.")
     developer_to_system = "developer" not in (template_source or "")
+    media = _Media(images, image_text)
     return [
-        _convert(index, message, content_format == "openai", developer_to_system)
+        _convert(index, message, content_format == "openai", developer_to_system, media)
         for index, message in enumerate(messages)
     ]
 
 
-def _convert(index: int, message, openai_format: bool, developer_to_system: bool) -> dict:
+@dataclass
+class _Media:
+    images: list[ImageRef] | None
+    image_text: str
+
+
+def _convert(index: int, message, openai_format: bool, developer_to_system: bool, media: _Media) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} must be an object with a 'role', got {type(message).__name__}.")
@@ -70,7 +111,7 @@ def _convert(index: int, message, openai_format: bool, developer_to_system: bool
     if not isinstance(role, str) or not role:
         raise ValueError(f"{where}.role must be a non-empty string.")
 
-    parts = _content_parts(where, message.get("content"), openai_format)
+    parts = _content_parts(where, message.get("content"), openai_format, media)
     if openai_format:
         content = parts
         if role == "tool" and all(part.get("type") == "text" for part in parts):
@@ -107,7 +148,7 @@ def _convert(index: int, message, openai_format: bool, developer_to_system: bool
     return result
 
 
-def _content_parts(where: str, content, openai_format: bool) -> list:
+def _content_parts(where: str, content, openai_format: bool, media: _Media) -> list:
     """The message's content as text strings ("string" format) or part dicts ("openai" format)."""
     if content is None:
         return []
@@ -117,27 +158,31 @@ def _content_parts(where: str, content, openai_format: bool) -> list:
         raise ValueError(f"{where}.content must be a string, a list of content parts, or null.")
     out = []
     for number, part in enumerate(content):
-        parsed = _content_part(f"{where}.content[{number}]", part, openai_format)
+        parsed = _content_part(f"{where}.content[{number}]", part, openai_format, media)
         if parsed is not None:
             out.append(parsed)
     return out
 
 
-def _content_part(where: str, part, openai_format: bool):
+def _content_part(where: str, part, openai_format: bool, media: _Media):
     if isinstance(part, str):
         return {"type": "text", "text": part} if openai_format else part
     if not isinstance(part, Mapping):
         raise ValueError(f"{where} must be a string or an object with a 'type'.")
     part_type = part.get("type")
     if part_type is None:
-        media = next((key for key in _MEDIA_PARTS if key in part), None)
-        if media is not None:
-            _refuse_media(where, media)
+        kind = next((key for key in _MEDIA_PARTS if key in part), None)
+        if kind == "image_url" and media.images is not None:
+            return _image_part(where, part, openai_format, media)
+        if kind is not None:
+            _refuse_media(where, kind, media)
         raise ValueError(f"{where} has no 'type' field.")
     if not isinstance(part_type, str):
         raise ValueError(f"{where}.type must be a string.")
+    if part_type == "image_url" and media.images is not None:
+        return _image_part(where, part, openai_format, media)
     if part_type in _MEDIA_PARTS:
-        _refuse_media(where, part_type)
+        _refuse_media(where, part_type, media)
     if part_type in _TEXT_PARTS:
         key = _TEXT_PARTS[part_type]
         text = part.get(key)
@@ -154,12 +199,32 @@ def _content_part(where: str, part, openai_format: bool):
     raise ValueError(f"{where}: unsupported content part type {part_type!r}; supported types: {_SUPPORTED_PART_TYPES}.")
 
 
-def _refuse_media(where: str, part_type: str) -> None:
+def _image_part(where: str, part: Mapping, openai_format: bool, media: _Media):
+    """An OpenAI image_url part: {"image_url": {"url": ..., "detail": ...}} (or the URL as a string)."""
+    spec = part.get("image_url")
+    if isinstance(spec, str):
+        url, detail = spec, "auto"
+    elif isinstance(spec, Mapping):
+        url, detail = spec.get("url"), spec.get("detail") or "auto"
+    else:
+        raise ContentError(f"{where}.image_url must be an object with a 'url'.", where)
+    if not isinstance(url, str) or not url:
+        raise ContentError(f"{where}.image_url.url must be a non-empty string.", where)
+    if detail not in _DETAILS:
+        raise ContentError(f"{where}.image_url.detail must be one of {', '.join(_DETAILS)}.", where)
+    media.images.append(ImageRef(url, where, detail))
+    return {"type": "image"} if openai_format else media.image_text
+
+
+def _refuse_media(where: str, part_type: str, media: _Media) -> None:
     kind = _MEDIA_PARTS[part_type]
-    raise ValueError(
-        f"{where}: {kind} content ('{part_type}' parts) is not supported; this server serves "
-        "text-only models, so send text content only."
-    )
+    if kind == "image" and media.images is None:
+        raise ContentError(
+            f"{where}: this model takes no images (it has no image processor: no preprocessor_config.json of a "
+            "supported family, or no image placeholder in its template), so send text content only.",
+            where,
+        )
+    raise ContentError(f"{where}: {kind} content ('{part_type}' parts) is not supported here.", where)
 
 
 def _tool_calls(where: str, tool_calls) -> list[dict]:

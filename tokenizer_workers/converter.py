@@ -13,16 +13,20 @@ import json
 import threading
 import time
 import zlib
+from array import array
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from scheduler_client import protocol
 from tokenizer_workers import generation_params as gp
 from tokenizer_workers import openai_requests as oa
-from tokenizer_workers.chat_messages import to_template_messages
+from tokenizer_workers.chat_messages import ImageRef, to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
+from tokenizer_workers.images import ImageError, ImagePipeline, ProcessedImage, processor_for
+from tokenizer_workers.images.fetch import ImageFetchSettings
 from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob, Limits
 from tokenizer_workers.model import Model, load_model
 from tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
@@ -44,6 +48,9 @@ class ConverterSettings(msgspec.Struct):
     trust_request_chat_template: bool = False
     tokenize_cache_bytes: int = 256 << 20
     verify_tokenize_cache: bool = False
+    image_cache_bytes: int = 256 << 20  # processed images by content hash, per worker
+    image_max_pixels: int = 50_000_000  # the largest image decoded (checked from its header)
+    image_fetch: ImageFetchSettings = msgspec.field(default_factory=ImageFetchSettings)
     tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
     reasoning_parser: str = ""
     max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
@@ -141,9 +148,23 @@ class Converter:
             self.tokenizer, settings.tokenize_cache_bytes, verify=settings.verify_tokenize_cache
         )
         self.encode_cpu = EncodeCpu()  # shared by the threads that convert with this converter
+        self.images = self._image_pipeline(settings)
         self.parsers: ParserChoice = choose_parsers(
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
+
+    def _image_pipeline(self, settings: ConverterSettings) -> ImagePipeline | None:
+        """The model's image pipeline: a processor of a known family (preprocessor_config.json) whose
+        placeholder token is in the vocabulary and in a template; None for a text-only model."""
+        processor = processor_for(self.model.directory if self.settings.model_dir else None)
+        if processor is None:
+            return None
+        self.image_token_id = self.tokenizer.token_to_id(processor.placeholder_token)
+        if self.image_token_id is None or not any(
+            processor.placeholder_token in t or "image" in t for t in self.model.templates.values()
+        ):
+            return None
+        return ImagePipeline(processor, settings.image_cache_bytes, settings.image_max_pixels, settings.image_fetch)
 
     def fingerprint(self) -> str:
         """What must be equal for two workers to convert a request to the same tokens: the tokenizer,
@@ -229,14 +250,21 @@ class Converter:
         params = self._generation(req, max_tokens, forced_spec or spec, chat=True)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         t0 = time.perf_counter()
-        prompt = self.render(req.messages, req)
+        refs: list[ImageRef] = []
+        prompt = self.render(req.messages, req, refs)
+        if refs:
+            self.engine.require(protocol.FEATURE_IMAGES, refs[0].where, "Image input")
+        images = self._load_images(refs)
         t1, cpu = time.perf_counter(), self.encode_cpu.start()
         try:
             ids, report = self.encode_chat(prompt)
         finally:
             cpu = self.encode_cpu.stop(cpu)
+        ids, items = self._expand_images(ids, images)
         t2 = time.perf_counter()
-        conversion = self._plan(job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params)
+        conversion = self._plan(
+            job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params, images=list(zip(items, images))
+        )
         echo = _chat_echo(req)
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)
@@ -282,11 +310,14 @@ class Converter:
         req: oa.TokenizeRequest = oa.parse("tokenize", body)
         self._check_model(req.model)
         render_s = 0.0
+        images: list[ProcessedImage] = []
         t0 = time.perf_counter()
         if req.messages is not None:
             if req.prompt is not None:
                 raise oa.InvalidRequest("Give either prompt or messages, not both.", "prompt")
-            prompt = self.render(req.messages, req)
+            refs: list[ImageRef] = []
+            prompt = self.render(req.messages, req, refs)
+            images = self._load_images(refs)
             add_special = bool(req.add_special_tokens)  # default False for chat prompts
             render_s = time.perf_counter() - t0
         elif req.prompt is not None:
@@ -300,6 +331,12 @@ class Converter:
         else:
             enc = self.tokenizer.encode_batch([prompt], add_special_tokens=add_special)[0]
             ids, strs = enc.ids, (enc.tokens if req.return_token_strs else None)
+        if images:  # the prompt the engine gets: each image placeholder expanded to the image's tokens
+            pad = self.image_token_id
+            if strs is not None:
+                counts = iter(image.tokens for image in images)
+                strs = [s for i, s in zip(ids, strs) for s in ([s] * (next(counts, 1) if i == pad else 1))]
+            ids = self._expand_images(array("I", ids), images)[0].tolist()
         answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
         tokenize_s = time.perf_counter() - t1
         return Conversion(ConvertDone(job.job_id, body=_json.encode(answer), render_s=render_s, tokenize_s=tokenize_s))
@@ -360,7 +397,50 @@ class Converter:
         if bad is not None:
             raise oa.InvalidRequest(f"Token ID {bad!r} is out of range [0, {self.vocab_size}).", param)
 
-    def render(self, messages: list[dict], req) -> str:
+    def _load_images(self, refs: list[ImageRef]) -> list[ProcessedImage]:
+        """Each image part fetched or decoded, processed (or found in the cache by content hash)."""
+        if not refs:
+            return []
+        try:
+            return [self.images.load_image_part(ref.url, ref.where) for ref in refs]
+        except ImageError as exc:
+            raise oa.InvalidRequest(str(exc), exc.param, code="invalid_image") from None
+
+    def _expand_images(self, ids: array, images: list[ProcessedImage]) -> tuple[array, list[protocol.ImageItem]]:
+        """Each image's one placeholder token repeated to its token count, and the protocol items
+        saying where each image's placeholder run lies (the template put one per image part)."""
+        if not images:
+            return ids, []
+        pad = self.image_token_id
+        flat = np.frombuffer(ids, dtype=np.uint32) if len(ids) else np.zeros(0, np.uint32)
+        where = np.flatnonzero(flat == pad)
+        if len(where) != len(images):
+            raise oa.InvalidRequest(
+                f"The prompt holds {len(where)} image placeholder(s) for {len(images)} image(s): the chat template "
+                "did not render one per image part, or a text part holds the placeholder token itself.",
+                "messages",
+            )
+        counts = np.ones(len(flat), dtype=np.int64)
+        counts[where] = [image.tokens for image in images]
+        expanded = np.repeat(flat, counts)
+        starts = where + np.concatenate(([0], np.cumsum(counts[where] - 1)[:-1])).astype(np.int64)
+        items = [
+            protocol.ImageItem(
+                family=image.family,
+                dtype=str(image.pixels.dtype),
+                shape=list(image.pixels.shape),
+                grid_thw=list(image.grid_thw),
+                offset=int(start),
+                length=image.tokens,
+                content_hash=image.content_hash,
+            )
+            for image, start in zip(images, starts)
+        ]
+        out = array("I")
+        out.frombytes(expanded.astype("<u4").tobytes())
+        return out, items
+
+    def render(self, messages: list[dict], req, images: list[ImageRef] | None = None) -> str:
         if not messages:
             raise oa.InvalidRequest("messages must be a non-empty list.", "messages")
         for i, message in enumerate(messages):
@@ -386,9 +466,15 @@ class Converter:
                 "continue_final_message",
             )
         try:
-            template_messages = to_template_messages(messages, fmt, source)
+            template_messages = to_template_messages(
+                messages,
+                fmt,
+                source,
+                images if self.images is not None else None,
+                self.images.processor.placeholder_text if self.images is not None else "",
+            )
         except ValueError as exc:
-            raise oa.InvalidRequest(str(exc), "messages") from None
+            raise oa.InvalidRequest(str(exc), getattr(exc, "param", "messages")) from None
         return self.templates.render(
             template_messages,
             tools=req.tools,
@@ -469,6 +555,7 @@ class Converter:
         params: "_Generation",
         echo: list[str] | None = None,
         echo_logprobs: int | None = None,
+        images: list[tuple[protocol.ImageItem, ProcessedImage]] = (),
     ) -> Conversion:
         """Scheduler requests for each prompt, n apiece (prompt-major, as vLLM numbers its choices):
         choices of one prompt share its token frame, and choice i samples with seed + i as vLLM does.
@@ -525,10 +612,12 @@ class Converter:
                     prompt_logprobs=echo_logprobs if echo_logprobs is not None else shown,
                     kv_transfer_params=params.kv_transfer_params,
                     extra_args=params.extra_args,
+                    images=[item for item, _ in images],
                 )
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
+                frames.extend(memoryview(image.pixels).cast("B") for _, image in images)  # not copied
                 detok.append(
                     DetokSpec(
                         rid,
@@ -563,6 +652,7 @@ class Converter:
             token_ids=bool(req.return_token_ids),
             prompt_logprobs=params.prompt_logprobs is not None,
             kv_transfer_params=params.kv_transfer_params is not None,
+            frames_per_choice=2 + len(images),
         )
         return Conversion(done, frames, detok)
 

@@ -148,8 +148,9 @@ class ChoicePlan(msgspec.Struct, array_like=True):
 class ConvertDone(msgspec.Struct, tag="done"):
     """Result of a ConvertJob.
 
-    For generation kinds, two frames per choice follow: the encoded scheduler
-    ``Generate`` header and the prompt token frame, which the gateway forwards as is.
+    For generation kinds, ``frames_per_choice`` frames per choice follow: the encoded scheduler
+    ``Generate`` header, the prompt token frame and one pixel frame per image, which the gateway
+    forwards as they are.
     For tokenize/detokenize, ``body`` is the finished JSON response.
     """
 
@@ -183,6 +184,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     tokenize_cpu_s: float = 0.0
     queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
     cache: CacheReport | None = None
+    frames_per_choice: int = 2  # header, prompt, then one per image (protocol 1.2 images)
 
 
 class OutPiece(msgspec.Struct, array_like=True):

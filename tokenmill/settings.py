@@ -139,6 +139,23 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Per-worker byte budget of the exact tokenization cache: three quarters for "
         "pieces, one quarter for recent whole prompts (0 = off). A worker's threads share it.",
     ),
+    "image_cache_bytes": (
+        int,
+        "Per-worker byte budget of processed images kept by content hash (a resent image is not processed again).",
+    ),
+    "image_max_pixels": (
+        int,
+        "Largest image (width x height) a worker decodes; checked from the header before decoding "
+        "(decompression bombs).",
+    ),
+    "image_fetch": (_bool, "Fetch http(s) image URLs (off: only base64 data: URLs are taken; docs/security.md)."),
+    "image_fetch_timeout": (float, "Seconds one image fetch may take in all, redirects included."),
+    "image_fetch_max_bytes": (int, "Largest image body fetched from a URL."),
+    "image_fetch_max_redirects": (int, "Redirects one image fetch may follow (each hop's address checked again)."),
+    "image_fetch_allow": (
+        str,
+        "Comma-separated networks (CIDR) image URLs may resolve to although private, loopback or link-local.",
+    ),
     "verify_tokenize_cache": (
         _bool,
         "Also tokenize every chat prompt whole and count mismatches (slow; for checking).",

@@ -1,0 +1,74 @@
+"""Images in the tokenizer workers: fetch, decode, preprocess, cache (never on the gateway loop).
+
+``ImagePipeline.load_image_part(source, field_path)`` is the one entry point every API's image
+form calls (OpenAI ``image_url``; Anthropic ``image`` blocks and Responses ``input_image`` pass
+their base64 data as a ``data:`` URL, or their URL): it returns a ``ProcessedImage`` or raises
+``ImageError`` naming ``field_path``.
+
+The content hash is BLAKE2b (32 bytes, hex) of the image's raw file bytes (after base64 decoding
+or fetching), keyed with the processor's settings: the same file processed the same way has the
+same hash, whatever URL it came from. The cache keys on it, and the engine gets it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from tokenizer_workers.images import decode as _decode
+from tokenizer_workers.images.base import ImageError, ImageProcessor, ProcessedImage
+from tokenizer_workers.images.cache import ImageCache
+from tokenizer_workers.images.fetch import ImageFetcher, ImageFetchSettings
+
+__all__ = ["ImageError", "ImagePipeline", "ImageProcessor", "ProcessedImage", "processor_for"]
+
+
+def processor_for(model_dir: Path | None) -> ImageProcessor | None:
+    """The model's image processor from its preprocessor_config.json; None for a text-only model."""
+    import json
+
+    if model_dir is None or not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    config = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
+    kind = config.get("image_processor_type", "")
+    from tokenizer_workers.images import qwen2_vl
+
+    if kind in qwen2_vl.PROCESSOR_TYPES:
+        return qwen2_vl.Qwen2VLProcessor(config)
+    return None
+
+
+class ImagePipeline:
+    def __init__(
+        self,
+        processor: ImageProcessor,
+        cache_bytes: int = 256 << 20,
+        max_pixels: int = _decode.DEFAULT_MAX_PIXELS,
+        fetch: ImageFetchSettings | None = None,
+    ):
+        self.processor = processor
+        self.cache = ImageCache(cache_bytes)
+        self.max_pixels = max_pixels
+        self.fetcher = ImageFetcher(fetch or ImageFetchSettings())
+        self._key = hashlib.blake2b(processor.fingerprint().encode(), digest_size=16).digest()
+
+    def load_image_part(self, source: str, field_path: str) -> ProcessedImage:
+        if not isinstance(source, str) or not source:
+            raise ImageError(f"{field_path}: the image URL must be a non-empty string.", field_path)
+        try:
+            if source[:5].lower() == "data:":
+                raw = _decode.data_url_bytes(source)
+            elif source[:7].lower() == "http://" or source[:8].lower() == "https://":
+                raw = self.fetcher.fetch(source)
+            else:
+                raise ValueError("image URLs must be base64 data: URLs or http(s) URLs")
+            content_hash = hashlib.blake2b(raw, digest_size=32, key=self._key).hexdigest()
+            cached = self.cache.get(content_hash)
+            if cached is not None:
+                return cached
+            image = _decode.decode_image(raw, self.max_pixels)
+            processed = self.processor.process(image, content_hash)
+        except ValueError as exc:
+            raise ImageError(f"{field_path}: {exc}.", field_path) from None
+        self.cache.put(content_hash, processed)
+        return processed

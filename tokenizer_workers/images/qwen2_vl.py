@@ -1,0 +1,107 @@
+"""Qwen2-VL / Qwen2.5-VL image preprocessing, as transformers' Qwen2-VL image processor does it.
+
+``smart_resize`` rounds height and width to multiples of patch_size * merge_size (28), keeps the
+pixel count within [min_pixels, max_pixels] and refuses aspect ratios over 200. The image is
+resized with Pillow's bicubic filter, rescaled (x / 255 in float64, then float32), normalised
+with the CLIP mean and std, and cut into (grid_h * grid_w) patches of 3 x temporal_patch_size x
+14 x 14 values (a still image repeated temporal_patch_size times), ordered merge window by merge
+window: the exact array ``Qwen2VLImageProcessorPil`` returns as ``pixel_values``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tokenizer_workers.images.base import ImageProcessor, ProcessedImage
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) transformers' smart_resize picks; ValueError past the aspect-ratio limit."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class Qwen2VLProcessor(ImageProcessor):
+    family = "qwen2_vl"
+    placeholder_token = "<|image_pad|>"
+    placeholder_text = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, config: dict):
+        size = config.get("size") or {}
+        self.min_pixels = int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
+        self.max_pixels = int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+        self.patch_size = int(config.get("patch_size", 14))
+        self.temporal_patch_size = int(config.get("temporal_patch_size", 2))
+        self.merge_size = int(config.get("merge_size", 2))
+        self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
+        self.do_rescale = bool(config.get("do_rescale", True))
+        self.do_normalize = bool(config.get("do_normalize", True))
+        self.mean = np.array(config.get("image_mean", CLIP_MEAN), dtype=np.float32)
+        self.std = np.array(config.get("image_std", CLIP_STD), dtype=np.float32)
+        self.resample = int(config.get("resample", 3))  # PIL.Image.BICUBIC
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("preprocessor_config.json: min_pixels is above max_pixels")
+
+    def fingerprint(self) -> str:
+        return repr(
+            (
+                self.family,
+                self.min_pixels,
+                self.max_pixels,
+                self.patch_size,
+                self.temporal_patch_size,
+                self.merge_size,
+                self.rescale_factor,
+                self.do_rescale,
+                self.do_normalize,
+                self.mean.tolist(),
+                self.std.tolist(),
+                self.resample,
+            )
+        )
+
+    def target_size(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) after smart_resize."""
+        return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+
+    def process(self, image, content_hash: str) -> ProcessedImage:
+        height, width = self.target_size(image.width, image.height)
+        resized = image.resize((width, height), resample=self.resample)
+        pixels = np.asarray(resized)  # (h, w, 3) uint8
+        if self.do_rescale:
+            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        else:
+            pixels = pixels.astype(np.float32)
+        if self.do_normalize:
+            pixels = (pixels - self.mean) / self.std
+        patches, grid_h, grid_w = self._patchify(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        tokens = grid_h * grid_w // (self.merge_size**2)
+        return ProcessedImage(self.family, patches, (1, grid_h, grid_w), tokens, content_hash)
+
+    def _patchify(self, image: np.ndarray) -> tuple[np.ndarray, int, int]:
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        channels, height, width = image.shape
+        grid_h, grid_w = height // p, width // p
+        patches = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        patches = np.broadcast_to(patches[:, :, :, :, :, None, :, :], (*patches.shape[:5], t, *patches.shape[5:]))
+        return np.ascontiguousarray(patches.reshape(grid_h * grid_w, channels * t * p * p)), grid_h, grid_w
