@@ -139,8 +139,32 @@ def test_media_parts_are_refused_clearly(part):
         with pytest.raises(ValueError) as info:
             to_template_messages(messages, content_format, PLAIN)
         message = str(info.value)
-        assert "messages[0].content[1]" in message
-        assert "not supported" in message and "text-only" in message
+        assert "messages[0].content[1]" in message and info.value.param == "messages[0].content[1]"
+        if "image_url" in part:  # a model without an image processor
+            assert "takes no images" in message
+        else:
+            assert "not supported" in message
+
+
+def test_image_parts_are_collected_in_prompt_order_for_a_model_that_takes_images():
+    url = "data:image/png;base64,AAAA"
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "low"}}, "Hi"]},
+        {"role": "user", "content": [{"image_url": "https://example.com/b.png"}]},
+    ]
+    refs = []
+    out = to_template_messages(messages, "openai", PLAIN, refs, "<img>")
+    assert out[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Hi"}]
+    assert out[1]["content"] == [{"type": "image"}]
+    assert [(r.url, r.where, r.detail) for r in refs] == [
+        (url, "messages[0].content[0]", "low"),
+        ("https://example.com/b.png", "messages[1].content[0]", "auto"),
+    ]
+    assert to_template_messages(messages, "string", PLAIN, [], "<img>")[0]["content"] == "<img>\nHi"
+    for bad in ({"type": "image_url"}, {"type": "image_url", "image_url": {"url": url, "detail": "max"}}):
+        with pytest.raises(ValueError) as info:
+            to_template_messages([{"role": "user", "content": [bad]}], "openai", PLAIN, [], "<img>")
+        assert info.value.param == "messages[0].content[0]"
 
 
 @pytest.mark.parametrize(

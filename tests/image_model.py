@@ -1,0 +1,59 @@
+"""A Qwen2-VL-shaped model directory for the front end, made at test time: the embedded DeepSeek-V4
+tokenizer with Qwen2-VL's special tokens added, a chat template of Qwen2-VL's shape (ChatML, an
+image part rendered as <|vision_start|><|image_pad|><|vision_end|> through the ``content['type'] ==
+'image'`` branch transformers uses) and a preprocessor_config.json. No weights: the simulated
+scheduler serves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VISION_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 1003520,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def make_vl_model(root: Path, name: str = "Tiny-Qwen2-VL") -> Path:
+    from tokenizers import AddedToken, Tokenizer
+
+    from tokenizer_workers.model import default_model_dir
+
+    d = root / name
+    d.mkdir(parents=True)
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|im_end|>",
+                "model_max_length": 32768,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    return d
