@@ -70,6 +70,7 @@ from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
     FEATURE_DISABLE_ANY_WHITESPACE,
+    FEATURE_IMAGES,
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_PRIORITY,
     FEATURE_WHITESPACE_PATTERN,
@@ -307,7 +308,8 @@ class VLLMBackend(Backend):
             vocab = int(model_config.get_vocab_size())
         max_model_len = getattr(model_config, "max_model_len", None)
         max_running = getattr(scheduler_config, "max_num_seqs", None)
-        features = set(FEATURES)
+        # images (1.2): not yet handed to vLLM as prebuilt multimodal input, so never listed (docs/engines.md)
+        features = set(FEATURES) - {FEATURE_IMAGES}
         no_tokenizer = getattr(model_config, "skip_tokenizer_init", None)
         if no_tokenizer is None:
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
