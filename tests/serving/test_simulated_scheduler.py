@@ -34,6 +34,7 @@ from scheduler_client.protocol import (
     Error,
     Generate,
     Hello,
+    ImageItem,
     Outputs,
     SamplingParams,
     Stats,
@@ -420,6 +421,40 @@ def test_max_running_queues_the_rest():
     finally:
         assert scheduler.stop() == 0, scheduler.log()
         scheduler.cleanup()
+
+
+# --------------------------------------------------------------------------- images (1.2)
+
+
+def test_image_items_are_checked_against_their_frames(sched):
+    """A generate carrying images: one pixel frame per item after the prompt, of the item's dtype and shape,
+    its placeholder inside the prompt; a valid one generates as usual."""
+    client = sched.client()
+    prompt = [5, 9, 9, 9, 9, 6, 7]
+    item = ImageItem("qwen2_vl", "float32", [16, 1176], [1, 4, 4], offset=1, length=4, content_hash="h")
+    pixels = bytes(16 * 1176 * 4)
+
+    def send(rid, items, *frames):
+        client.send(
+            Generate(request_id=rid, prompt_token_count=len(prompt), max_new_tokens=3, images=items),
+            ids_to_frame(prompt),
+            *frames,
+        )
+
+    send("ok", [item], pixels)
+    assert client.collect(["ok"])["ok"][-1].finish_reason == "length"
+    for rid, items, frames in (
+        ("missing", [item], ()),
+        ("extra", [item], (pixels, pixels)),
+        ("short", [item], (pixels[:-4],)),
+        ("dtype", [msgspec.structs.replace(item, dtype="int64")], (pixels,)),
+        ("outside", [msgspec.structs.replace(item, offset=5)], (pixels,)),
+        ("overlap", [item, msgspec.structs.replace(item, offset=3, length=2)], (pixels, bytes(16 * 1176 * 4))),
+    ):
+        send(rid, items, *frames)
+        error = client.recv_not_stats()
+        assert isinstance(error, Error) and error.request_id == rid and error.code == "bad_request", (rid, error)
+        assert error.param == (None if rid in ("missing", "extra") else "images"), (rid, error)
 
 
 # --------------------------------------------------------------------------- bad input
