@@ -20,7 +20,13 @@ from tokenizer_workers.images.base import ImageError, ImageProcessor, ProcessedI
 from tokenizer_workers.images.cache import ImageCache
 from tokenizer_workers.images.fetch import ImageFetcher, ImageFetchSettings
 
-__all__ = ["ImageError", "ImagePipeline", "ImageProcessor", "ProcessedImage", "processor_for"]
+__all__ = ["ImageError", "ImagePipeline", "ImageProcessor", "ProcessedImage", "base64_data_url", "processor_for"]
+
+
+def base64_data_url(media_type: str, data: str) -> str:
+    """An API's base64 image block (Anthropic's ``source``: media_type and data) as the data: URL
+    that ``load_image_part`` and OpenAI's ``image_url`` parts take."""
+    return f"data:{media_type};base64,{data}"
 
 
 def processor_for(model_dir: Path | None) -> ImageProcessor | None:
