@@ -168,14 +168,16 @@ class Converter:
 
     def fingerprint(self) -> str:
         """What must be equal for two workers to convert a request to the same tokens: the tokenizer,
-        the templates, their special tokens and the context length (a remote worker is refused on a
-        difference, since it would answer differently from the rest of the pool)."""
+        the templates, their special tokens, the context length and the image processor (a remote worker
+        is refused on a difference, since it would answer differently from the rest of the pool)."""
         digest = hashlib.sha256(self.tokenizer.to_str().encode())
         digest.update(
             json.dumps(
                 [self.model.templates, self.model.special_tokens, self.model.max_model_len], sort_keys=True, default=str
             ).encode()
         )
+        if self.images is not None:
+            digest.update(self.images.processor.fingerprint().encode())
         return digest.hexdigest()[:32]
 
     def limit_context(self, limits: Limits) -> None:
