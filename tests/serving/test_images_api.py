@@ -93,6 +93,8 @@ def test_image_chat_prompt_equals_transformers_processor(vl_server, vl_dir):
     assert resp.usage.prompt_tokens == len(expected) and resp.choices[0].message.content
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)  # from the cache
     assert again.usage.prompt_tokens == len(expected)
+    two = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, n=2, seed=1)
+    assert len(two.choices) == 2 and two.usage.prompt_tokens == len(expected)  # each choice gets the pixel frames
     chunks = list(
         client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True}
