@@ -134,8 +134,6 @@ class ImageFetcher:
                 chunks.append(chunk)
             return 200, headers, b"".join(chunks)
         except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, FetchError):
-                raise
             raise FetchError(f"fetching the image URL failed: {exc}") from None
         finally:
             sock.close()
