@@ -353,7 +353,7 @@ def _item(messages: list[dict], calls: set[str], item, where: str) -> None:
     elif kind == "reasoning":
         if item.get("encrypted_content"):
             raise oa.InvalidRequest(
-                "Encrypted reasoning content is not supported: send the reasoning as content.",
+                "encrypted_content is not supported: send the reasoning as content.",
                 f"{where}.encrypted_content",
             )
         reasoning = ""
