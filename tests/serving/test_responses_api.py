@@ -380,3 +380,38 @@ def test_openai_agents_sdk_tool_loop(server, streamed):
     assert result.final_output == "It is sunny in Paris, at 21 °C."
     kinds = [item.type for item in result.new_items]
     assert kinds == ["message_output_item", "tool_call_item", "tool_call_output_item", "message_output_item"]
+
+
+def test_engine_lost_mid_stream_is_one_response_failed(tmp_path):
+    """A failure after the stream started ends it with one response.failed (OpenAI's terminal event;
+    vLLM has none), carrying the error's code; nothing follows it."""
+    from faultutil import Simulator
+
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    sim = Simulator(endpoint, "--inter-token-latency-ms", "20", "--model", "default")
+    srv = None
+    try:
+        srv = Server("--scheduler", endpoint, "--workers", "1")
+        with srv.client().responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=3000) as stream:
+            events = []
+            for event in stream:
+                events.append(event)
+                if event.type == "response.output_text.delta" and len(events) == 6:
+                    sim.kill()
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last.type == "response.failed" and last.response.status == "failed"
+        assert last.response.error.code == "scheduler_unavailable" and last.response.error.message
+        assert [e.type for e in events].count("response.failed") == 1
+        assert not any(e.type in ("response.completed", "response.incomplete") for e in events)
+        # the message item it was writing is closed first, so the failed response's output is whole
+        assert [e.type for e in events[-4:-1]] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+        ]
+        assert last.response.output[0].id == events[2].item.id
+    finally:
+        if srv is not None:
+            srv.stop()
+        sim.stop()
