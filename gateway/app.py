@@ -350,7 +350,14 @@ class App:
         if kind == "responses":  # OpenAI's form of a response id: resp_...
             response_id = "resp_" + response_id[5:]
         framer = (
-            ResponsesFramer(response_id, int(time.time()), gw.model_name, done.response_fields, done.custom_tools)
+            ResponsesFramer(
+                response_id,
+                int(time.time()),
+                gw.model_name,
+                done.response_fields,
+                done.custom_tools,
+                done.tool_namespaces,
+            )
             if kind == "responses"
             else fmt.Framer(
                 kind,

@@ -41,12 +41,15 @@ class ResponsesFramer:
     chat = True  # App._stream opens the stream with role_chunk: here response.created and .in_progress
     include_usage = False  # the usage goes in the terminal event, not in a chunk of its own
 
-    def __init__(self, response_id: str, created: int, model: str, fields: bytes | None, custom_tools=()):
+    def __init__(
+        self, response_id: str, created: int, model: str, fields: bytes | None, custom_tools=(), namespaces=None
+    ):
         self.id = response_id
         self.created = created
         self.model = model
         self.fields = fields or b"{}"  # the request fields the response repeats (the worker's JSON object)
         self.custom_tools = frozenset(custom_tools)
+        self.namespaces = namespaces or {}  # ns__name -> ns: the call is answered as name in namespace ns
         self.sequence = 0
         self.output: list[dict] = []  # finished items, in order: the final response's output
         self.open: dict | None = None  # the text or reasoning item being streamed
@@ -137,7 +140,7 @@ class ResponsesFramer:
                 "input": custom_input(call.text),
                 "status": "completed",
             }
-        return {
+        item = {
             "id": _new_id("fc"),
             "type": "function_call",
             "call_id": call.call_id,
@@ -145,6 +148,11 @@ class ResponsesFramer:
             "arguments": call.text,
             "status": "completed",
         }
+        namespace = self.namespaces.get(call.name)
+        if namespace is not None:  # as vLLM answers it: the function's own name, and its namespace
+            item["name"] = call.name[len(namespace) + 2 :]
+            item["namespace"] = namespace
+        return item
 
     # ---- the methods App._stream calls --------------------------------------------------
 

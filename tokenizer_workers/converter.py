@@ -219,6 +219,7 @@ class Converter:
         conversion = self._chat(job, converted.chat)
         done = conversion.done
         done.custom_tools = converted.custom_tools
+        done.tool_namespaces = converted.namespaces
         done.response_fields = converted.echo
         if converted.affinity is not None:  # the client's name for the conversation beats the messages' hash
             done.conversation = zlib.crc32(converted.affinity.encode())

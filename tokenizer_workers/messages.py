@@ -180,6 +180,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     # the Responses API: the tools whose calls are custom_tool_call items, and the request fields the
     # response object repeats (a JSON object the gateway splices in as it is)
     custom_tools: list[str] = []
+    tool_namespaces: dict[str, str] = {}  # a namespace's function as the model saw it (ns__name) -> the namespace
     response_fields: bytes | None = None
     render_s: float = 0.0
     tokenize_s: float = 0.0

@@ -75,6 +75,7 @@ class Converted(msgspec.Struct):
 
     chat: oa.ChatCompletionRequest
     custom_tools: list[str]  # tool names whose calls are custom_tool_call items (input, not arguments)
+    namespaces: dict[str, str]  # a namespace's function as the model sees it (namespace__name) -> its namespace
     echo: bytes  # the request fields the response object repeats, as a JSON object
     affinity: str | None  # prompt_cache_key: the conversation's identity, when the client names one
 
@@ -95,7 +96,7 @@ def parse(body: bytes) -> ResponsesRequest:
 def convert(body: bytes) -> Converted:
     req = parse(body)
     _refuse_unsupported(req)
-    tools, custom = _tools(req.tools)
+    tools, custom, namespaces = _tools(req.tools)
     chat = oa.ChatCompletionRequest(
         model=req.model,
         messages=_messages(req),
@@ -119,7 +120,7 @@ def convert(body: bytes) -> Converted:
         chat_template_kwargs=req.chat_template_kwargs,
         request_id=req.request_id,
     )
-    return Converted(chat, sorted(custom), _echo(req), req.prompt_cache_key)
+    return Converted(chat, sorted(custom), namespaces, _echo(req), req.prompt_cache_key)
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
@@ -153,12 +154,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     if req.max_tool_calls is not None:
         raise oa.InvalidRequest("max_tool_calls is not supported.", "max_tool_calls")
     for i, name in enumerate(req.include or ()):
-        if name == "reasoning.encrypted_content":
-            raise oa.InvalidRequest(
-                "include 'reasoning.encrypted_content' is not supported: reasoning is returned as text, never "
-                "encrypted.",
-                f"include[{i}]",
-            )
         if name == "message.output_text.logprobs":
             raise oa.InvalidRequest("include 'message.output_text.logprobs' is not supported.", f"include[{i}]")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
@@ -178,28 +173,37 @@ def _effort(reasoning: dict | None) -> str | None:
     return effort
 
 
-def _tools(tools: list | None) -> tuple[list[dict], set[str]]:
-    """Flat Responses tools as chat tools; custom tools as vLLM shows them (one string argument)."""
-    out, custom, seen = [], set(), set()
+def _tools(tools: list | None) -> tuple[list[dict], set[str], dict[str, str]]:
+    """Flat Responses tools as chat tools, as vLLM shows them: a custom tool a function of one string, a
+    namespace's functions as ``namespace__name``; hosted tools (web search and the like, which only
+    OpenAI's servers run) are not shown to the model."""
+    out, custom, namespaces, seen = [], set(), {}, set()
     for i, tool in enumerate(tools or ()):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise oa.InvalidRequest(f"{where} must be an object.", where)
         kind = tool.get("type")
-        name = tool.get("name")
+        if kind in HOSTED_TOOLS:
+            continue
+        if kind == "namespace":
+            namespace, members = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise oa.InvalidRequest(f"{where}.name must be a non-empty string.", f"{where}.name")
+            if not isinstance(members, list):
+                raise oa.InvalidRequest(f"{where}.tools must be a list of function tools.", f"{where}.tools")
+            for j, member in enumerate(members):
+                if not isinstance(member, dict) or member.get("type") != "function":
+                    raise oa.InvalidRequest(f"{where}.tools[{j}] must be a function tool.", f"{where}.tools[{j}].type")
+                function = _function(member, f"{where}.tools[{j}]", seen, f"{namespace}__")
+                namespaces[function["function"]["name"]] = namespace
+                out.append(function)
+            continue
         if kind not in ("function", "custom"):
             raise oa.InvalidRequest(
-                f"{where}.type {kind!r} is not supported: this server runs function and custom tools only.",
+                f"{where}.type {kind!r} is not supported: this server runs function, custom and namespace tools "
+                f"(hosted tools, {', '.join(sorted(HOSTED_TOOLS))}, are not shown to the model).",
                 f"{where}.type",
             )
-        if not isinstance(name, str) or not name:
-            raise oa.InvalidRequest(f"{where}.name must be a non-empty string.", f"{where}.name")
-        if name in seen:
-            raise oa.InvalidRequest(f"{where}.name {name!r} names two tools.", f"{where}.name")
-        seen.add(name)
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise oa.InvalidRequest(f"{where}.description must be a string.", f"{where}.description")
         if kind == "custom":
             fmt = tool.get("format")
             if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):  # as vLLM: no grammar formats
@@ -208,28 +212,55 @@ def _tools(tools: list | None) -> tuple[list[dict], set[str]]:
                     "free-form text custom tools are.",
                     f"{where}.format",
                 )
-            custom.add(name)
-            parameters = {
-                "type": "object",
-                "properties": {
-                    CUSTOM_INPUT_KEY: {"type": "string", "description": "The freeform text payload for this tool."}
-                },
-                "required": [CUSTOM_INPUT_KEY],
-                "additionalProperties": False,
-            }
-        else:
-            parameters = tool.get("parameters")
-            if parameters is not None and (
-                not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
-            ):
-                raise oa.InvalidRequest(
-                    f"{where}.parameters must be a JSON Schema object (type 'object').", f"{where}.parameters"
-                )
-        function = {"name": name, "description": description, "parameters": parameters}
-        if kind == "function" and tool.get("strict") is not None:
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
-    return out, custom
+            tool = {**tool, "parameters": _CUSTOM_PARAMETERS}
+        function = _function(tool, where, seen)
+        if kind == "custom":
+            custom.add(function["function"]["name"])
+        out.append(function)
+    return out, custom, namespaces
+
+
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "file_search",
+        "code_interpreter",
+        "computer_use_preview",
+        "image_generation",
+        "local_shell",
+        "mcp",
+    }
+)
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {CUSTOM_INPUT_KEY: {"type": "string", "description": "The freeform text payload for this tool."}},
+    "required": [CUSTOM_INPUT_KEY],
+    "additionalProperties": False,
+}
+
+
+def _function(tool: dict, where: str, seen: set, prefix: str = "") -> dict:
+    """One function (or custom) tool in chat's form, checked."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise oa.InvalidRequest(f"{where}.name must be a non-empty string.", f"{where}.name")
+    name = prefix + name
+    if name in seen:
+        raise oa.InvalidRequest(f"{where}.name {name!r} names two tools.", f"{where}.name")
+    seen.add(name)
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise oa.InvalidRequest(f"{where}.description must be a string.", f"{where}.description")
+    parameters = tool.get("parameters")
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        raise oa.InvalidRequest(
+            f"{where}.parameters must be a JSON Schema object (type 'object').", f"{where}.parameters"
+        )
+    function = {"name": name, "description": description, "parameters": parameters}
+    if tool.get("type") == "function" and tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
 def _tool_choice(choice, tools: list[dict]):
@@ -330,6 +361,9 @@ def _item(messages: list[dict], calls: set[str], item, where: str) -> None:
             if not isinstance(payload, str):
                 raise oa.InvalidRequest(f"{where}.input must be a string.", f"{where}.input")
             arguments = json.dumps({CUSTOM_INPUT_KEY: payload}, ensure_ascii=False)
+        namespace = item.get("namespace")
+        if isinstance(namespace, str) and namespace:  # as the model saw the tool
+            name = f"{namespace}__{name}"
         calls.add(call_id)
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         previous = _last_assistant(messages)

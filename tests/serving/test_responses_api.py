@@ -30,6 +30,8 @@ REPLIES = [
     ("think first", "The user asks for a sum; 2 + 2 = 4.</think>The answer is 4."),
     ("patch the file", f'{B}{CB}apply_patch{S}{{"input": "*** Begin Patch\\n+hello\\n*** End Patch"}}{CE}{E}'),
     ("patched ok", "Done: the file is patched."),
+    ("spawn a helper", f'{B}{CB}multi__get_weather{S}{{"city": "Oslo"}}{CE}{E}'),
+    ("cloudy, 12", "Oslo is cloudy."),
 ]
 MODEL = "deepseek-v4"
 CUSTOM_SCHEMA = {  # what a custom tool is shown to the template as (vLLM's shim)
@@ -299,13 +301,13 @@ def refused(server, body: dict) -> openai.BadRequestError:
             "input[2].call_id",
         ),
         ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "teleport"}]}, "tools[0].type"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "nope"}]}, "tools[0].parameters"),
         ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name"),
         ({"input": "hi", "store": True}, "store"),
         ({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
         ({"input": "hi", "background": True}, "background"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include[0]"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         (
@@ -329,6 +331,40 @@ def test_store_false_and_omitted_are_accepted(server):
     for extra in ({}, {"store": False}):
         r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, **extra)
         assert r.store is False
+
+
+def test_what_codex_sends_is_accepted(server):
+    """Codex 0.169 asks for encrypted reasoning and sends hosted and namespace tools on every turn: the
+    reasoning comes back as text (no encrypted_content), hosted tools are not shown to the model, and a
+    namespace's functions are shown as namespace__name and answered as name in that namespace."""
+    client = server.client()
+    agents_ns = {
+        "type": "namespace",
+        "name": "multi",
+        "description": "Sub-agents.",
+        "tools": [{**WEATHER, "name": "get_weather"}],
+    }
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, tools=[WEATHER])
+    r = client.responses.create(
+        model=MODEL,
+        input="hi",
+        max_output_tokens=1,
+        tools=[WEATHER, {"type": "web_search"}],
+        include=["reasoning.encrypted_content"],
+        reasoning={"summary": "auto"},
+        extra_body={"client_metadata": {"thread_id": "t"}},
+    )
+    assert r.usage.input_tokens == plain.usage.input_tokens  # web_search is not in the prompt
+    r = client.responses.create(model=MODEL, input="Please spawn a helper.", tools=[agents_ns])
+    (call,) = r.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "multi")
+    assert json.loads(call.arguments) == {"city": "Oslo"}
+    history = [
+        {"role": "user", "content": "Please spawn a helper."},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy, 12"},
+    ]
+    assert client.responses.create(model=MODEL, input=history, tools=[agents_ns]).output_text == "Oslo is cloudy."
 
 
 def test_prompt_cache_key_is_echoed(server):

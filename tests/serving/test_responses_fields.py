@@ -28,7 +28,7 @@ VALUES = {
     "temperature": 0.5,
     "top_p": 0.9,
     "prompt_cache_key": "conversation-1",
-    "include": ["reasoning.encrypted_content"],
+    "include": ["message.output_text.logprobs"],
     "store": True,
     "previous_response_id": "resp_abc",
     "background": True,
@@ -53,7 +53,7 @@ VALUES = {
     "request_id": "abc123",
 }
 # refused fields whose default (or OpenAI's harmless values) is accepted
-ACCEPTED_AS = {"store": False, "include": ["message.input_image.image_url"], "truncation": "disabled"}
+ACCEPTED_AS = {"store": False, "include": ["reasoning.encrypted_content"], "truncation": "disabled"}
 
 
 def table() -> dict[str, str]:
