@@ -165,14 +165,20 @@ class ResponsesFramer:
         wanted = "reasoning" if kind == "reasoning" else "message"
         if self.open is None or self.open["type"] != wanted:
             out = self._open(wanted)
+            name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            tail = b"}\n\n" if kind == "reasoning" else b',"logprobs":[]}\n\n'
+            head = b'event: %s\ndata: {"type":"%s","sequence_number":' % (name.encode(), name.encode())
+            ids = b',"output_index":%d,"item_id":%s,"content_index":0,"delta":' % (
+                len(self.output),
+                _json.encode(self.open["id"]),
+            )
+            self._delta = (head, ids, tail)  # the item's delta event as bytes around its number and text
         if kind == "reasoning":
             self.reasoning_tokens = tokens
         self.open_text.append(text)
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return out + self._event(
-            name, output_index=len(self.output), item_id=self.open["id"], content_index=0, delta=text, **extra
-        )
+        head, ids, tail = self._delta
+        self.sequence += 1
+        return out + b"".join((head, b"%d" % (self.sequence - 1), ids, _json.encode(text), tail))
 
     def call_chunks(self, index: int, call, tokens: int = 0) -> bytes:
         out = self._close()
