@@ -17,6 +17,7 @@ import msgspec
 
 from gateway import openai_format as fmt
 from gateway.generations import Choice, Generation
+from gateway.responses_format import ResponsesFramer
 from gateway.worker_pool import ConversionRejected
 from scheduler_client.client import SchedulerUnavailable
 from tokenizer_workers.messages import ApiError
@@ -31,16 +32,16 @@ class BodyTooLarge(Exception):
     pass
 
 
-def conversation_key(body: bytes) -> int | None:
+def conversation_key(body: bytes, field: bytes = b'"messages"') -> int | None:
     """A hash of the conversation's beginning, from the raw body: the start of "messages" and of
     its first user message, which repeat across the turns of one conversation (conversations that
     open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
     a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
     only a hint."""
-    start = body.find(b'"messages"', 0, 65536)
+    start = body.find(field, 0, 65536)
     if start < 0:
         return None
-    user = body.find(b'"user"', start + 10, start + 65536)  # ~1 us per KB scanned, on the loop
+    user = body.find(b'"user"', start + len(field), start + 65536)  # ~1 us per KB scanned, on the loop
     if user < 0:
         return zlib.crc32(body[start : start + 2048])
     key = zlib.crc32(body[start : min(user, start + 2048)])
@@ -48,6 +49,27 @@ def conversation_key(body: bytes) -> int | None:
     # the message, a later turn's body differs
     end = body.find(b"}", user + 6, user + 2048)
     return zlib.crc32(body[user : end if end >= 0 else user + 2048], key)
+
+
+def responses_key(body: bytes) -> int | None:
+    """conversation_key for a Responses body: the client's prompt_cache_key when it names one (Codex
+    sends it last, so the body's ends are searched), else the start of "instructions" and of "input"'s
+    first user message, which repeat on every turn."""
+    for start in (
+        body.find(b'"prompt_cache_key"', 0, 4096),
+        body.find(b'"prompt_cache_key"', max(0, len(body) - 4096)),
+    ):
+        if start >= 0:
+            value = body.find(b'"', body.find(b":", start + 18, start + 40) + 1, start + 64)
+            if value >= 0:
+                end = body.find(b'"', value + 1, value + 512)
+                if end > value + 1:
+                    return zlib.crc32(body[value + 1 : end])
+    key = conversation_key(body, b'"input"')
+    instructions = body.find(b'"instructions"', 0, 65536)
+    if instructions >= 0:
+        return zlib.crc32(body[instructions : instructions + 2048], key or 0)
+    return key
 
 
 def _response_id(scope, prefix: str, done, server_id: str) -> str:
@@ -81,6 +103,7 @@ class App:
         self.routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),
+            ("POST", "/v1/responses"): lambda s, r, w: self.generate("responses", s, r, w),
             ("POST", "/tokenize"): lambda s, r, w: self.convert_only("tokenize", s, r, w),
             ("POST", "/detokenize"): lambda s, r, w: self.convert_only("detokenize", s, r, w),
             ("GET", "/v1/models"): self.models,
@@ -213,7 +236,13 @@ class App:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
         watcher = asyncio.ensure_future(receive())
-        affinity = conversation_key(body) if kind in ("chat", "tokenize") else None
+        affinity = (
+            conversation_key(body)
+            if kind in ("chat", "tokenize")
+            else responses_key(body)
+            if kind == "responses"
+            else None
+        )
         task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -260,7 +289,7 @@ class App:
                 retry_after=2,
             )
             return
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        prefix = {"chat": "chatcmpl", "responses": "resp"}.get(kind, "cmpl")
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
         result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
         if result is None:
@@ -318,18 +347,32 @@ class App:
         if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
             per_prompt = len(done.choices) // len(done.prompt_token_ids)
             prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
-        framer = fmt.Framer(
-            kind,
-            _response_id(scope, prefix, done, request_id),
-            int(time.time()),
-            gw.model_name,
-            done.include_usage,
-            done.continuous_usage,
-            [c.prompt_tokens for c in gen.choices],
-            prompt_ids,
-            done.token_ids,
-            done.functions,
-            done.role,
+        response_id = _response_id(scope, prefix, done, request_id)
+        if kind == "responses":  # OpenAI's form of a response id: resp_...
+            response_id = "resp_" + response_id[5:]
+        framer = (
+            ResponsesFramer(
+                response_id,
+                int(time.time()),
+                gw.model_name,
+                done.response_fields,
+                done.custom_tools,
+                done.tool_namespaces,
+            )
+            if kind == "responses"
+            else fmt.Framer(
+                kind,
+                response_id,
+                int(time.time()),
+                gw.model_name,
+                done.include_usage,
+                done.continuous_usage,
+                [c.prompt_tokens for c in gen.choices],
+                prompt_ids,
+                done.token_ids,
+                done.functions,
+                done.role,
+            )
         )
         try:
             if done.stream:
@@ -400,7 +443,7 @@ class App:
                         self.gw.metrics.finished(event[2])
                         open_choices -= 1
                     elif kind == "error":
-                        parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
+                        parts.append(framer.error_chunk(event[1]))
                         self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
                         failed = True
                         break
@@ -417,8 +460,9 @@ class App:
                 coalesced = 0
             merge = write_paused is not None and write_paused()
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-        tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
-        await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
+        await send(
+            {"type": "http.response.body", "body": framer.done_chunk(self._usage(gen), failed), "more_body": False}
+        )
 
     async def _collect(
         self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(), done=None

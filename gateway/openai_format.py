@@ -279,6 +279,15 @@ class Framer:
             }
         )
 
+    def done_chunk(self, usage_obj: dict, failed: bool) -> bytes:
+        """The stream's closing bytes: the usage chunk (if asked and nothing failed), then [DONE]."""
+        tail = self.usage_chunk(usage_obj) if self.include_usage and not failed else b""
+        return tail + DONE
+
+    def error_chunk(self, error: ApiError) -> bytes:
+        """A mid-stream error, as vLLM streams one."""
+        return sse({"error": msgspec.structs.asdict(error)})
+
     def full(
         self,
         texts: list[str],

@@ -23,6 +23,7 @@ import numpy as np
 from scheduler_client import protocol
 from tokenizer_workers import generation_params as gp
 from tokenizer_workers import openai_requests as oa
+from tokenizer_workers import openai_responses as responses
 from tokenizer_workers.chat_messages import ImageRef, to_template_messages
 from tokenizer_workers.chat_template import ChatTemplates, TemplateError
 from tokenizer_workers.images import ImageError, ImagePipeline, ProcessedImage, processor_for
@@ -232,7 +233,22 @@ class Converter:
     # ---- kinds ----------------------------------------------------------------------
 
     def _convert_chat(self, job: ConvertJob, body: bytes) -> Conversion:
-        req: oa.ChatCompletionRequest = oa.parse("chat", body)
+        return self._chat(job, oa.parse("chat", body))
+
+    def _convert_responses(self, job: ConvertJob, body: bytes) -> Conversion:
+        """The Responses API over the chat core: its body converted to a chat request (openai_responses.py),
+        plus what the gateway's Responses framer needs to name the output items."""
+        converted = responses.convert(body)
+        conversion = self._chat(job, converted.chat)
+        done = conversion.done
+        done.custom_tools = converted.custom_tools
+        done.tool_namespaces = converted.namespaces
+        done.response_fields = converted.echo
+        if converted.affinity is not None:  # the client's name for the conversation beats the messages' hash
+            done.conversation = zlib.crc32(converted.affinity.encode())
+        return conversion
+
+    def _chat(self, job: ConvertJob, req: oa.ChatCompletionRequest) -> Conversion:
         self._check_model(req.model)
         oa.check_sampling(req)
         functions = _legacy_functions(req)

@@ -20,7 +20,7 @@ class ConvertJob(msgspec.Struct, tag="convert"):
     """Convert one HTTP request body. Frame 2 is the raw body."""
 
     job_id: int
-    kind: str  # "chat" | "completion" | "tokenize" | "detokenize"
+    kind: str  # "chat" | "completion" | "responses" | "tokenize" | "detokenize"
     request_id: str  # the scheduler request id prefix for this HTTP request
     quick: bool = False  # a small body: convert it on the IO thread at once, beside any long conversion
 
@@ -178,6 +178,11 @@ class ConvertDone(msgspec.Struct, tag="done"):
     # so the response carries what the engine returned (null if nothing)
     prompt_logprobs: bool = False
     kv_transfer_params: bool = False
+    # the Responses API: the tools whose calls are custom_tool_call items, and the request fields the
+    # response object repeats (a JSON object the gateway splices in as it is)
+    custom_tools: list[str] = []
+    tool_namespaces: dict[str, str] = {}  # a namespace's function as the model saw it (ns__name) -> the namespace
+    response_fields: bytes | None = None
     render_s: float = 0.0
     tokenize_s: float = 0.0
     # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
