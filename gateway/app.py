@@ -289,6 +289,7 @@ class App:
                 for i, c in enumerate(done.choices)
             ],
             arrival,
+            structured_param=done.structured_param,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")

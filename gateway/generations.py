@@ -50,6 +50,7 @@ class Generation:
     buffered: int = 0  # characters of text in events the handler has not taken yet
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
     rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
+    structured_param: str | None = None  # the request field an engine's refusal of "structured" names
 
     @property
     def finished(self) -> bool:
@@ -152,7 +153,7 @@ class Generations:
                 400,
                 f"The scheduler rejected the request: {error.message}",
                 "BadRequestError",
-                _request_field(error.param),
+                _request_field(error.param, gen.structured_param),
                 error.code,
             ),
         )
@@ -320,12 +321,14 @@ class Generations:
         self._drop(gen)
 
 
-def _request_field(param: str | None) -> str | None:
+def _request_field(param: str | None, structured: str | None = None) -> str | None:
     """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p").
-    "structured" stays as it is: the constraint came from response_format, structured_outputs,
-    guided_* or a forced tool_choice, which only the worker knew."""
+    "structured" becomes ``structured``, the field the worker found the constraint in (response_format,
+    structured_outputs.<key>, guided_*, tool_choice), else stays as it is."""
     if not param:
         return None
+    if param == "structured" and structured:
+        return structured
     return "max_tokens" if param == "max_new_tokens" else param.removeprefix("sampling.")
 
 
