@@ -111,6 +111,7 @@ from scheduler_client.protocol import (
     PromptLogprobs,
     RequestOutput,
     Stats,
+    Structured,
     Welcome,
     encode,
     floats_to_bytes,
@@ -530,6 +531,12 @@ class SimulatedScheduler(SchedulerServer):
                 param = "structured.whitespace_pattern" if exc.where == "whitespace_pattern" else "structured"
                 raise Rejected(str(exc), param=param) from None
             if self._tokenizer is not None:  # without one the feature is not listed: the base class refuses it
+                pattern = gen.structured.whitespace_pattern
+                if pattern and gen.structured.kind in ("json_schema", "json_object"):
+                    try:
+                        self.guide.compile(Structured("regex", pattern))
+                    except GuideError as exc:
+                        raise Rejected(f"whitespace_pattern: {exc}", param="structured.whitespace_pattern") from None
                 try:
                     self.guide.compile(gen.structured)
                 except GuideError as exc:

@@ -289,7 +289,7 @@ class App:
                 for i, c in enumerate(done.choices)
             ],
             arrival,
-            structured_param=done.structured_param,
+            fields=done.fields,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")

@@ -50,7 +50,7 @@ class Generation:
     buffered: int = 0  # characters of text in events the handler has not taken yet
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
     rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
-    structured_param: str | None = None  # the request field an engine's refusal of "structured" names
+    fields: dict[str, str] = field(default_factory=dict)  # Generate fields -> request fields (ConvertDone.fields)
 
     @property
     def finished(self) -> bool:
@@ -153,7 +153,7 @@ class Generations:
                 400,
                 f"The scheduler rejected the request: {error.message}",
                 "BadRequestError",
-                _request_field(error.param, gen.structured_param),
+                _request_field(error.param, gen.fields),
                 error.code,
             ),
         )
@@ -321,14 +321,14 @@ class Generations:
         self._drop(gen)
 
 
-def _request_field(param: str | None, structured: str | None = None) -> str | None:
-    """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p").
-    "structured" becomes ``structured``, the field the worker found the constraint in (response_format,
-    structured_outputs.<key>, guided_*, tool_choice), else stays as it is."""
+def _request_field(param: str | None, fields: dict[str, str]) -> str | None:
+    """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p");
+    "structured" (and its whitespace_pattern) become the field the worker found it in (``fields``:
+    response_format, structured_outputs.<key>, guided_*, tool_choice), else stay as they are."""
     if not param:
         return None
-    if param == "structured" and structured:
-        return structured
+    if param in fields:
+        return fields[param]
     return "max_tokens" if param == "max_new_tokens" else param.removeprefix("sampling.")
 
 

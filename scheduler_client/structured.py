@@ -52,11 +52,11 @@ def check(s: Structured, where: str | None = None) -> None:
 
 
 def whitespace_problem(pattern: Any) -> str | None:
-    """What is wrong with a whitespace pattern (protocol 1.2), or None: a non-empty string under the size
-    and nesting limits; the engine compiles it as a regex of its own dialect."""
+    """What is wrong with a whitespace pattern (protocol 1.2), or None: a string (as vLLM's model takes it)
+    under the size and nesting limits; the engine compiles it as a regex of its own dialect."""
     if not isinstance(pattern, str):
         return f"must be a string, got {type(pattern).__name__}"
-    return _text_problem(pattern, "pattern", False)
+    return _text_problem(pattern, "pattern", False, blank_ok=True)
 
 
 def _problem(s: Structured) -> str | None:
@@ -94,8 +94,8 @@ def _choice_problem(choices: Any) -> str | None:
     return None
 
 
-def _text_problem(text: Any, what: str, is_json: bool) -> str | None:
-    if not isinstance(text, str) or not text.strip():
+def _text_problem(text: Any, what: str, is_json: bool, blank_ok: bool = False) -> str | None:
+    if not isinstance(text, str) or not (blank_ok or text.strip()):
         return f"the {what} is empty"
     if len(text) > MAX_SPEC_CHARS:
         return f"the {what} has {len(text)} characters; at most {MAX_SPEC_CHARS} are accepted"

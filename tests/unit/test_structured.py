@@ -52,7 +52,7 @@ def test_engine_questions_pass(spec):
         (Structured("regex", "(" * (MAX_NESTING + 1) + "a" + ")" * (MAX_NESTING + 1)), "nests brackets"),
         (Structured("json_schema", '{"a": ' * 200 + "1" + "}" * 200), "nests brackets"),
         (Structured("json_schema", "[" * 100_000), "nests brackets"),  # never reaches json.loads' recursion
-        (Structured("json_schema", '{"type": "object"}', whitespace_pattern=""), "empty"),
+        (Structured("json_schema", '{"type": "object"}', whitespace_pattern="(" * 65), "nests brackets"),
     ],
 )
 def test_what_no_engine_could_use_is_refused(spec, words):
