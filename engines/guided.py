@@ -56,6 +56,12 @@ _P_STOP = 0.5  # the odds of stopping where the grammar is complete but could go
 __all__ = ["LIMITS", "Decoder", "Guide", "GuideError"]
 
 
+def short(message: str, limit: int = 400) -> str:
+    """llguidance's message without the parser state and grammar it appends (which can be the whole spec)."""
+    head = message.split("\n<state>", 1)[0].split("\n<grammar>", 1)[0].strip()
+    return head if len(head) <= limit else head[: limit - 3] + "..."
+
+
 class GuideError(ValueError):
     """A spec llguidance refuses; ``str()`` is llguidance's message."""
 
@@ -95,10 +101,10 @@ class Guide:
             try:
                 grammar = grammar_of(s)
             except (ValueError, KeyError, TypeError) as exc:
-                found = f"invalid grammar specification: {exc}"
+                found = f"invalid grammar specification: {short(str(exc))}"
             else:
                 matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
-                found = f"grammar error: {matcher.get_error()}" if matcher.is_error() else matcher
+                found = f"grammar error: {short(matcher.get_error())}" if matcher.is_error() else matcher
             self._cache[key] = found
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -190,14 +196,14 @@ class Decoder:
         """The next token the spec allows; None when the output is complete (or the matcher gave up)."""
         m = self.matcher
         if m.is_error():
-            log.warning("constrained decoding stopped: %s", m.get_error())
+            log.warning("constrained decoding stopped: %s", short(m.get_error()))
             return None
         allowed = int.from_bytes(m.compute_bitmask(), "little") & self.guide._not_eos
         complete = m.is_accepting()
         if complete and (not allowed or (self.generated >= self.min_tokens and self.rng.random() < _P_STOP)):
             return None
         if not allowed:  # not complete, yet nothing may follow: the matcher failed
-            log.warning("constrained decoding stopped: %s", m.get_error() or "no token is allowed")
+            log.warning("constrained decoding stopped: %s", short(m.get_error()) or "no token is allowed")
             return None
         rng = self.rng
         pool = allowed & self.guide._not_blank or allowed  # whitespace only where nothing else may follow
