@@ -22,11 +22,11 @@ reply's ``match`` generates that reply's text, then the model's EOS (docs/schedu
 Protocol 1.1 (``Welcome.features`` lists everything in ``protocol.FEATURES``; without a
 tokenizer, all but the ``structured.*`` ones):
 
-* ``structured``: at accept, :func:`scheduler_client.structured.generate.example` writes a text the
-  spec accepts (drawn with the request's generator, so deterministic for (seed, prompt));
-  tokenized with the served tokenizer it becomes the output, one token per step like a
-  scripted reply, then the first stop token with ``"stop"``; ``max_new_tokens`` still cuts it
-  (``"length"``). An invalid spec is refused (``bad_request``, ``param`` "structured").
+* ``structured``: constrained decoding under llguidance over the served vocabulary
+  (:mod:`engines.guided`): each step draws one of the tokens the matcher allows with the request's
+  generator (so deterministic for (seed, prompt)); once the grammar is complete the first stop
+  token ends it with ``"stop"``; ``max_new_tokens`` still cuts it (``"length"``). A spec llguidance
+  refuses is refused with its message (``bad_request``, ``param`` "structured").
 * ``logprobs``: every generated token (a final stop token included) gets a logprob in
   (-3, 0), a hash of the request's key (seed and prompt, or random when unseeded) and its
   position; with N > 0 the top N are the chosen token first, then N-1 other distinct IDs
@@ -36,9 +36,8 @@ tokenizer, all but the ``structured.*`` ones):
 * ``min_tokens``: no stop token ends a request before it has that many tokens: random mode
   skips ``--eos-probability`` and palette stop tokens, echo mode skips the prompt's stop
   tokens, and a scripted reply that ends early holds its stop token back, random-mode text
-  filling up to ``min_tokens``. A structured request first draws up to 8 instances and takes
-  the first that is long enough (as a constrained model writes a longer instance); only when
-  none is does the filler follow the instance, which then no longer matches the spec.
+  filling up to ``min_tokens``. A structured request does not stop where its grammar could go
+  on before ``min_tokens``; where the grammar allows nothing more, it stops anyway.
 * ``logit_bias`` (random mode only): a token with bias <= -100 is never drawn (nor emitted
   by ``--eos-probability``); the token with the highest bias >= 100 (the lowest ID among
   equals) is drawn at every step instead (unless it is a stop token held back by
@@ -54,8 +53,8 @@ Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_toke
 * ``allowed_token_ids`` / ``bad_words`` (random mode): draws keep to the allowed IDs and never
   complete a banned sequence (its last token after the others as the latest generated tokens);
 * ``structured.disable_any_whitespace`` / ``structured.whitespace_pattern`` (listed with a tokenizer):
-  a JSON instance is written compact, or with whitespace drawn from the pattern at every place JSON
-  allows it (:func:`scheduler_client.structured.generate.example`); other kinds are unchanged.
+  a JSON constraint is compiled without optional whitespace, or with the pattern as llguidance's
+  whitespace (:func:`engines.guided.grammar_of`); other kinds are unchanged.
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m engines.simulated --bind ENDPOINT``.
