@@ -272,7 +272,7 @@ class SGLangBackend(Backend):
                         return
                 elif kind == "reject":
                     finished = True
-                    raise EngineRejected(payload)
+                    raise EngineRejected(payload, param=_param_of(payload, request))
                 else:  # "error"
                     finished = True
                     yield Chunk(finish=FINISH_ERROR, error=payload)
@@ -328,6 +328,17 @@ class SGLangBackend(Backend):
         running = len(self._running)
         self._peak = max(self._peak, running)
         return EngineLoad(num_running=running, num_waiting=0, peak_running=self._peak, cancelled_total=self._cancelled)
+
+
+_GRAMMAR_WORDS = ("grammar", "schema", "regex", "ebnf", "json", "structural", "xgrammar", "outlines", "guidance")
+
+
+def _param_of(message: str, request: EngineRequest) -> str | None:
+    """ "structured" for a constrained request whose refusal speaks of its grammar backend's work (the
+    client's 400 then names the request field the constraint came from), else None."""
+    if request.structured is not None and any(w in message.lower() for w in _GRAMMAR_WORDS):
+        return "structured"
+    return None
 
 
 def structured_params(structured: Structured) -> dict[str, str]:

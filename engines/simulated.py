@@ -22,11 +22,11 @@ reply's ``match`` generates that reply's text, then the model's EOS (docs/schedu
 Protocol 1.1 (``Welcome.features`` lists everything in ``protocol.FEATURES``; without a
 tokenizer, all but the ``structured.*`` ones):
 
-* ``structured``: at accept, :func:`scheduler_client.structured.generate.example` writes a text the
-  spec accepts (drawn with the request's generator, so deterministic for (seed, prompt));
-  tokenized with the served tokenizer it becomes the output, one token per step like a
-  scripted reply, then the first stop token with ``"stop"``; ``max_new_tokens`` still cuts it
-  (``"length"``). An invalid spec is refused (``bad_request``, ``param`` "structured").
+* ``structured``: constrained decoding under llguidance over the served vocabulary
+  (:mod:`engines.guided`): each step draws one of the tokens the matcher allows with the request's
+  generator (so deterministic for (seed, prompt)); once the grammar is complete the first stop
+  token ends it with ``"stop"``; ``max_new_tokens`` still cuts it (``"length"``). A spec llguidance
+  refuses is refused with its message (``bad_request``, ``param`` "structured").
 * ``logprobs``: every generated token (a final stop token included) gets a logprob in
   (-3, 0), a hash of the request's key (seed and prompt, or random when unseeded) and its
   position; with N > 0 the top N are the chosen token first, then N-1 other distinct IDs
@@ -36,9 +36,8 @@ tokenizer, all but the ``structured.*`` ones):
 * ``min_tokens``: no stop token ends a request before it has that many tokens: random mode
   skips ``--eos-probability`` and palette stop tokens, echo mode skips the prompt's stop
   tokens, and a scripted reply that ends early holds its stop token back, random-mode text
-  filling up to ``min_tokens``. A structured request first draws up to 8 instances and takes
-  the first that is long enough (as a constrained model writes a longer instance); only when
-  none is does the filler follow the instance, which then no longer matches the spec.
+  filling up to ``min_tokens``. A structured request does not stop where its grammar could go
+  on before ``min_tokens``; where the grammar allows nothing more, it stops anyway.
 * ``logit_bias`` (random mode only): a token with bias <= -100 is never drawn (nor emitted
   by ``--eos-probability``); the token with the highest bias >= 100 (the lowest ID among
   equals) is drawn at every step instead (unless it is a stop token held back by
@@ -54,8 +53,8 @@ Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_toke
 * ``allowed_token_ids`` / ``bad_words`` (random mode): draws keep to the allowed IDs and never
   complete a banned sequence (its last token after the others as the latest generated tokens);
 * ``structured.disable_any_whitespace`` / ``structured.whitespace_pattern`` (listed with a tokenizer):
-  a JSON instance is written compact, or with whitespace drawn from the pattern at every place JSON
-  allows it (:func:`scheduler_client.structured.generate.example`); other kinds are unchanged.
+  a JSON constraint is compiled without optional whitespace, or with the pattern as llguidance's
+  whitespace (:func:`engines.guided.grammar_of`); other kinds are unchanged.
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
 ``python -m engines.simulated --bind ENDPOINT``.
@@ -84,6 +83,7 @@ from pathlib import Path
 import zmq
 
 from engines.busy_cores import BusyCores
+from engines.guided import Decoder, Guide, GuideError
 from engines.scheduler_server import (
     ERR_BAD_REQUEST,
     ERR_DUPLICATE,
@@ -110,12 +110,12 @@ from scheduler_client.protocol import (
     PromptLogprobs,
     RequestOutput,
     Stats,
+    Structured,
     Welcome,
     encode,
     floats_to_bytes,
     ids_to_frame,
 )
-from scheduler_client.structured import generate as structured_generate
 
 log = logging.getLogger("tokenmill.simulated_scheduler")
 
@@ -300,6 +300,7 @@ class _Request:
     history: list[int] | None = None  # generated tokens, kept for bad_words
     prompt_logprobs: int | None = None  # Generate.prompt_logprobs, until the first output has carried them
     kv_out: dict | None = None  # what the final output's kv_transfer_params says (kv_transfer_params, extra_args)
+    decoder: Decoder | None = None  # structured: the request's llguidance matcher
     next_token: Callable[[_Request], tuple[int | None, str | None]] | None = None  # set at accept
     state: str = _WAITING
     generated: int = 0
@@ -418,7 +419,8 @@ class SimulatedScheduler(SchedulerServer):
         if replies is not None and model is None:
             model = "default"
         self.replies: ScriptedReplies | None = None
-        self._tokenizer = None  # with --model: structured outputs are tokenized with it
+        self._tokenizer = None  # with --model: structured outputs are decoded over its vocabulary
+        self._guide: Guide | None = None  # built from it at the first structured request
         if model is not None:
             from tokenizers import Tokenizer  # only needed with --model
 
@@ -528,6 +530,17 @@ class SimulatedScheduler(SchedulerServer):
             except structured.StructuredError as exc:
                 param = "structured.whitespace_pattern" if exc.where == "whitespace_pattern" else "structured"
                 raise Rejected(str(exc), param=param) from None
+            if self._tokenizer is not None:  # without one the feature is not listed: the base class refuses it
+                pattern = gen.structured.whitespace_pattern
+                if pattern and gen.structured.kind in ("json_schema", "json_object"):
+                    try:
+                        self.guide.compile(Structured("regex", pattern))
+                    except GuideError as exc:
+                        raise Rejected(f"whitespace_pattern: {exc}", param="structured.whitespace_pattern") from None
+                try:
+                    self.guide.compile(gen.structured)
+                except GuideError as exc:
+                    raise Rejected(f"structured: {exc}", param="structured") from None
 
     def stats(self) -> Stats:
         return Stats(num_running=self.num_running, num_waiting=self.num_waiting)
@@ -580,7 +593,7 @@ class SimulatedScheduler(SchedulerServer):
             if top >= 100:
                 req.forced = min(t for t, b in bias.items() if b == top)
         if gen.structured is not None:
-            req.script = self._structured_script(gen, req)
+            req.decoder = Decoder(self.guide, self.guide.compile(gen.structured), req.rng, req.min_tokens)
         if gen.logprobs is not None:
             req.logprobs = gen.logprobs
             req.lp_key = _logprob_key(gen, prompt_bytes)
@@ -597,7 +610,9 @@ class SimulatedScheduler(SchedulerServer):
                 req.bad_words.setdefault(seq[-1], []).append(tuple(seq[:-1]))
             req.history = []
         masked = req.allowed is not None or req.bad_words is not None
-        if masked:
+        if req.decoder is not None:
+            req.next_token = self._next_token_guided
+        elif masked:
             req.next_token = self._next_token_masked
         elif req.min_tokens or sampling.logit_bias:
             req.next_token = self._next_token_11
@@ -612,22 +627,13 @@ class SimulatedScheduler(SchedulerServer):
             heapq.heappush(self._queue, (req.priority, req.arrival, req.key))
         self._wake_engine()
 
-    def _structured_script(self, gen: Generate, req: _Request) -> list[int]:
-        """The tokens of a text the request's spec accepts (see the module docstring for min_tokens)."""
-        if self._tokenizer is None:  # not listed in features, so the base class refused it already
-            raise Rejected("structured outputs need the simulator started with --model", ERR_UNSUPPORTED, "structured")
-        best: list[int] | None = None
-        for _ in range(8 if req.min_tokens else 1):
-            try:
-                text = structured_generate.example(gen.structured, req.rng)
-            except structured.StructuredError as exc:
-                raise Rejected(f"cannot write an instance: {exc}", param="structured") from None
-            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-            if best is None or len(ids) > len(best):
-                best = ids
-            if len(best) >= req.min_tokens:
-                break
-        return best
+    @property
+    def guide(self) -> Guide:
+        """llguidance over the served vocabulary, built at the first structured request (about a second)."""
+        if self._guide is None:
+            palette = {t for sentence in self._tokens.sentences for t in sentence}
+            self._guide = Guide(self._tokenizer.to_str(), self._tokens.vocab_size, palette)
+        return self._guide
 
     def abort(self, identity: bytes, request_ids: list[str]) -> None:
         finals = []
@@ -851,6 +857,18 @@ class SimulatedScheduler(SchedulerServer):
                 token = req.rng.randrange(self._tokens.vocab_size)
         if token in req.stop_ids:
             return token, FINISH_STOP
+        if req.generated + 1 >= req.max_new_tokens:
+            return token, FINISH_LENGTH
+        return token, None
+
+    def _next_token_guided(self, req: _Request) -> tuple[int | None, str | None]:
+        """A structured request's next token: the matcher's draw, then the first stop token once the output
+        is complete (the module docstring says how)."""
+        token = req.decoder.next()
+        if token is None:
+            if req.first_stop_id is not None and not req.ignore_eos:
+                return req.first_stop_id, FINISH_STOP
+            return None, FINISH_STOP
         if req.generated + 1 >= req.max_new_tokens:
             return token, FINISH_LENGTH
         return token, None

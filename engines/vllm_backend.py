@@ -236,7 +236,18 @@ _PARAMS = {
         )
     },
 }
-_STRUCTURED_WORDS = ("structured", "grammar", "schema", "regex", "json", "choice", "structural", "xgrammar", "guidance")
+_STRUCTURED_WORDS = (
+    "structured",
+    "grammar",
+    "schema",
+    "regex",
+    "json",
+    "choice",
+    "structural",
+    "trigger",
+    "xgrammar",
+    "guidance",
+)
 
 
 def _param_of(exc: BaseException, request: EngineRequest) -> str | None:
@@ -453,6 +464,14 @@ class VLLMBackend(Backend):
                     # counts (and logs) as an abort, so let it end first
                     async for _ in stream:
                         pass
+                    if finish == FINISH_ERROR and not produced and not tokens and request.structured is not None:
+                        # the engine core's grammar compilation failed (xgrammar refuses what its validation
+                        # let through, e.g. \p{L} classes): vLLM's own server answers such a request with a 400
+                        completed = True
+                        raise EngineRejected(
+                            "vLLM's grammar backend could not compile the structured-output constraint",
+                            param="structured",
+                        )
                     completed = finish != FINISH_ABORT
                 produced = True
                 chunk = Chunk(tokens, finish, error, getattr(out, "num_cached_tokens", None))
@@ -469,6 +488,8 @@ class VLLMBackend(Backend):
                     return
         except (asyncio.CancelledError, GeneratorExit):
             stopped = True  # closing the stream aborts the request inside vLLM
+            raise
+        except EngineRejected:
             raise
         except Exception as exc:
             if not produced and _is_client_error(exc):

@@ -318,6 +318,7 @@ class App:
                 for i, c in enumerate(done.choices)
             ],
             arrival,
+            fields=done.fields,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")

@@ -50,6 +50,7 @@ class Generation:
     buffered: int = 0  # characters of text in events the handler has not taken yet
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
     rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
+    fields: dict[str, str] = field(default_factory=dict)  # Generate fields -> request fields (ConvertDone.fields)
 
     @property
     def finished(self) -> bool:
@@ -152,7 +153,7 @@ class Generations:
                 400,
                 f"The scheduler rejected the request: {error.message}",
                 "BadRequestError",
-                _request_field(error.param),
+                _request_field(error.param, gen.fields),
                 error.code,
             ),
         )
@@ -320,12 +321,14 @@ class Generations:
         self._drop(gen)
 
 
-def _request_field(param: str | None) -> str | None:
-    """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p").
-    "structured" stays as it is: the constraint came from response_format, structured_outputs,
-    guided_* or a forced tool_choice, which only the worker knew."""
+def _request_field(param: str | None, fields: dict[str, str]) -> str | None:
+    """The request field behind a Generate field a scheduler refused ("sampling.min_p" -> "min_p");
+    "structured" (and its whitespace_pattern) become the field the worker found it in (``fields``:
+    response_format, structured_outputs.<key>, guided_*, tool_choice), else stay as they are."""
     if not param:
         return None
+    if param in fields:
+        return fields[param]
     return "max_tokens" if param == "max_new_tokens" else param.removeprefix("sampling.")
 
 

@@ -258,7 +258,7 @@ class Converter:
         )
         # everything that can be refused is refused before rendering
         forced_spec, forced = gp.forced_tools(req, self.engine)
-        spec = gp.structured(req, self.engine)
+        spec, fields = gp.structured(req, self.engine)
         if forced_spec is not None and spec is not None:
             raise oa.InvalidRequest(
                 "A forced tool_choice constrains the output already; drop the other output "
@@ -291,6 +291,7 @@ class Converter:
             for spec_ in conversion.detok:  # as vLLM: with a parser at work and the reasoning left out, the
                 spec_.token_ids = False  # generated IDs are not shown (they would tell the reasoning)
             conversion.done.token_ids = False
+        conversion.done.fields = {"structured": "tool_choice"} if forced_spec is not None else fields
         if forced is not None:
             conversion.done.forced_calls = "named" if forced else "required"
         conversion.done.functions = functions
@@ -305,7 +306,8 @@ class Converter:
         self._check_model(req.model)
         oa.check_sampling(req)
         self._check_max_tokens(req.max_tokens, "max_tokens")
-        params = self._generation(req, req.max_tokens, gp.structured(req, self.engine), chat=False)
+        spec, fields = gp.structured(req, self.engine)
+        params = self._generation(req, req.max_tokens, spec, chat=False)
         echo_logprobs = gp.echo_prompt_logprobs(req, self.engine, self.vocab_size)
         t0 = time.perf_counter()
         prompts = self._completion_prompts(req.prompt)
@@ -322,7 +324,9 @@ class Converter:
         if req.echo and not req.return_token_ids:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
-        return self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo, echo_logprobs)
+        conversion = self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo, echo_logprobs)
+        conversion.done.fields = fields
+        return conversion
 
     def _convert_tokenize(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.TokenizeRequest = oa.parse("tokenize", body)

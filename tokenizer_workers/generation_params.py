@@ -330,8 +330,10 @@ def logprobs(req, chat: bool, engine: Engine) -> int | None:
     return count
 
 
-def structured(req, engine: Engine) -> protocol.Structured | None:
-    """The output constraint asked for by response_format, structured_outputs or guided_*."""
+def structured(req, engine: Engine) -> tuple[protocol.Structured | None, dict[str, str]]:
+    """The output constraint asked for by response_format, structured_outputs or guided_*, and the request
+    fields behind its Generate fields ("structured", "structured.whitespace_pattern"): what an engine's
+    refusal of one names in its 400."""
     found: list[tuple[str, str, protocol.Structured]] = []  # (field, the part of it holding the spec, spec)
     rf = req.response_format
     if rf is not None:
@@ -357,7 +359,7 @@ def structured(req, engine: Engine) -> protocol.Structured | None:
         _whitespace_pattern(pattern, "guided_whitespace_pattern")
         options["whitespace_pattern"] = ("guided_whitespace_pattern", pattern)
     if not found:
-        return None  # a whitespace pattern without a constraint shapes nothing (older vLLM dropped it too)
+        return None, {}  # a whitespace pattern without a constraint shapes nothing (older vLLM dropped it too)
     if len(found) > 1:
         raise InvalidRequest(f"Give one output constraint, not {' and '.join(f[0] for f in found)}.", found[1][0])
     param, where, spec = found[0]
@@ -367,7 +369,10 @@ def structured(req, engine: Engine) -> protocol.Structured | None:
             field, value = options[name]
             engine.require(feature, field, field)
             setattr(spec, name, value)
-    return spec
+    fields = {"structured": where}
+    if "whitespace_pattern" in options:
+        fields["structured.whitespace_pattern"] = options["whitespace_pattern"][0]
+    return spec, fields
 
 
 def validate(spec: protocol.Structured, param: str, engine: Engine, where: str | None = None) -> None:

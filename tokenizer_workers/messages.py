@@ -165,6 +165,9 @@ class ConvertDone(msgspec.Struct, tag="done"):
     logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
+    # Generate fields -> the request fields they came from ("structured" -> "response_format", ...): an
+    # engine's refusal of one names the request field in its 400
+    fields: dict[str, str] = {}
     forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
     # vLLM's return_token_ids: each prompt's token IDs as a JSON array (the choices are prompt-major, n per
     # prompt); None when not asked. token_ids: the choices' generated IDs are shown (vLLM hides them when

@@ -159,6 +159,8 @@ class FakeSGLangEngine:
             )
         if "min_new_tokens" in sampling_params and self.kwargs.get("skip_tokenizer_init"):
             raise ValueError("min_new_tokens=1 is unavailable when skip_tokenizer_init=True")  # as SGLang says
+        if sampling_params.get("regex") == "(unclosed":  # as a grammar backend refusing at submission
+            raise ValueError("Invalid regex: (unclosed")
         self.requests[rid] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),
@@ -404,8 +406,14 @@ def test_sglang_validation_error_is_a_rejection():
     try:
 
         async def main():
-            with pytest.raises(EngineRejected, match="longer than the model's context length"):
+            with pytest.raises(EngineRejected, match="longer than the model's context length") as info:
                 await collect(backend.generate(request("big", prompt=range(101))))
+            assert info.value.param is None
+            # a grammar refusal names the constraint: the client's 400 names the request field it came from
+            bad = Structured(kind="regex", spec="(unclosed")
+            with pytest.raises(EngineRejected, match="Invalid regex") as info:
+                await collect(backend.generate(request("bad", structured=bad)))
+            assert info.value.param == "structured"
 
         asyncio.run(main())
     finally:

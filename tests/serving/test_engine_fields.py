@@ -358,13 +358,20 @@ SCHEMA = {
 
 
 def _compact(text: str) -> str:
-    return json.dumps(json.loads(text), separators=(",", ":"))
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
+def _between_tokens(text: str) -> str:
+    """The JSON text with its strings emptied: what is left of whitespace is the grammar's optional whitespace."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
 
 
 def test_whitespace_options_shape_the_json(server):
-    """The simulator writes JSON with json.dumps' spaces by default, none with disable_any_whitespace,
-    and whitespace drawn from whitespace_pattern (older vLLM's guided_whitespace_pattern too). JSON
-    strings hold no raw newlines, so every newline of the output is whitespace the pattern put there."""
+    """The simulator decodes under llguidance: JSON with its default flexible whitespace, none with
+    disable_any_whitespace, and with whitespace_pattern (older vLLM's guided_whitespace_pattern too) only
+    whitespace of the pattern's characters (llguidance's lexer may skip it more than once between two
+    lexemes). Every output is valid under the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
     client = server.client()
 
     def content(seed: int, **extra) -> str:
@@ -374,9 +381,10 @@ def test_whitespace_options_shape_the_json(server):
 
     for seed in range(3):
         plain = content(seed, structured_outputs={"json": SCHEMA})
-        assert plain == json.dumps(json.loads(plain)) and ", " in plain and ": " in plain
+        jsonschema.validate(json.loads(plain), SCHEMA)
         compact = content(seed, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
-        assert compact == _compact(compact) and json.loads(compact) == json.loads(plain)  # same instance
+        jsonschema.validate(json.loads(compact), SCHEMA)
+        assert compact == _compact(compact), compact
         obj = content(seed, structured_outputs={"json_object": True, "disable_any_whitespace": True})
         assert obj == _compact(obj) and isinstance(json.loads(obj), dict)
         for extra in (
@@ -384,16 +392,15 @@ def test_whitespace_options_shape_the_json(server):
             {"guided_json": SCHEMA, "guided_whitespace_pattern": r"\n{1,2}"},
         ):
             lines = content(seed, **extra)
-            assert json.loads(lines) == json.loads(plain), lines
-            assert lines.replace("\n", "") == compact, lines
-            assert "\n:\n" in lines and "{\n" in lines and "\n}" in lines and "[\n" in lines, lines
-            assert "\n\n\n" not in lines, lines
+            jsonschema.validate(json.loads(lines), SCHEMA)
+            outside = _between_tokens(lines)
+            assert not set(re.findall(r"\s", outside)) - {"\n"}, lines
     # the options with other constraints are accepted (they shape JSON only), false needs no feature
     out = content(0, structured_outputs={"choice": ["a b", "c"], "disable_any_whitespace": True})
     assert out in ("a b", "c")
     assert content(0, structured_outputs={"regex": "x y", "whitespace_pattern": " "}) == "x y"
     off = content(1, structured_outputs={"json": SCHEMA, "disable_any_whitespace": False, "whitespace_pattern": None})
-    assert off == json.dumps(json.loads(off))
+    jsonschema.validate(json.loads(off), SCHEMA)
     # completions too, and a streamed answer is the same text
     done = client.completions.create(
         model=MODEL,

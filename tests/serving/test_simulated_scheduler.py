@@ -793,18 +793,21 @@ def test_structured_regex_choice_grammar(model_sched, tokenizer):
 
 def test_structured_min_tokens(model_sched, tokenizer):
     client = model_sched.client()
-    # the only instance is one token: the stop token is held back, filler follows up to min_tokens
-    text, outputs = structured_text(
-        client, tokenizer, Structured(kind="choice", choices=["yes"]), sampling=SamplingParams(seed=3, min_tokens=6)
-    )
-    tokens = tokens_of(outputs)
-    assert len(tokens) == 7 and tokens[-1] == EOS and outputs[-1].finish_reason == "stop"
-    assert text.startswith("yes")
-    # a spec with longer instances: one long enough is drawn, and it stays valid
+    # min_tokens holds the stop back while the grammar can go on: the output is longer, and still valid
+    spec = Structured(kind="regex", spec=r"[0-9]+")
+    for seed in range(3):
+        text, outputs = structured_text(client, tokenizer, spec, sampling=SamplingParams(seed=seed, min_tokens=6))
+        assert len(tokens_of(outputs)) >= 7 and outputs[-1].finish_reason == "stop"
+        assert re.fullmatch(r"[0-9]+", text), text
     spec = Structured(kind="json_schema", spec=json.dumps({"type": "array", "items": {"type": "integer"}}))
     text, outputs = structured_text(client, tokenizer, spec, sampling=SamplingParams(seed=5, min_tokens=4))
     assert len(tokens_of(outputs)) >= 5
     assert isinstance(json.loads(text), list)
+    # a grammar that allows nothing more ends the output, min_tokens or not (no engine can honour both)
+    text, outputs = structured_text(
+        client, tokenizer, Structured(kind="choice", choices=["yes"]), sampling=SamplingParams(seed=3, min_tokens=6)
+    )
+    assert text == "yes" and outputs[-1].finish_reason == "stop"
 
 
 def unpack_logprobs(outputs, n):
