@@ -15,6 +15,7 @@ import zlib
 
 import msgspec
 
+from gateway import anthropic_format as anthropic
 from gateway import openai_format as fmt
 from gateway.generations import Choice, Generation
 from gateway.worker_pool import ConversionRejected
@@ -31,15 +32,21 @@ class BodyTooLarge(Exception):
     pass
 
 
-def conversation_key(body: bytes) -> int | None:
+def conversation_key(body: bytes, system_field: bool = False) -> int | None:
     """A hash of the conversation's beginning, from the raw body: the start of "messages" and of
     its first user message, which repeat across the turns of one conversation (conversations that
     open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
     a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
-    only a hint."""
+    only a hint. ``system_field``: Anthropic's Messages body, whose system prompt is its own
+    field ("system"), hashed too (its first 2 KB) wherever it stands."""
     start = body.find(b'"messages"', 0, 65536)
     if start < 0:
         return None
+    if system_field:
+        system = body.find(b'"system"', 0, 65536)
+        seed = zlib.crc32(body[system : system + 2048]) if system >= 0 else 0
+        key = conversation_key(body)
+        return None if key is None else zlib.crc32(key.to_bytes(4, "little"), seed)
     user = body.find(b'"user"', start + 10, start + 65536)  # ~1 us per KB scanned, on the loop
     if user < 0:
         return zlib.crc32(body[start : start + 2048])
@@ -81,6 +88,8 @@ class App:
         self.routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),
+            ("POST", "/v1/messages"): lambda s, r, w: self.generate("messages", s, r, w),
+            ("POST", "/v1/messages/count_tokens"): lambda s, r, w: self.convert_only("count_tokens", s, r, w),
             ("POST", "/tokenize"): lambda s, r, w: self.convert_only("tokenize", s, r, w),
             ("POST", "/detokenize"): lambda s, r, w: self.convert_only("detokenize", s, r, w),
             ("GET", "/v1/models"): self.models,
@@ -102,7 +111,10 @@ class App:
                 await self.error(send, fmt.error(405, f"Method {scope['method']} is not allowed on {path}."), path)
             else:  # one label for every unknown path: a scanner must not mint a metric series per path it tries
                 await self.error(
-                    send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"), "unmatched"
+                    send,
+                    fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"),
+                    "unmatched",
+                    shape_path=path,
                 )
             return
         if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
@@ -110,7 +122,9 @@ class App:
                 await self.error(
                     send,
                     fmt.error(
-                        401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key"
+                        401,
+                        "Missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY').",
+                        code="invalid_api_key",
                     ),
                     path,
                 )
@@ -126,7 +140,10 @@ class App:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode()):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key.encode()):  # Anthropic's clients
+                return True
         return False
 
     async def respond(self, send, status: int, body: bytes, endpoint: str, headers=_JSON) -> None:
@@ -135,11 +152,16 @@ class App:
         await send({"type": "http.response.body", "body": body})
         self.gw.metrics.request(endpoint, status)
 
-    async def error(self, send, error: ApiError, endpoint: str, retry_after: int | None = None) -> None:
+    async def error(
+        self, send, error: ApiError, endpoint: str, retry_after: int | None = None, shape_path: str | None = None
+    ) -> None:
+        """An error response, in Anthropic's shape on the Messages routes, else in OpenAI's."""
         headers = list(_JSON)
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
-        await self.respond(send, error.status, fmt.error_body(error), endpoint, headers)
+        anthropic_route = (shape_path or endpoint).startswith("/v1/messages")
+        body = (anthropic if anthropic_route else fmt).error_body(error)
+        await self.respond(send, error.status, body, endpoint, headers)
 
     async def read_body(self, scope, receive) -> bytes:
         settings = self.gw.settings
@@ -213,7 +235,7 @@ class App:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
         watcher = asyncio.ensure_future(receive())
-        affinity = conversation_key(body) if kind in ("chat", "tokenize") else None
+        affinity = conversation_key(body, kind == "messages") if kind in ("chat", "tokenize", "messages") else None
         task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -260,7 +282,7 @@ class App:
                 retry_after=2,
             )
             return
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        prefix = {"chat": "chatcmpl", "messages": "msg"}.get(kind, "cmpl")
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
         result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
         if result is None:
@@ -317,19 +339,26 @@ class App:
         if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
             per_prompt = len(done.choices) // len(done.prompt_token_ids)
             prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
-        framer = fmt.Framer(
-            kind,
-            _response_id(scope, prefix, done, request_id),
-            int(time.time()),
-            gw.model_name,
-            done.include_usage,
-            done.continuous_usage,
-            [c.prompt_tokens for c in gen.choices],
-            prompt_ids,
-            done.token_ids,
-            done.functions,
-            done.role,
-        )
+        if kind == "messages":
+            framer = anthropic.MessagesFramer(
+                _response_id(scope, prefix, done, request_id).replace("msg-", "msg_", 1),
+                gw.model_name,
+                gen.choices[0].prompt_tokens,
+            )
+        else:
+            framer = fmt.Framer(
+                kind,
+                _response_id(scope, prefix, done, request_id),
+                int(time.time()),
+                gw.model_name,
+                done.include_usage,
+                done.continuous_usage,
+                [c.prompt_tokens for c in gen.choices],
+                prompt_ids,
+                done.token_ids,
+                done.functions,
+                done.role,
+            )
         try:
             if done.stream:
                 await self._stream(
@@ -399,7 +428,7 @@ class App:
                         self.gw.metrics.finished(event[2])
                         open_choices -= 1
                     elif kind == "error":
-                        parts.append(fmt.sse({"error": msgspec.structs.asdict(event[1])}))
+                        parts.append(framer.error_chunk(event[1]))
                         self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
                         failed = True
                         break
@@ -416,8 +445,9 @@ class App:
                 coalesced = 0
             merge = write_paused is not None and write_paused()
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-        tail = framer.usage_chunk(self._usage(gen)) if framer.include_usage and not failed else b""
-        await send({"type": "http.response.body", "body": tail + fmt.DONE, "more_body": False})
+        await send(
+            {"type": "http.response.body", "body": framer.done_chunk(self._usage(gen), failed), "more_body": False}
+        )
 
     async def _collect(
         self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(), done=None

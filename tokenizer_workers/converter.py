@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from scheduler_client import protocol
+from tokenizer_workers import anthropic_messages as am
 from tokenizer_workers import generation_params as gp
 from tokenizer_workers import openai_requests as oa
 from tokenizer_workers.chat_messages import to_template_messages
@@ -141,6 +142,7 @@ class Converter:
             self.tokenizer, settings.tokenize_cache_bytes, verify=settings.verify_tokenize_cache
         )
         self.encode_cpu = EncodeCpu()  # shared by the threads that convert with this converter
+        self._inline_system: bool | None = None  # see _merge_inline_system
         self.parsers: ParserChoice = choose_parsers(
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
@@ -209,7 +211,37 @@ class Converter:
     # ---- kinds ----------------------------------------------------------------------
 
     def _convert_chat(self, job: ConvertJob, body: bytes) -> Conversion:
-        req: oa.ChatCompletionRequest = oa.parse("chat", body)
+        return self._chat(job, oa.parse("chat", body))
+
+    def _convert_messages(self, job: ConvertJob, body: bytes) -> Conversion:
+        """Anthropic's /v1/messages: converted to the chat request (anthropic_messages.py), then the chat path."""
+        req = am.parse(body)
+        self._check_model(req.model)
+        return self._chat(job, am.to_chat_request(req, self._merge_inline_system()))
+
+    def _convert_count_tokens(self, job: ConvertJob, body: bytes) -> Conversion:
+        """Anthropic's /v1/messages/count_tokens: the prompt /v1/messages would render, counted."""
+        t0 = time.perf_counter()
+        req = am.parse(body)
+        self._check_model(req.model)
+        chat = am.to_chat_request(req, self._merge_inline_system(), count_only=True)
+        ids = self.encode_chat(self.render(chat.messages, chat))[0]
+        body = _json.encode({"input_tokens": len(ids)})
+        return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
+
+    def _merge_inline_system(self) -> bool:
+        """Whether system messages inside a conversation must join the leading system prompt: the
+        default template refuses a system message after the first (probed once, as vLLM probes it)."""
+        if self._inline_system is None:
+            probe = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+            try:
+                self.templates.render(probe)
+                self._inline_system = False
+            except TemplateError:
+                self._inline_system = True
+        return self._inline_system
+
+    def _chat(self, job: ConvertJob, req: oa.ChatCompletionRequest) -> Conversion:
         self._check_model(req.model)
         oa.check_sampling(req)
         functions = _legacy_functions(req)
