@@ -9,6 +9,7 @@ for the same text (vLLM sends a random one).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 
@@ -191,3 +192,58 @@ class MessagesFramer:
             content.append({"type": "text", "text": ""})
         reason, sequence = stop_reason(reasons[0], (stop_reasons or [None])[0], bool(calls and calls[0]))
         return _json.encode(self._message(content, reason, sequence, usage(usage_obj)))
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether a Messages body asks for a stream, read from the bytes (no JSON parsing on the loop):
+    a ``"stream": true`` pair cannot occur inside a JSON string (its quotes would be escaped), so
+    only a nested object with a "stream" key of true (a tool input) could mislead it."""
+    return b'"stream":true' in body or b'"stream": true' in body
+
+
+class Pinger:
+    """Keeps a streamed /v1/messages request alive while its prompt converts: after ``interval``
+    seconds it starts the SSE response and sends a ``ping`` event every ``interval``. ``send`` is
+    the ASGI send to use meanwhile and after: once the stream has started, a later response start
+    is dropped and an error response goes out as an ``error`` event (its body is Anthropic's error
+    object already)."""
+
+    def __init__(self, send, interval: float, headers: list):
+        self._send = send
+        self.interval = interval
+        self.headers = headers
+        self.started = False
+        self._error_status: int | None = None
+        self._stop = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run()) if interval > 0 else None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval)
+                return
+            except TimeoutError:
+                pass
+            if not self.started:
+                self.started = True
+                await self._send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await self._send({"type": "http.response.body", "body": PING, "more_body": True})
+
+    async def stop(self) -> None:
+        """No more pings (the conversion ended); waits for a ping being written."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def send(self, message: dict) -> None:
+        if not self.started:
+            await self._send(message)
+        elif message["type"] == "http.response.start":
+            if message["status"] != 200:
+                self._error_status = message["status"]
+        elif self._error_status is not None:  # an error answer, once the stream has begun: an error event
+            await self._send(
+                {"type": "http.response.body", "body": b"event: error\ndata: " + message["body"] + b"\n\n"}
+            )
+        else:
+            await self._send(message)

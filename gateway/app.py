@@ -284,7 +284,15 @@ class App:
             return
         prefix = {"chat": "chatcmpl", "messages": "msg"}.get(kind, "cmpl")
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
-        result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        pinger = None
+        if kind == "messages" and anthropic.wants_stream(body):  # pings while a long prompt converts
+            pinger = anthropic.Pinger(send, gw.settings.messages_ping_interval, _SSE)
+            send = pinger.send
+        try:
+            result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        finally:
+            if pinger is not None:
+                await pinger.stop()
         if result is None:
             return
         done = result.done

@@ -278,3 +278,54 @@ def test_missing_max_tokens_and_gateway_errors_in_anthropic_shape(scripted):
     assert status == 200
     status, _, body = http("GET", scripted.url + "/v1/messages/batches", headers={"x-api-key": "k1"})
     assert status == 404 and body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
+def _events(raw: bytes) -> list[str]:
+    return [line[7:] for line in raw.decode().splitlines() if line.startswith("event: ")]
+
+
+def test_pings_while_a_long_prompt_converts():
+    """A streamed request whose prompt takes longer to convert than the ping interval gets its
+    stream at once, with pings until message_start; an error found later (the context) is an
+    error event in Anthropic's shape; the SDK reads such a stream to the end."""
+    import urllib.request
+
+    srv = Server(
+        "--workers",
+        "1",
+        "--sim-inter-token-latency-ms",
+        "0",
+        "--messages-ping-interval",
+        "0.02",
+        "--max-model-len",
+        "100000",
+    )
+    try:
+        words = " ".join(f"w{i} lorem ipsum dolor" for i in range(10000))  # ~60k tokens: well over 20 ms
+
+        def stream(text: str) -> bytes:
+            body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": text}]}
+            req = urllib.request.Request(
+                srv.url + "/v1/messages", json.dumps(body).encode(), {"content-type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                assert resp.status == 200
+                return resp.read()
+
+        names = _events(stream(words))
+        first = names.index("message_start")
+        assert first > 0 and set(names[:first]) == {"ping"}
+        assert names[-2:] == ["message_delta", "message_stop"]
+        raw = stream(" ".join([words] * 3))  # over the context: refused after the pings started
+        names = _events(raw)
+        assert names[0] == "ping" and names[-1] == "error" and "message_start" not in names
+        err = json.loads(raw.decode().rsplit("data: ", 1)[1])
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert "context length" in err["error"]["message"]
+        with client(srv, api_key="none").messages.stream(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": words}]
+        ) as s:
+            final = s.get_final_message()
+        assert final.stop_reason == "max_tokens" and final.usage.input_tokens > 30000
+    finally:
+        srv.stop()
