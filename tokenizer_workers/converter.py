@@ -226,7 +226,8 @@ class Converter:
         self._check_model(req.model)
         chat = am.to_chat_request(req, self._merge_inline_system(), count_only=True)
         ids = self.encode_chat(self.render(chat.messages, chat))[0]
-        body = _json.encode({"input_tokens": len(ids)})
+        # as vLLM answers (and Anthropic's beta with context_management): nothing is cleared here
+        body = _json.encode({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
         return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
 
     def _merge_inline_system(self) -> bool:
