@@ -40,6 +40,9 @@ def _history(tag: str, system: str) -> dict:
             {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}},
         ],
         "tools": TOOLS,
+        # Claude Code sends auto; vLLM refuses auto without --enable-auto-tool-choice, and "none" keeps the
+        # tools in the rendered prompt on both sides (the same conversion work)
+        "tool_choice": {"type": "none"},
         "messages": [{"role": "user", "content": "Read the repository and fix the failing test."}],
     }
 

@@ -480,7 +480,7 @@ def run(args) -> int:
                 results[side]["long_context"].append(long_context(port, rounds))
                 results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
                 results[side]["agent_messages"].append(agent_messages(port, NAME, tag, agent_system, agent_results))
-                results[side]["front_cpu"].append(front_cpu(port, pids[side], NAME, 20 if quick else 50))
+                results[side]["front_cpu"].append(front_cpu(port, pids[side], NAME, 100 if quick else 300))
                 results[side]["short_chats"].append(short_chats(port, 32, seconds))
                 results[side]["busy_engine"].append(
                     measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate, args.busy_chat_tokens)
