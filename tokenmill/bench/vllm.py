@@ -474,9 +474,9 @@ def run(args) -> int:
             busy_rounds = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
             # Claude-Code-shaped: a ~20k-token system prompt with tools, growing by ~4k-token tool results
             # (to ~60k tokens: the tiny model's 65,536 positions bound what vLLM counts)
-            # (this text is ~3.4 characters per token in a Messages body: ~20k + 10 x ~3.6k tokens)
-            agent_system = texts.take(68_000)
-            agent_results = [texts.take(12_000) for _ in range(10)]
+            # (this text runs 2.2-3.4 characters per token: at most ~18k + 10 x ~3.6k tokens)
+            agent_system = texts.take(40_000)
+            agent_results = [texts.take(8_000) for _ in range(10)]
             for side, port in ports.items():
                 results[side]["long_context"].append(long_context(port, rounds))
                 results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
