@@ -15,6 +15,7 @@ import zlib
 
 import msgspec
 
+from gateway import anthropic_format as anthropic
 from gateway import openai_format as fmt
 from gateway.generations import Choice, Generation
 from gateway.responses_format import ResponsesFramer
@@ -32,15 +33,22 @@ class BodyTooLarge(Exception):
     pass
 
 
-def conversation_key(body: bytes, field: bytes = b'"messages"') -> int | None:
+def conversation_key(body: bytes, field: bytes = b'"messages"', system_field: bool = False) -> int | None:
     """A hash of the conversation's beginning, from the raw body: the start of "messages" and of
     its first user message, which repeat across the turns of one conversation (conversations that
     open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
     a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
-    only a hint."""
+    only a hint. ``field``: where the conversation's items start ("input" for a Responses body).
+    ``system_field``: Anthropic's Messages body, whose system prompt is its own field ("system"),
+    hashed too (its first 2 KB) wherever it stands."""
     start = body.find(field, 0, 65536)
     if start < 0:
         return None
+    if system_field:
+        system = body.find(b'"system"', 0, 65536)
+        seed = zlib.crc32(body[system : system + 2048]) if system >= 0 else 0
+        key = conversation_key(body, field)
+        return None if key is None else zlib.crc32(key.to_bytes(4, "little"), seed)
     user = body.find(b'"user"', start + len(field), start + 65536)  # ~1 us per KB scanned, on the loop
     if user < 0:
         return zlib.crc32(body[start : start + 2048])
@@ -104,6 +112,8 @@ class App:
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),
             ("POST", "/v1/responses"): lambda s, r, w: self.generate("responses", s, r, w),
+            ("POST", "/v1/messages"): lambda s, r, w: self.generate("messages", s, r, w),
+            ("POST", "/v1/messages/count_tokens"): lambda s, r, w: self.convert_only("count_tokens", s, r, w),
             ("POST", "/tokenize"): lambda s, r, w: self.convert_only("tokenize", s, r, w),
             ("POST", "/detokenize"): lambda s, r, w: self.convert_only("detokenize", s, r, w),
             ("GET", "/v1/models"): self.models,
@@ -125,7 +135,10 @@ class App:
                 await self.error(send, fmt.error(405, f"Method {scope['method']} is not allowed on {path}."), path)
             else:  # one label for every unknown path: a scanner must not mint a metric series per path it tries
                 await self.error(
-                    send, fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"), "unmatched"
+                    send,
+                    fmt.error(404, f"No route for {scope['method']} {path}.", code="not_found"),
+                    "unmatched",
+                    shape_path=path,
                 )
             return
         if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
@@ -133,7 +146,9 @@ class App:
                 await self.error(
                     send,
                     fmt.error(
-                        401, "Missing or invalid API key (send 'Authorization: Bearer KEY').", code="invalid_api_key"
+                        401,
+                        "Missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY').",
+                        code="invalid_api_key",
                     ),
                     path,
                 )
@@ -149,7 +164,10 @@ class App:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode()):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key.encode()):  # Anthropic's clients
+                return True
         return False
 
     async def respond(self, send, status: int, body: bytes, endpoint: str, headers=_JSON) -> None:
@@ -158,11 +176,16 @@ class App:
         await send({"type": "http.response.body", "body": body})
         self.gw.metrics.request(endpoint, status)
 
-    async def error(self, send, error: ApiError, endpoint: str, retry_after: int | None = None) -> None:
+    async def error(
+        self, send, error: ApiError, endpoint: str, retry_after: int | None = None, shape_path: str | None = None
+    ) -> None:
+        """An error response, in Anthropic's shape on the Messages routes, else in OpenAI's."""
         headers = list(_JSON)
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
-        await self.respond(send, error.status, fmt.error_body(error), endpoint, headers)
+        anthropic_route = (shape_path or endpoint).startswith("/v1/messages")
+        body = (anthropic if anthropic_route else fmt).error_body(error)
+        await self.respond(send, error.status, body, endpoint, headers)
 
     async def read_body(self, scope, receive) -> bytes:
         settings = self.gw.settings
@@ -236,13 +259,10 @@ class App:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
         watcher = asyncio.ensure_future(receive())
-        affinity = (
-            conversation_key(body)
-            if kind in ("chat", "tokenize")
-            else responses_key(body)
-            if kind == "responses"
-            else None
-        )
+        if kind in ("chat", "tokenize", "messages"):
+            affinity = conversation_key(body, system_field=kind == "messages")
+        else:
+            affinity = responses_key(body) if kind == "responses" else None
         task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -289,9 +309,17 @@ class App:
                 retry_after=2,
             )
             return
-        prefix = {"chat": "chatcmpl", "responses": "resp"}.get(kind, "cmpl")
+        prefix = {"chat": "chatcmpl", "responses": "resp", "messages": "msg"}.get(kind, "cmpl")
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
-        result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        pinger = None
+        if kind == "messages" and anthropic.wants_stream(body):  # pings while a long prompt converts
+            pinger = anthropic.Pinger(send, gw.settings.messages_ping_interval, _SSE)
+            send = pinger.send
+        try:
+            result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+        finally:
+            if pinger is not None:
+                await pinger.stop()
         if result is None:
             return
         done = result.done
@@ -351,8 +379,12 @@ class App:
         response_id = _response_id(scope, prefix, done, request_id)
         if kind == "responses":  # OpenAI's form of a response id: resp_...
             response_id = "resp_" + response_id[5:]
-        framer = (
-            ResponsesFramer(
+        if kind == "messages":  # Anthropic's form: msg_...
+            framer = anthropic.MessagesFramer(
+                response_id.replace("msg-", "msg_", 1), gw.model_name, gen.choices[0].prompt_tokens
+            )
+        elif kind == "responses":
+            framer = ResponsesFramer(
                 response_id,
                 int(time.time()),
                 gw.model_name,
@@ -360,8 +392,8 @@ class App:
                 done.custom_tools,
                 done.tool_namespaces,
             )
-            if kind == "responses"
-            else fmt.Framer(
+        else:
+            framer = fmt.Framer(
                 kind,
                 response_id,
                 int(time.time()),
@@ -374,7 +406,6 @@ class App:
                 done.functions,
                 done.role,
             )
-        )
         try:
             if done.stream:
                 await self._stream(

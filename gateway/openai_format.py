@@ -267,6 +267,15 @@ class Framer:
             self._choice_ids(choice, index, b"")
         return sse(self._chunk([choice], self._usage(index, tokens)))
 
+    def done_chunk(self, usage_obj: dict, failed: bool) -> bytes:
+        """The stream's closing bytes: the usage chunk (when asked, and the stream did not fail), then [DONE]."""
+        tail = self.usage_chunk(usage_obj) if self.include_usage and not failed else b""
+        return tail + DONE
+
+    def error_chunk(self, error: ApiError) -> bytes:
+        """A mid-stream error, as vLLM sends it: a data event holding the error object."""
+        return sse({"error": msgspec.structs.asdict(error)})
+
     def usage_chunk(self, usage_obj: dict) -> bytes:
         return sse(
             {
@@ -278,15 +287,6 @@ class Framer:
                 "usage": usage_obj,
             }
         )
-
-    def done_chunk(self, usage_obj: dict, failed: bool) -> bytes:
-        """The stream's closing bytes: the usage chunk (if asked and nothing failed), then [DONE]."""
-        tail = self.usage_chunk(usage_obj) if self.include_usage and not failed else b""
-        return tail + DONE
-
-    def error_chunk(self, error: ApiError) -> bytes:
-        """A mid-stream error, as vLLM streams one."""
-        return sse({"error": msgspec.structs.asdict(error)})
 
     def full(
         self,

@@ -44,6 +44,7 @@ class ServeSettings:
     timeout_keep_alive: int = 5
     max_header_bytes: int = 64 << 10
     body_timeout: float = 30.0
+    messages_ping_interval: float = 1.0  # /v1/messages streams: a ping this often while the prompt converts
     header_timeout: float = 10.0
     stream_buffer_limit: int = 1 << 20
     send_buffer_bytes: int = 0

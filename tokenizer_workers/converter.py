@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from scheduler_client import protocol
+from tokenizer_workers import anthropic_messages as am
 from tokenizer_workers import generation_params as gp
 from tokenizer_workers import openai_requests as oa
 from tokenizer_workers import openai_responses as responses
@@ -150,6 +151,7 @@ class Converter:
         )
         self.encode_cpu = EncodeCpu()  # shared by the threads that convert with this converter
         self.images = self._image_pipeline(settings)
+        self._inline_system: bool | None = None  # see _merge_inline_system
         self.parsers: ParserChoice = choose_parsers(
             settings.tool_call_parser, settings.reasoning_parser, "\n".join(self.model.templates.values())
         )
@@ -247,6 +249,35 @@ class Converter:
         if converted.affinity is not None:  # the client's name for the conversation beats the messages' hash
             done.conversation = zlib.crc32(converted.affinity.encode())
         return conversion
+
+    def _convert_messages(self, job: ConvertJob, body: bytes) -> Conversion:
+        """Anthropic's /v1/messages: converted to the chat request (anthropic_messages.py), then the chat path."""
+        req = am.parse(body)
+        self._check_model(req.model)
+        return self._chat(job, am.to_chat_request(req, self._merge_inline_system()))
+
+    def _convert_count_tokens(self, job: ConvertJob, body: bytes) -> Conversion:
+        """Anthropic's /v1/messages/count_tokens: the prompt /v1/messages would render, counted."""
+        t0 = time.perf_counter()
+        req = am.parse(body)
+        self._check_model(req.model)
+        chat = am.to_chat_request(req, self._merge_inline_system(), count_only=True)
+        ids = self.encode_chat(self.render(chat.messages, chat))[0]
+        # as vLLM answers (and Anthropic's beta with context_management): nothing is cleared here
+        body = _json.encode({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
+        return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
+
+    def _merge_inline_system(self) -> bool:
+        """Whether system messages inside a conversation must join the leading system prompt: the
+        default template refuses a system message after the first (probed once, as vLLM probes it)."""
+        if self._inline_system is None:
+            probe = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+            try:
+                self.templates.render(probe)
+                self._inline_system = False
+            except TemplateError:
+                self._inline_system = True
+        return self._inline_system
 
     def _chat(self, job: ConvertJob, req: oa.ChatCompletionRequest) -> Conversion:
         self._check_model(req.model)

@@ -136,8 +136,12 @@ class InvalidRequest(Exception):
 _BLANK = re.compile(rb"\s*")  # what bytes.strip() strips, matched in place (a body may be a view into a read)
 
 
+def is_blank(body: bytes | memoryview) -> bool:
+    return _BLANK.fullmatch(body) is not None
+
+
 def parse(kind: str, body: bytes | memoryview):
-    if _BLANK.fullmatch(body):
+    if is_blank(body):
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
         return DECODERS[kind].decode(body)

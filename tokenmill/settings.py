@@ -101,7 +101,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Seconds of silence after which a remote worker counts as lost (its conversion "
         "is dispatched again, its streams end with an error).",
     ),
-    "api_key": (str, "Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize."),
+    "api_key": (str, "Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, /tokenize and /detokenize."),
     "max_body_bytes": (int, "Largest request body accepted (413 above)."),
     "max_queued_conversions": (int, "Requests allowed to wait for a worker (429 above)."),
     "max_queued_bytes": (int, "Request body bytes allowed to wait for a worker (429 above)."),
@@ -114,6 +114,11 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "timeout_keep_alive": (int, "Seconds an idle keep-alive connection stays open."),
     "max_header_bytes": (int, "Largest total size of a request's headers (431 above)."),
     "body_timeout": (float, "Seconds a client may take to send its request body (408 after)."),
+    "messages_ping_interval": (
+        float,
+        "Seconds between the 'ping' events a streamed /v1/messages request gets while its prompt "
+        "converts (its stream starts at the first; 0 = none, the stream starts when conversion ends).",
+    ),
     "header_timeout": (
         float,
         "Seconds a client may take from connecting, or from the first byte of its next request, "

@@ -336,3 +336,22 @@ def test_the_conversation_key_follows_a_conversation_and_tells_apart_those_shari
     assert len({conversation_key(b) for b in short}) == 1  # a short chat's later turns fall inside 2 KB
     assert conversation_key(json.dumps({"model": "m", "messages": [system]}).encode()) is not None
     assert conversation_key(b'{"model": "m", "prompt": "hello"}') is None
+
+
+def test_the_messages_conversation_key_hashes_the_system_field_and_the_first_user_turn():
+    """Anthropic's Messages body carries its system prompt in "system" (Claude Code: after
+    "messages"): the key follows a conversation's turns and tells apart system prompts and tasks."""
+    import json
+
+    from gateway.app import conversation_key
+
+    def body(system: str, task: str, turns: int) -> bytes:
+        messages = [{"role": "user", "content": [{"type": "text", "text": task}]}]
+        for t in range(turns):
+            messages += [{"role": "assistant", "content": f"step {t}"}, {"role": "user", "content": f"output {t}"}]
+        return json.dumps({"model": "m", "messages": messages, "system": [{"type": "text", "text": system}]}).encode()
+
+    turns = {conversation_key(body("Agent A.", "Fix the test", t), True) for t in range(4)}
+    assert len(turns) == 1 and None not in turns
+    assert conversation_key(body("Agent B.", "Fix the test", 0), True) not in turns
+    assert conversation_key(body("Agent A.", "Add a flag", 0), True) not in turns

@@ -11,6 +11,10 @@ the start of every long message, so no cache of either side can serve it):
   stream receives tokens from the engine;
 * **agent replay**: conversations growing by a tool output per turn to ~60k tokens, each turn
   sent whole to ``/tokenize``: the conversion time of the late turns;
+* **agent messages**: a Claude-Code-shaped conversation over Anthropic's ``/v1/messages/count_tokens``
+  (a ~20k-token system prompt with tool schemas, growing by tool results to ~60k tokens) with a
+  ``/health`` prober, then the front process's CPU per ``/v1/messages`` and per chat-completions
+  request (``tokenmill.bench.agent_messages``);
 * **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
   ``usage``: engine-bound on the CPU, so this shows what the front end costs the engine;
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
@@ -35,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from tokenmill.bench.agent_messages import agent_messages, front_cpu
 from tokenmill.bench.busy import add_busy_load_options, measure_busy
 from tokenmill.bench.common import (
     add_common_options,
@@ -407,6 +412,8 @@ FIGURES = {
         "mean_prompt_tokens",
     ],
     "agent_replay": ["first_turn_p50_ms", "late_turn_p50_ms", "late_turn_max_ms", "final_prompt_tokens"],
+    "agent_messages": ["first_turn_ms", "late_turn_p50_ms", "late_turn_max_ms", "health_p99_ms", "final_prompt_tokens"],
+    "front_cpu": ["messages_cpu_ms_per_request", "chat_cpu_ms_per_request"],
     "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
     "busy_engine": [
         "health_p50_ms",
@@ -456,6 +463,7 @@ def run(args) -> int:
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
+        pids = {"vllm": stacks.procs[0].proc.pid, "tokenmill": stacks.procs[2].proc.pid}  # the front processes
         texts = Texts()
         results: dict[str, dict[str, list]] = {side: {s: [] for s in FIGURES} for side in ports}
         for k in range(repeat):
@@ -464,9 +472,16 @@ def run(args) -> int:
             rounds = [long_bodies(texts, f"{tag} round {r}", 4, long_tokens) for r in range(2)]
             pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
             busy_rounds = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
+            # Claude-Code-shaped: a ~20k-token system prompt with tools, growing by ~4k-token tool results
+            # (to ~60k tokens: the tiny model's 65,536 positions bound what vLLM counts)
+            # (this text runs 2.2-3.4 characters per token: at most ~18k + 10 x ~3.6k tokens)
+            agent_system = texts.take(40_000)
+            agent_results = [texts.take(8_000) for _ in range(10)]
             for side, port in ports.items():
                 results[side]["long_context"].append(long_context(port, rounds))
                 results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
+                results[side]["agent_messages"].append(agent_messages(port, NAME, tag, agent_system, agent_results))
+                results[side]["front_cpu"].append(front_cpu(port, pids[side], NAME, 100 if quick else 300))
                 results[side]["short_chats"].append(short_chats(port, 32, seconds))
                 results[side]["busy_engine"].append(
                     measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate, args.busy_chat_tokens)
