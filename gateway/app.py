@@ -285,6 +285,7 @@ class App:
                     else "function_call"
                     if done.functions
                     else "tool_calls",
+                    resume=done.resume[i] if done.resume else None,
                 )
                 for i, c in enumerate(done.choices)
             ],

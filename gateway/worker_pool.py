@@ -225,9 +225,8 @@ class WorkerPool:
                         "worker_died",
                     ),
                 )
-        if worker.owned:
-            owned, worker.owned = worker.owned, set()
-            self.on_owner_lost(worker.index, owned)
+        owned, worker.owned = worker.owned, set()
+        self.on_owner_lost(worker.index, owned)  # also the streams whose last tokens it had not answered
 
     # ---- conversion -------------------------------------------------------------------
 
@@ -333,6 +332,20 @@ class WorkerPool:
             if item.finished:
                 worker.owned.discard(item.request_id)
         worker.try_send([m.encoder.encode(m.DetokBatch(items))])  # a dead worker's requests fail on its death
+
+    def stream_owner(self, exclude: int) -> int | None:
+        """The live worker that takes over a dead one's streams: the one detokenizing fewest (None: none alive)."""
+        live = [
+            w for w, s in zip(self.workers, self.policy.workers) if s.ready and not w.retired and w.index != exclude
+        ]
+        return min(live, key=lambda w: len(w.owned)).index if live else None
+
+    def resume(self, owner: int, streams: list[m.ResumeStream]) -> None:
+        """Send streams of a dead worker to ``owner``, which rebuilds them (a failure comes back as a
+        delta with an error; a worker dying meanwhile moves them again, through on_owner_lost)."""
+        worker = self.workers[owner]
+        worker.owned.update(s.request_id for s in streams)
+        worker.try_send([m.encoder.encode(m.Resume(streams))])
 
     @property
     def max_model_len(self) -> int | None:
