@@ -84,9 +84,9 @@ async def one(client, endpoint: str, body: dict, progress: list) -> dict:
     """Everything the client received, joined per choice; progress[0] counts chunks as they come."""
     got: dict = {}
     if endpoint == "chat":
-        stream = await client.chat.completions.create(model=CHAT_MODEL, max_tokens=400, stream=True, **body)
+        stream = await client.chat.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
     else:
-        stream = await client.completions.create(model=CHAT_MODEL, max_tokens=400, stream=True, **body)
+        stream = await client.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
     async for chunk in stream:
         progress[0] += 1
         for c in chunk.choices:

@@ -13,7 +13,9 @@ import asyncio
 import json
 import os
 import signal
+import time
 
+import openai
 import pytest
 from conftest import Server
 from faultutil import metric, state, wait_until
@@ -109,3 +111,59 @@ def test_a_stream_over_the_history_cap_is_not_resumed(tmp_path):
         assert metric(srv, "tokenmill_stream_failovers_total", reason="not_resumable") >= 1
     finally:
         srv.stop()
+
+
+def test_history_is_freed_after_many_requests_with_failovers(failover_server):
+    """320 streams, 32 at a time, while workers holding streams are killed one after another: every one
+    ends complete, and the gateway holds no token history afterwards (the gauge back to 0, nothing
+    live). Bounded: 320 requests rather than the issue's 10,000, for the suite's time."""
+    srv = failover_server
+    wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers alive")
+    body = {"messages": [{"role": "user", "content": "plain story again"}], "seed": 5, "max_tokens": 80}
+    want = asyncio.run(run(srv, [("chat", body)]))[0]
+    assert "error" not in want
+    done, results, killed = [0], [], []
+    TOTAL = 320  # noqa: N806
+
+    async def main():
+        client = srv.async_client().with_options(timeout=40)
+        gate = asyncio.Semaphore(32)
+
+        async def one():
+            async with gate:
+                try:
+                    stream = await client.chat.completions.create(model="deepseek-v4", stream=True, **body)
+                    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+                except openai.APIError as exc:
+                    text = f"error: {exc}"
+                results.append(text)
+                done[0] += 1
+
+        def killer():
+            """Kill a worker holding streams, wait for its replacement, again, while requests remain."""
+            wait_until(lambda: done[0] >= 32, 120, interval=0.02, what="32 requests done")
+            while done[0] < TOTAL - 32:
+                busy = [w for w in state(srv)["workers"] if w["alive"] and w["streams"]]
+                if not busy:
+                    time.sleep(0.02)
+                    continue
+                os.kill(busy[0]["pid"], signal.SIGKILL)
+                killed.append(busy[0]["pid"])
+                wait_until(
+                    lambda pid=busy[0]["pid"]: all(w["alive"] and w["pid"] != pid for w in state(srv)["workers"]),
+                    90,
+                    what="the worker replaced",
+                )
+
+        kill = asyncio.create_task(asyncio.to_thread(killer))
+        await asyncio.gather(*(one() for _ in range(TOTAL)))
+        await kill
+
+    resumed = metric(srv, "tokenmill_stream_failovers_total", reason="resumed")
+    asyncio.run(main())
+    print(f"{TOTAL} requests, {len(killed)} workers killed meanwhile")
+    assert len(results) == TOTAL and len(killed) >= 2
+    assert all(text == want[0]["content"] for text in results), [t for t in results if t != want[0]["content"]][:3]
+    assert metric(srv, "tokenmill_stream_failovers_total", reason="resumed") >= resumed + len(killed)
+    wait_until(lambda: state(srv)["generations"] == 0, 30, what="no live generation")
+    assert metric(srv, "tokenmill_stream_history_bytes") == 0
