@@ -290,6 +290,7 @@ class App:
                 for i, c in enumerate(done.choices)
             ],
             arrival,
+            owner_deaths=result.owner_deaths,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
@@ -299,7 +300,7 @@ class App:
             if gw.shares_placements and done.conversation is not None:
                 gw.conversion.placed(result.owner, done.conversation, rank.index)
             gw.generations.add(gen)
-            for i in range(len(done.choices)):
+            for i in range(len(done.choices)) if gen in gw.generations.live else ():  # (failed: its owner died)
                 gw.scheduler.generate(rank, result.frames[2 * i], result.frames[2 * i + 1])
         except SchedulerUnavailable:
             gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state

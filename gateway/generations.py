@@ -58,6 +58,7 @@ class Generation:
     buffered: int = 0  # characters of text in events the handler has not taken yet
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
     rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
+    owner_deaths: int = 0  # the owner's deaths (WorkerPool.deaths) when it converted this request
     failovers: int = 0  # times its streams moved to another worker
 
     @property
@@ -106,6 +107,12 @@ class Generations:
             self.by_request[choice.request_id] = (gen, choice)
             if self.history_cap and choice.resume is not None:
                 choice.history, choice.chunks, choice.inflight = bytearray(), array("I"), deque()
+        died_since = getattr(self.conversion, "died_since", None)
+        if died_since is not None and died_since(gen.owner, gen.owner_deaths):
+            moving: dict[int, list[ResumeStream]] = defaultdict(list)
+            self._move(gen, gen.owner, moving)  # it died between converting and now: move (or fail) at once
+            for new_owner, streams in moving.items():
+                self.conversion.resume(new_owner, streams)
 
     def _drop(self, gen: Generation) -> None:
         self.live.discard(gen)
@@ -334,31 +341,35 @@ class Generations:
         lost = {entry[0] for entry in map(self.by_request.get, request_ids) if entry is not None}
         lost.update(g for g in self.live if g.owner == owner)
         for gen in lost:
-            running = [c for c in gen.choices if not c.done]
-            why = None
-            if not running:
-                continue
-            if any(c.history is None for c in running):
-                why = "not_resumable"
-            elif gen.failovers >= self.MAX_FAILOVERS:
-                why = "too_many"
-            else:
-                new_owner = self.conversion.stream_owner(exclude=owner)
-                if new_owner is None:
-                    why = "no_worker"
-            if why is not None:
-                self._count_failover(why)
-                self.fail(gen, _worker_died(why), abort=True, reason="worker_died")
-                continue
-            gen.failovers += 1
-            gen.owner = new_owner
-            self._count_failover("resumed")
-            for c in running:
-                moving[new_owner].append(
-                    ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))
-                )
+            self._move(gen, owner, moving)
         for new_owner, streams in moving.items():
             self.conversion.resume(new_owner, streams)
+
+    def _move(self, gen: Generation, owner: int, moving: dict) -> None:
+        """One request's streams to a live worker (added to ``moving``), or its 503 saying why not."""
+        running = [c for c in gen.choices if not c.done]
+        if not running:
+            return
+        why = new_owner = None
+        if any(c.history is None for c in running):
+            why = "not_resumable"
+        elif gen.failovers >= self.MAX_FAILOVERS:
+            why = "too_many"
+        else:
+            new_owner = self.conversion.stream_owner(exclude=owner)
+            if new_owner is None:
+                why = "no_worker"
+        if why is not None:
+            self._count_failover(why)
+            self.fail(gen, _worker_died(why), abort=True, reason="worker_died")
+            return
+        gen.failovers += 1
+        gen.owner = new_owner
+        self._count_failover("resumed")
+        for c in running:
+            moving[new_owner].append(
+                ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))
+            )
 
     def _resume_failed(self, gen: Generation, why: str) -> None:
         self._count_failover("rebuild_failed")
@@ -366,8 +377,7 @@ class Generations:
             gen,
             ApiError(
                 503,
-                f"The tokenizer worker streaming this request died, and another could not take the stream over "
-                f"({why}); retry the request.",
+                f"The tokenizer worker streaming this request could not go on with it ({why}); retry the request.",
                 "ServiceUnavailableError",
                 None,
                 "worker_died",

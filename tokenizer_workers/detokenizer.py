@@ -194,8 +194,8 @@ class Detokenizer:
         out = []
         for item in items:
             state = self.states.get(item.request_id)
-            if state is None:  # released, or never opened: tell the gateway it is over
-                out.append(DetokDelta(item.request_id, "", False, True))
+            if state is None:  # released (the gateway no longer waits), or never opened here: fail it, not cut it short
+                out.append(DetokDelta(item.request_id, "", False, True, error="this worker holds no state for it"))
                 continue
             delta = self._advance(item.request_id, state, item.token_ids, item.finished)
             prompt = item.prompt_logprobs if state.prompt_ids is not None else None
