@@ -261,7 +261,8 @@ class Worker:
             except msgspec.DecodeError:
                 log.error("worker %d: undecodable message from the gateway", self.index)
         if len(decoded) > 1:
-            decoded.sort(key=lambda pair: not isinstance(pair[0], m.DetokBatch))  # stable: the rest keep their order
+            # stable: the rest keep their order; a Resume goes with the batches, ahead of those that follow it
+            decoded.sort(key=lambda pair: not isinstance(pair[0], (m.DetokBatch, m.Resume)))
         for msg, frames in decoded:
             if not self._handle(link, msg, frames):
                 return False
