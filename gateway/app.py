@@ -342,11 +342,13 @@ class App:
                     else "function_call"
                     if done.functions
                     else "tool_calls",
+                    resume=done.resume[i] if done.resume else None,
                 )
                 for i, c in enumerate(done.choices)
             ],
             arrival,
             fields=done.fields,
+            owner_deaths=result.owner_deaths,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
@@ -357,7 +359,7 @@ class App:
                 gw.conversion.placed(result.owner, done.conversation, rank.index)
             gw.generations.add(gen)
             k = done.frames_per_choice
-            for i in range(len(done.choices)):
+            for i in range(len(done.choices)) if gen in gw.generations.live else ():  # (failed: its owner died)
                 gw.scheduler.generate(rank, *result.frames[k * i : k * i + k])
         except SchedulerUnavailable:
             gw.generations.add(gen)  # (a no-op if it was added) so that cancel frees its decoder state

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from array import array
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler_client import protocol
-from tokenizer_workers.messages import ApiError, DetokItem, DetokOut
+from tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
 
 
 @dataclass(eq=False)
@@ -34,6 +35,13 @@ class Choice:
     scheduler_done: bool = False
     prompt_logprobs: bytes | None = None  # vLLM's prompt_logprobs as JSON (the worker's), when asked and sent
     kv_transfer_params: dict | None = None  # what the engine's final output returned (protocol 1.2)
+    # failover (issue 33): the worker's spec of its decoder (opaque bytes), the token frames the owner
+    # answered (concatenated, never parsed here), tokens per answered batch, and the items it has not
+    # answered yet; history None: not resumable (no spec, resumption off, or over the cap)
+    resume: bytes | None = None
+    history: bytearray | None = None
+    chunks: array | None = None
+    inflight: deque | None = None
 
 
 @dataclass(eq=False)
@@ -51,6 +59,8 @@ class Generation:
     drop_connection: Callable[[], None] | None = None  # closes the client's connection (a client that stopped reading)
     rank: int = 0  # the scheduler rank generating it (gateway/scheduler_ranks.py)
     fields: dict[str, str] = field(default_factory=dict)  # Generate fields -> request fields (ConvertDone.fields)
+    owner_deaths: int = 0  # the owner's deaths (WorkerPool.deaths) when it converted this request
+    failovers: int = 0  # times its streams moved to another worker
 
     @property
     def finished(self) -> bool:
@@ -72,26 +82,61 @@ class Generation:
 
 
 class Generations:
-    def __init__(self, conversion, scheduler, metrics=None, max_buffered: int = 0):
+    MAX_FAILOVERS = 3  # a request whose streams moved this often fails rather than move again
+
+    def __init__(self, conversion, scheduler, metrics=None, max_buffered: int = 0, history_cap: int = 0):
         self.conversion = conversion  # WorkerPool or an in-process equivalent
         self.scheduler = scheduler  # SchedulerRanks
         self.metrics = metrics
         self.max_buffered = max_buffered  # text a client may leave unread before its request is aborted (0: no limit)
+        # bytes of token history one choice may hold to be resumable on another worker (0: no failover)
+        self.history_cap = history_cap
+        self.history_bytes = 0  # held now, all choices together (tokenmill_stream_history_bytes)
         self.by_request: dict[str, tuple[Generation, Choice]] = {}
         self.live: set[Generation] = set()
+        if metrics is not None:
+            metrics.stream_history_bytes.set_function(lambda: self.history_bytes)
 
     def __len__(self) -> int:
         return len(self.live)
 
     def add(self, gen: Generation) -> None:
+        if gen in self.live:
+            return
         self.live.add(gen)
         for choice in gen.choices:
             self.by_request[choice.request_id] = (gen, choice)
+            if self.history_cap and choice.resume is not None:
+                choice.history, choice.chunks, choice.inflight = bytearray(), array("I"), deque()
+        died_since = getattr(self.conversion, "died_since", None)
+        if died_since is not None and died_since(gen.owner, gen.owner_deaths):
+            moving: dict[int, list[ResumeStream]] = defaultdict(list)
+            self._move(gen, gen.owner, moving)  # it died between converting and now: move (or fail) at once
+            for new_owner, streams in moving.items():
+                self.conversion.resume(new_owner, streams)
 
     def _drop(self, gen: Generation) -> None:
         self.live.discard(gen)
         for choice in gen.choices:
             self.by_request.pop(choice.request_id, None)
+            self._forget_history(choice)
+
+    def _forget_history(self, choice: Choice) -> None:
+        if choice.history is not None:
+            self.history_bytes -= len(choice.history) + 4 * len(choice.chunks)
+            choice.history = choice.chunks = choice.inflight = None
+
+    def _answered(self, choice: Choice) -> None:
+        """The owner answered the oldest item it had: its tokens join the history."""
+        if not choice.inflight:
+            return
+        frame = choice.inflight.popleft().token_ids
+        if len(choice.history) + len(frame) + 4 * len(choice.chunks) + 4 > self.history_cap:
+            self._forget_history(choice)  # too long to keep: this stream is no longer resumable
+            return
+        choice.history += frame
+        choice.chunks.append(len(frame) // 4)
+        self.history_bytes += len(frame) + 4
 
     # ---- from the scheduler -----------------------------------------------------------
 
@@ -126,17 +171,18 @@ class Generations:
                 self.scheduler.finished(
                     gen.rank, choice.prompt_tokens if choice.counts_prompt else 0, out.cached_tokens
                 )
-            per_owner[gen.owner].append(
-                DetokItem(
-                    out.request_id,
-                    out.token_ids,
-                    out.finish_reason is not None,
-                    out.logprobs,
-                    out.top_ids,
-                    out.top_logprobs,
-                    out.prompt_logprobs,
-                )
+            item = DetokItem(
+                out.request_id,
+                out.token_ids,
+                out.finish_reason is not None,
+                out.logprobs,
+                out.top_ids,
+                out.top_logprobs,
+                out.prompt_logprobs,
             )
+            if choice.inflight is not None:
+                choice.inflight.append(item)
+            per_owner[gen.owner].append(item)
         if tokens and metrics:
             metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
@@ -186,6 +232,11 @@ class Generations:
             if entry is None:
                 continue
             gen, choice = entry
+            if delta.error:
+                self._resume_failed(gen, delta.error)
+                continue
+            if choice.inflight is not None:
+                self._answered(choice)
             tokens = delta.tokens
             pieces = delta.pieces
             if delta.prompt_logprobs is not None:
@@ -235,6 +286,7 @@ class Generations:
             if delta.final:
                 choice.done = True
                 self.by_request.pop(choice.request_id, None)
+                self._forget_history(choice)
                 if choice.finish_reason == protocol.FINISH_ERROR:
                     self.fail(
                         gen,
@@ -281,20 +333,62 @@ class Generations:
             gen.drop_connection()
 
     def on_owner_lost(self, owner: int, request_ids: set) -> None:
-        for rid in request_ids:
-            entry = self.by_request.get(rid)
-            if entry is not None:
-                self.fail(
-                    entry[0],
-                    ApiError(
-                        503,
-                        "The tokenizer worker streaming this request died; retry the request.",
-                        "ServiceUnavailableError",
-                        None,
-                        "worker_died",
-                    ),
-                    reason="worker_died",
-                )
+        """The worker detokenizing these requests died or was lost: each request's streams move to a
+        live worker, which rebuilds their state from what is kept here and goes on (issue 33); a
+        request that cannot move fails with a 503 worker_died, as before resumption."""
+        moving: dict[int, list[ResumeStream]] = defaultdict(list)
+        # the pool forgets a request once its last tokens are sent to the worker; the worker may die
+        # before answering them, so every live generation this worker holds counts
+        lost = {entry[0] for entry in map(self.by_request.get, request_ids) if entry is not None}
+        lost.update(g for g in self.live if g.owner == owner)
+        for gen in lost:
+            self._move(gen, owner, moving)
+        for new_owner, streams in moving.items():
+            self.conversion.resume(new_owner, streams)
+
+    def _move(self, gen: Generation, owner: int, moving: dict) -> None:
+        """One request's streams to a live worker (added to ``moving``), or its 503 saying why not."""
+        running = [c for c in gen.choices if not c.done]
+        if not running:
+            return
+        why = new_owner = None
+        if any(c.history is None for c in running):
+            why = "not_resumable"
+        elif gen.failovers >= self.MAX_FAILOVERS:
+            why = "too_many"
+        else:
+            new_owner = self.conversion.stream_owner(exclude=owner)
+            if new_owner is None:
+                why = "no_worker"
+        if why is not None:
+            self._count_failover(why)
+            self.fail(gen, _worker_died(why), abort=True, reason="worker_died")
+            return
+        gen.failovers += 1
+        gen.owner = new_owner
+        self._count_failover("resumed")
+        for c in running:
+            moving[new_owner].append(
+                ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))
+            )
+
+    def _resume_failed(self, gen: Generation, why: str) -> None:
+        self._count_failover("rebuild_failed")
+        self.fail(
+            gen,
+            ApiError(
+                503,
+                f"The tokenizer worker streaming this request could not go on with it ({why}); retry the request.",
+                "ServiceUnavailableError",
+                None,
+                "worker_died",
+            ),
+            reason="worker_died",
+        )
+
+    def _count_failover(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.stream_failovers.labels(reason=reason).inc()
 
     # ---- from the HTTP side ---------------------------------------------------------------
 
@@ -319,6 +413,24 @@ class Generations:
             if self.metrics:
                 self.metrics.aborts.labels(reason=reason).inc()
         self._drop(gen)
+
+
+_WHY = {
+    "not_resumable": "its stream could not be kept resumable (token history over --stream-history-bytes, "
+    "or resumption off)",
+    "too_many": f"its streams had moved {Generations.MAX_FAILOVERS} times already",
+    "no_worker": "no other tokenizer worker was alive to take its streams over",
+}
+
+
+def _worker_died(why: str) -> ApiError:
+    return ApiError(
+        503,
+        f"The tokenizer worker streaming this request died, and {_WHY[why]}; retry the request.",
+        "ServiceUnavailableError",
+        None,
+        "worker_died",
+    )
 
 
 def _request_field(param: str | None, fields: dict[str, str]) -> str | None:

@@ -55,6 +55,7 @@ GAUGE_MERGE: dict[str, str] = {
     "tokenmill_num_requests_running": "sum",
     "tokenmill_num_requests_waiting": "sum",  # each gateway queues its own conversions
     "tokenmill_queued_request_bytes": "sum",
+    "tokenmill_stream_history_bytes": "sum",  # each gateway keeps its own streams' token history
     "tokenmill_draining": "sum",  # how many gateways are draining
     "tokenmill_rank_requests_in_flight": "sum",  # "requests this gateway has on the rank"
     "tokenmill_workers_busy": "sum",  # each counts the workers busy with its own jobs; a worker converting one gateway's jobs is not given the others' (WorkerBusy)
@@ -221,6 +222,17 @@ class Metrics:
             "tokenmill_remote_worker_refusals",
             "Remote tokenizer workers refused: unknown CURVE key, or a tokenizer/template different from the gateway's.",
             ("curve_key", "fingerprint"),
+        )
+        self.stream_failovers = by_reason(
+            "tokenmill_stream_failovers",
+            "Requests whose tokenizer worker died or was lost mid-stream: resumed (their streams moved to a live "
+            "worker), or failed with worker_died because not_resumable (over --stream-history-bytes), too_many "
+            "(moved too often), no_worker (none alive) or rebuild_failed (the new worker could not rebuild them).",
+            ("resumed", "not_resumable", "too_many", "no_worker", "rebuild_failed"),
+        )
+        self.stream_history_bytes = g(
+            "tokenmill_stream_history_bytes",
+            "Bytes of token history the gateway keeps so that live streams can move to another worker.",
         )
         conversions = _Bound(
             c(

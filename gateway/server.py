@@ -160,7 +160,9 @@ class Gateway:
         elif not endpoints:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])
-        self.generations = Generations(None, None, self.metrics, max_buffered=s.stream_buffer_limit)
+        self.generations = Generations(
+            None, None, self.metrics, max_buffered=s.stream_buffer_limit, history_cap=s.stream_history_bytes
+        )
         g = self.generations
         if self.sibling:  # no workers of its own: the node's workers join it
             self.conversion = WorkerPool(

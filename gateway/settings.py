@@ -47,6 +47,7 @@ class ServeSettings:
     messages_ping_interval: float = 1.0  # /v1/messages streams: a ping this often while the prompt converts
     header_timeout: float = 10.0
     stream_buffer_limit: int = 1 << 20
+    stream_history_bytes: int = 4 << 20  # per choice, to move a stream off a dead worker (0: no failover)
     send_buffer_bytes: int = 0
     insecure_tcp: bool = False
     curve_keys_dir: str | None = None
@@ -88,6 +89,8 @@ class ServeSettings:
             raise SystemExit("conversion_threads: at least 1")
         if not 0 <= self.conversion_nice <= 19:
             raise SystemExit("conversion_nice: 0 to 19")
+        if self.stream_history_bytes < 0:
+            raise SystemExit("stream_history_bytes: 0 or more")
         if self.sim_busy_cores < 0:
             raise SystemExit("sim_busy_cores: 0 or more")
         if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):

@@ -50,6 +50,7 @@ class ConvertResult:
     done: m.ConvertDone
     frames: list  # buffers: per choice, Generate header then prompt tokens
     owner: int  # the worker holding the detokenizer state
+    owner_deaths: int = 0  # the owner's deaths when it answered: more by the time streams start, and it holds none
 
 
 @dataclass(eq=False)
@@ -135,6 +136,7 @@ class WorkerPool:
         self.vocab_size = 0  # the tokenizer's (WorkerReady)
         self.parsers = {"tool_call_parser": None, "reasoning_parser": None}  # as the workers resolved them
         self._ready_changed = asyncio.Event()
+        self.deaths: dict[int, int] = {}  # worker index -> deaths and losses so far
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -196,6 +198,7 @@ class WorkerPool:
     def _on_worker_death(self, worker: Worker) -> None:
         """A local worker died or a remote one was lost: its conversions go again (once) or fail, and
         the streams it was detokenizing end."""
+        self.deaths[worker.index] = self.deaths.get(worker.index, 0) + 1
         state = self.policy.workers[worker.index]
         for job in [*state.quick.values(), *state.running.values()]:
             if job.timer:
@@ -225,9 +228,8 @@ class WorkerPool:
                         "worker_died",
                     ),
                 )
-        if worker.owned:
-            owned, worker.owned = worker.owned, set()
-            self.on_owner_lost(worker.index, owned)
+        owned, worker.owned = worker.owned, set()
+        self.on_owner_lost(worker.index, owned)  # also the streams whose last tokens it had not answered
 
     # ---- conversion -------------------------------------------------------------------
 
@@ -334,6 +336,24 @@ class WorkerPool:
                 worker.owned.discard(item.request_id)
         worker.try_send([m.encoder.encode(m.DetokBatch(items))])  # a dead worker's requests fail on its death
 
+    def died_since(self, owner: int, deaths: int) -> bool:
+        """The worker that converted a request died (or was lost) after answering: it holds no state for it."""
+        return self.deaths.get(owner, 0) != deaths
+
+    def stream_owner(self, exclude: int) -> int | None:
+        """The live worker that takes over a dead one's streams: the one detokenizing fewest (None: none alive)."""
+        live = [
+            w for w, s in zip(self.workers, self.policy.workers) if s.ready and not w.retired and w.index != exclude
+        ]
+        return min(live, key=lambda w: len(w.owned)).index if live else None
+
+    def resume(self, owner: int, streams: list[m.ResumeStream]) -> None:
+        """Send streams of a dead worker to ``owner``, which rebuilds them (a failure comes back as a
+        delta with an error; a worker dying meanwhile moves them again, through on_owner_lost)."""
+        worker = self.workers[owner]
+        worker.owned.update(s.request_id for s in streams)
+        worker.try_send([m.encoder.encode(m.Resume(streams))])
+
     @property
     def max_model_len(self) -> int | None:
         limits = [n for n in (self.model_max_model_len, self.engine_max_model_len) if n]
@@ -381,6 +401,8 @@ class WorkerPool:
             self.policy.worker_busy_elsewhere(index, msg.busy)
             return
         if isinstance(msg, m.DetokOut):
+            if not self.policy.workers[index].ready:
+                return  # read after its death was handled: its streams moved, and their new owner answers them
             if self.metrics:
                 self.metrics.detokenize_seconds.observe(msg.detok_s)
             self.on_detok(msg)
@@ -430,7 +452,7 @@ class WorkerPool:
                 self.release(worker.index, ids)
             return
         worker.owned.update(ids)
-        job.future.set_result(ConvertResult(done, frames, worker.index))
+        job.future.set_result(ConvertResult(done, frames, worker.index, self.deaths.get(worker.index, 0)))
 
     def state(self) -> list[dict]:
         return [

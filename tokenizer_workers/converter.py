@@ -87,6 +87,9 @@ class DetokSpec:
     # completions' echo with logprobs: the prompt's top count the engine returns (None: no echo logprobs);
     # the legacy logprobs then start with the prompt's tokens (the first one without a logprob)
     echo_logprobs: int | None = None
+    # how ``parser`` was made (ParserChoice.make's arguments), so another worker can make it again when
+    # the stream moves there (tokenizer_workers/resume.py)
+    parser_recipe: tuple | None = None
 
 
 @dataclass
@@ -423,9 +426,11 @@ class Converter:
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
-        parser = self.parsers.make(req.tools if parse_tools else None, prompt[-256:], forced, max_calls)
+        recipe = (req.tools if parse_tools else None, prompt[-256:], forced, max_calls)
+        parser = self.parsers.make(*recipe)
         if parser is not None:
             spec.parser = parser
+            spec.parser_recipe = recipe
             spec.include_reasoning = req.include_reasoning
             spec.tool_parser_name = "forced" if forced is not None else self.parsers.tool_name
 

@@ -149,6 +149,43 @@ class Detokenizer:
         while len(self.states) > self.max_states:
             self.states.popitem(last=False)
 
+    def replay(self, request_id: str, history: bytes, chunks) -> None:
+        """Take an opened stream through the token frames another worker answered, in the batches it
+        had them (``chunks``: tokens per batch), throwing the output away: the client has it. The
+        stream is left exactly as that worker left it (tokenizer_workers/resume.py)."""
+        state = self.states[request_id]
+        start = 0
+        for n in chunks:
+            frame = history[start : start + 4 * n]
+            start += 4 * n
+            if state.prompt_ids is not None:  # the first output brought the prompt's logprobs: no longer needed
+                if state.echo_top_n is not None:  # completions' echo: its offsets counted the prompt's text
+                    self._skip_echo_offset(state)
+                state.prompt_ids = None
+            if state.top_n is not None and not state.chat and n:
+                texts = self._token_texts()
+                names = token_id_name if state.tokens_as_ids else texts
+                state.text_offset += sum(len(names(t)) for t in frame_to_ids(frame))
+            self._advance(request_id, state, frame, False)
+        if start != len(history):
+            raise ValueError(f"token history of {len(history)} bytes, but batches of {start} bytes")
+        if request_id not in self.states:
+            raise ValueError("the token history ends the stream (a stop string matched)")
+
+    def _token_texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer)
+        return self._texts
+
+    def _skip_echo_offset(self, state: _Stream) -> None:
+        texts = self._token_texts()
+        first_id = int(state.prompt_ids[0])
+        if state.tokens_as_ids:
+            names, first = token_id_name, token_id_name(first_id)
+        else:
+            names, first = texts, self.tokenizer.decode([first_id], skip_special_tokens=False)
+        state.text_offset += len(first) + sum(len(names(int(t))) for t in state.prompt_ids[1:])
+
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
@@ -157,8 +194,8 @@ class Detokenizer:
         out = []
         for item in items:
             state = self.states.get(item.request_id)
-            if state is None:  # released, or never opened: tell the gateway it is over
-                out.append(DetokDelta(item.request_id, "", False, True))
+            if state is None:  # released (the gateway no longer waits), or never opened here: fail it, not cut it short
+                out.append(DetokDelta(item.request_id, "", False, True, error="this worker holds no state for it"))
                 continue
             delta = self._advance(item.request_id, state, item.token_ids, item.finished)
             prompt = item.prompt_logprobs if state.prompt_ids is not None else None

@@ -83,7 +83,23 @@ class Placed(msgspec.Struct, tag="placed"):
     rank: int
 
 
-ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin | Placed
+class ResumeStream(msgspec.Struct, array_like=True):
+    """One stream moving to this worker from one that died or was lost (tokenizer_workers/resume.py)."""
+
+    request_id: str
+    spec: bytes  # the ConvertDone's resume entry for this choice, as the converting worker encoded it
+    history: bytes  # the token frames the old worker answered, concatenated (uint32)
+    chunks: bytes  # tokens per answered batch (uint32): the replay batches them the same way
+    items: list[DetokItem]  # what the old worker had not answered: detokenized as usual after the replay
+
+
+class Resume(msgspec.Struct, tag="resume"):
+    """Take these streams over: rebuild each one's state silently, then answer ``items`` (a DetokOut)."""
+
+    streams: list[ResumeStream]
+
+
+ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin | Placed | Resume
 
 # ---- worker -> gateway ------------------------------------------------------------
 
@@ -193,6 +209,9 @@ class ConvertDone(msgspec.Struct, tag="done"):
     queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
     cache: CacheReport | None = None
     frames_per_choice: int = 2  # header, prompt, then one per image (protocol 1.2 images)
+    # per choice: its detokenizer spec as bytes the gateway keeps without reading, so that another worker
+    # can take the stream over if this one dies (tokenizer_workers/resume.py); empty: not resumable
+    resume: list[bytes] = []
 
 
 class OutPiece(msgspec.Struct, array_like=True):
@@ -222,6 +241,8 @@ class DetokDelta(msgspec.Struct, array_like=True):
     stop_reason: str | int | None = None
     # vLLM's prompt_logprobs: the JSON array of the prompt's logprobs (null first), with the request's first delta
     prompt_logprobs: bytes | None = None
+    # a stream this worker could not take over (Resume): why; the gateway fails that request with it
+    error: str = ""
 
 
 class DetokOut(msgspec.Struct, tag="detok_out"):

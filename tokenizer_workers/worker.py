@@ -45,10 +45,12 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.remote_link import RemoteWorkerLink
+from tokenizer_workers.resume import decode_spec, encode_spec
 from tokenmill.process.procutil import die_with_supervisor, limit_memory, set_process_name
 from tokenmill.transport.pipe_link import PipePeer
 
@@ -259,7 +261,8 @@ class Worker:
             except msgspec.DecodeError:
                 log.error("worker %d: undecodable message from the gateway", self.index)
         if len(decoded) > 1:
-            decoded.sort(key=lambda pair: not isinstance(pair[0], m.DetokBatch))  # stable: the rest keep their order
+            # stable: the rest keep their order; a Resume goes with the batches, ahead of those that follow it
+            decoded.sort(key=lambda pair: not isinstance(pair[0], (m.DetokBatch, m.Resume)))
         for msg, frames in decoded:
             if not self._handle(link, msg, frames):
                 return False
@@ -273,6 +276,13 @@ class Worker:
             link.sock.send(m.encoder.encode(out))
             if link.beats:
                 link.streams.difference_update(item.request_id for item in msg.items if item.finished)
+        elif isinstance(msg, m.Resume):
+            t0 = time.perf_counter()
+            deltas = []
+            for stream in msg.streams:
+                deltas += self._resume(link, stream)
+            out = m.DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures())
+            link.sock.send(m.encoder.encode(out))
         elif isinstance(msg, m.ConvertJob):
             body = frames[1] if len(frames) > 1 else b""  # a view into the buffer it was read into: not copied
             if msg.quick:
@@ -308,6 +318,28 @@ class Worker:
             link.joined, link.said_hello = False, 0.0
             self._tick()
         return True
+
+    def _resume(self, link: _Link, stream: m.ResumeStream) -> list[m.DetokDelta]:
+        """A stream another worker held: its state rebuilt from the spec and the answered frames, then
+        its unanswered frames detokenized. A stream that cannot be rebuilt fails alone, saying why."""
+        detokenizer = self.detokenizer
+        rid = stream.request_id
+        try:
+            spec = decode_spec(stream.spec, self.converter.parsers)
+            if spec.request_id != rid:
+                raise ValueError(f"the stream state is request {spec.request_id}'s")
+            detokenizer.open(spec)
+            detokenizer.replay(rid, stream.history, frame_to_ids(stream.chunks))
+        except Exception as exc:
+            log.warning("worker %d: cannot take over stream %s: %s", self.index, rid, exc)
+            detokenizer.release([rid])
+            return [m.DetokDelta(rid, "", False, True, error=str(exc) or type(exc).__name__)]
+        if link.beats:
+            link.streams.add(rid)
+        deltas = detokenizer.step(stream.items)
+        if link.beats:
+            link.streams.difference_update(item.request_id for item in stream.items if item.finished)
+        return deltas
 
     def _convert_loop(self, loads: bool) -> None:
         wake_tx = self._wake_tx
@@ -391,6 +423,8 @@ class Worker:
     def _send(self, link: _Link, conversion) -> None:
         if self.placements and conversion.done.conversation is not None:
             conversion.done.home_rank = self.placements.get(conversion.done.conversation, -1)
+        if conversion.detok:
+            conversion.done.resume = [encode_spec(spec) for spec in conversion.detok]
         for spec in conversion.detok:
             self.detokenizer.open(spec)
             if link.beats:

@@ -134,6 +134,11 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Characters of generated text one client may leave unread; past it the request is "
         "aborted (code slow_client) and its connection closed (0 = no limit).",
     ),
+    "stream_history_bytes": (
+        int,
+        "Token history (4 bytes a token) the gateway keeps per streaming choice so that the stream moves to "
+        "another tokenizer worker if its own dies; a longer stream fails with worker_died then (0 = no failover).",
+    ),
     "insecure_tcp": (_bool, "Allow tcp:// scheduler or remote-worker endpoints without CURVE encryption."),
     "curve_keys_dir": (
         str,

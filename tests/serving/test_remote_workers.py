@@ -9,6 +9,7 @@ silence, which is what a host that loses power or network looks like.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -22,6 +23,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, Server, free_port, http
+from faultutil import metric
+from stream_replay import requests as stream_requests
+from stream_replay import run as run_streams
+from stream_replay import write_replies
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
@@ -298,3 +303,37 @@ def test_unlisted_key_and_different_model_are_refused(host, keys, tmp_path):
     log = server.read_output()
     assert "refused a remote tokenizer worker: its CURVE public key" in log
     assert "refused remote tokenizer worker" in log and "differ from this gateway's" in log
+
+
+def test_link_drop_mid_stream_moves_the_streams_to_the_local_worker(host, keys, tmp_path):
+    """The namespace's link goes down while its worker detokenizes streams: after --remote-worker-timeout
+    of silence they move to the local worker (issue 33), and every stream ends exactly as it did with the
+    link up."""
+    replies = write_replies(tmp_path / "replies.jsonl")
+    server, endpoint = gateway(
+        host, keys, "--workers", "1", "--sim-inter-token-latency-ms", "40", "--sim-replies", replies
+    )
+    worker = RemoteWorker(host, endpoint, keys / "workers" / "beta")
+    try:
+        server.wait_ready(90)
+        wait_for(lambda: remote_alive(server), 60, "the remote worker to join")
+        wait_for(lambda: all(w["alive"] for w in workers(server)), 60, "the local worker to be ready")
+        sent = stream_requests()[:16]
+        baseline = asyncio.run(run_streams(server, sent))
+        for got in baseline:
+            assert "error" not in got, got
+
+        def drop_link(progress):
+            wait_for(lambda: all(p[0] >= 3 for p in progress), 60, "every stream under way")
+            remote = [w for w in workers(server) if w["host"] and w["alive"]]
+            assert remote and remote[0]["streams"] > 0, workers(server)
+            host.link(up=False)
+
+        disturbed = asyncio.run(run_streams(server, sent, drop_link))
+        assert disturbed == baseline
+        assert metric(server, "tokenmill_stream_failovers_total", reason="resumed") >= 1
+    finally:
+        host.link(up=True)
+        worker.stop()
+        server.stop()
+    assert "is lost: silent for" in server.read_output()

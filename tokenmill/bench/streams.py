@@ -67,6 +67,12 @@ def add_arguments(parser) -> None:
         default=SLOW_STALL_S,
         help=f"Seconds the slow readers read nothing at first (default {SLOW_STALL_S:g}).",
     )
+    parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="Instead: 256 streams with --workers 2, undisturbed then with one worker killed mid-run "
+        "(streams_failover.py): delivered ratio and read gaps of the streams it held.",
+    )
 
 
 def echo_word_id() -> int:
@@ -292,6 +298,11 @@ def serve_args(streams: int) -> tuple:
 
 
 def run(args) -> int:
+    if args.failover:
+        from tokenmill.bench.streams_failover import run_failover
+
+        write_json(args.json, run_failover(args))
+        return 0
     quick = args.quick
     levels = [int(x) for x in (args.levels or "64,256,1024").split(",") if x]
     window = args.window or (3.0 if quick else 10.0)
