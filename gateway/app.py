@@ -33,7 +33,7 @@ class BodyTooLarge(Exception):
     pass
 
 
-def conversation_key(body: bytes, field: bytes = b'"messages"', system_field: bool = False) -> int | None:
+def conversation_key(body: bytes, system_field: bool = False, field: bytes = b'"messages"') -> int | None:
     """A hash of the conversation's beginning, from the raw body: the start of "messages" and of
     its first user message, which repeat across the turns of one conversation (conversations that
     open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
@@ -47,7 +47,7 @@ def conversation_key(body: bytes, field: bytes = b'"messages"', system_field: bo
     if system_field:
         system = body.find(b'"system"', 0, 65536)
         seed = zlib.crc32(body[system : system + 2048]) if system >= 0 else 0
-        key = conversation_key(body, field)
+        key = conversation_key(body, field=field)
         return None if key is None else zlib.crc32(key.to_bytes(4, "little"), seed)
     user = body.find(b'"user"', start + len(field), start + 65536)  # ~1 us per KB scanned, on the loop
     if user < 0:
@@ -73,7 +73,7 @@ def responses_key(body: bytes) -> int | None:
                 end = body.find(b'"', value + 1, value + 512)
                 if end > value + 1:
                     return zlib.crc32(body[value + 1 : end])
-    key = conversation_key(body, b'"input"')
+    key = conversation_key(body, field=b'"input"')
     instructions = body.find(b'"instructions"', 0, 65536)
     if instructions >= 0:
         return zlib.crc32(body[instructions : instructions + 2048], key or 0)
