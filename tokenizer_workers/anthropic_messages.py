@@ -65,16 +65,7 @@ _decoder = msgspec.json.Decoder(MessagesRequest)
 
 
 def parse(body: bytes | memoryview) -> MessagesRequest:
-    if oa.is_blank(body):
-        raise oa.InvalidRequest("The request body is empty; expected a JSON object.")
-    try:
-        return _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        text, _, where = str(exc).partition(" - at `$.")
-        param = where.rstrip("`") or None
-        raise oa.InvalidRequest(f"Invalid request: {text}" + (f" (field '{param}')" if param else ""), param) from None
-    except msgspec.DecodeError as exc:
-        raise oa.InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    return oa.decode(_decoder, body)
 
 
 def _bad(message: str, param: str) -> oa.InvalidRequest:

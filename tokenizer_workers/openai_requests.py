@@ -141,10 +141,16 @@ def is_blank(body: bytes | memoryview) -> bool:
 
 
 def parse(kind: str, body: bytes | memoryview):
+    return decode(DECODERS[kind], body)
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes | memoryview):
+    """A request body decoded into its Struct; a refusal names the field msgspec found wrong (every API's
+    body goes through here: chat, completions, Anthropic Messages, Responses)."""
     if is_blank(body):
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
-        return DECODERS[kind].decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = None

@@ -81,16 +81,7 @@ class Converted(msgspec.Struct):
 
 
 def parse(body: bytes) -> ResponsesRequest:
-    if oa._BLANK.fullmatch(body):
-        raise oa.InvalidRequest("The request body is empty; expected a JSON object.")
-    try:
-        return _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        text, _, where = str(exc).partition(" - at `$.")
-        param = where.rstrip("`") or None
-        raise oa.InvalidRequest(f"Invalid request: {text}" + (f" (field '{param}')" if param else ""), param) from None
-    except msgspec.DecodeError as exc:
-        raise oa.InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    return oa.decode(_decoder, body)
 
 
 def convert(body: bytes) -> Converted:
