@@ -426,7 +426,7 @@ class Converter:
 
     def _attach_parser(self, spec: DetokSpec, req, prompt: str, parse_tools: bool, forced: str | None) -> None:
         max_calls = 1 if req.parallel_tool_calls is False else 0
-        recipe = (req.tools if parse_tools else None, prompt[-256:], forced, max_calls)
+        recipe = (req.tools if parse_tools else None, self.parsers.prompt_hint(prompt), forced, max_calls)
         parser = self.parsers.make(*recipe)
         if parser is not None:
             spec.parser = parser

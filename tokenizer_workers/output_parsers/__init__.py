@@ -97,8 +97,12 @@ class ParserChoice:
         self.tool_name = tool_cls.name if tool_cls else ""
         self.reasoning_name = reasoning_cls.name if reasoning_cls else ""
 
+    def prompt_hint(self, prompt: str) -> str:
+        """What the reasoning parser reads of the rendered prompt (see ReasoningParser.prompt_hint)."""
+        return self.reasoning_cls.prompt_hint(prompt) if self.reasoning_cls else ""
+
     def make(
-        self, tools: list[dict] | None, prompt_tail: str, forced: str | None = None, max_calls: int = 0
+        self, tools: list[dict] | None, prompt_hint: str, forced: str | None = None, max_calls: int = 0
     ) -> OutputParser | None:
         """A parser for one choice: tool calls only when ``tools`` are to be parsed. ``forced``: the
         request forced calls (tool_choice "required": "", a named function: its name), so the output
@@ -109,7 +113,7 @@ class ParserChoice:
             tool_parser = ForcedCallParser(tools, forced or None)
         else:
             tool_parser = self.tool_cls(tools) if self.tool_cls and tools else None
-        reasoning = self.reasoning_cls(prompt_tail) if self.reasoning_cls else None
+        reasoning = self.reasoning_cls(prompt_hint) if self.reasoning_cls else None
         if tool_parser is None and reasoning is None:
             return None
         return OutputParser(reasoning, tool_parser, max_calls)

@@ -182,6 +182,14 @@ class ReasoningParser:
         self._scanner = MarkerScanner()
         self._state = _UNDECIDED
 
+    @classmethod
+    def prompt_hint(cls, prompt: str) -> str:
+        """What of the whole rendered prompt this format reads (the ``prompt`` it is made with).
+
+        Kept small: it travels with a stream's state when the stream moves to another worker.
+        By default the prompt's last 256 characters."""
+        return prompt[-256:]
+
     # ---- what a format states ---------------------------------------------------------
 
     def starts_in_reasoning(self) -> bool:

@@ -20,6 +20,16 @@ class ThinkParser(ReasoningParser):
     openers = (start,)
     reasoning_first = False  # without a hint from the prompt, does the output start in reasoning?
 
+    @classmethod
+    def prompt_hint(cls, prompt: str) -> str:
+        """The whole prompt's last ``<think>`` or ``</think>``: a turn's thinking can be closed
+        long before the generation prompt (a tool result follows it with no marker), as vLLM's
+        parsers find by looking back through all of the prompt's token IDs."""
+        opened, closed = prompt.rfind(cls.start), prompt.rfind(cls.end)
+        if opened == closed:  # neither
+            return ""
+        return cls.start if opened > closed else cls.end
+
     def starts_in_reasoning(self) -> bool:
         opened, closed = self.prompt.rfind(self.start), self.prompt.rfind(self.end)
         if opened != closed:  # the prompt opened thinking last, or closed it
