@@ -421,6 +421,8 @@ class SimulatedScheduler(SchedulerServer):
         self.replies: ScriptedReplies | None = None
         self._tokenizer = None  # with --model: structured outputs are decoded over its vocabulary
         self._guide: Guide | None = None  # built from it at the first structured request
+        # structured requests that arrived while the guide is being built (in a thread, off the loop)
+        self._awaiting_guide: list[tuple[Session, Generate, list]] | None = None
         if model is not None:
             from tokenizers import Tokenizer  # only needed with --model
 
@@ -546,12 +548,15 @@ class SimulatedScheduler(SchedulerServer):
         return Stats(num_running=self.num_running, num_waiting=self.num_waiting)
 
     def has_request(self, identity: bytes, request_id: str) -> bool:
-        return (identity, request_id) in self._requests
+        if (identity, request_id) in self._requests:
+            return True
+        return any(s.identity == identity and g.request_id == request_id for s, g, _ in self._awaiting_guide or ())
 
     def on_teardown(self) -> None:
         if self.busy_cores is not None:
             self.busy_cores.close()
             self.busy_cores = None
+        self._awaiting_guide = None
         self._requests.clear()
         self._waiting.clear()
         self._queue.clear()
@@ -559,6 +564,7 @@ class SimulatedScheduler(SchedulerServer):
         self._decoding.clear()
 
     def drop_session(self, identity: bytes) -> int:
+        self._forget_awaiting(identity)
         gone = [req for req in self._requests.values() if req.identity == identity]
         for req in gone:
             self._remove(req)
@@ -629,13 +635,55 @@ class SimulatedScheduler(SchedulerServer):
 
     @property
     def guide(self) -> Guide:
-        """llguidance over the served vocabulary, built at the first structured request (about a second)."""
+        """llguidance over the served vocabulary (built by :meth:`_on_generate` before it is asked for)."""
         if self._guide is None:
-            palette = {t for sentence in self._tokens.sentences for t in sentence}
-            self._guide = Guide(self._tokenizer.to_str(), self._tokens.vocab_size, palette)
+            self._guide = self._build_guide()
         return self._guide
 
+    def _build_guide(self) -> Guide:
+        palette = {t for sentence in self._tokens.sentences for t in sentence}
+        return Guide(self._tokenizer.to_str(), self._tokens.vocab_size, palette)
+
+    def _on_generate(self, session: Session, gen: Generate, extra: list) -> None:
+        """A structured request before the guide exists waits for it, built in a thread: about a second of
+        llguidance's vocabulary analysis (GIL released) that would otherwise stall every stream's tokens."""
+        if gen.structured is None or self._tokenizer is None or self._guide is not None:
+            super()._on_generate(session, gen, extra)
+            return
+        if self._awaiting_guide is None:
+            self._awaiting_guide = []
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self._build_guide).add_done_callback(
+                lambda done: loop.call_soon_threadsafe(self._guide_built, done)
+            )
+        self._awaiting_guide.append((session, gen, extra))
+
+    def _guide_built(self, done) -> None:
+        waiting, self._awaiting_guide = self._awaiting_guide or [], None
+        if done.exception() is not None:
+            log.error("llguidance could not take the served vocabulary: %s", done.exception())
+            for session, gen, _ in waiting:
+                message = f"structured outputs are unavailable: {done.exception()}"
+                self.send_error(session.identity, message, ERR_UNSUPPORTED, gen.request_id, "structured")
+            return
+        self._guide = done.result()
+        for session, gen, extra in waiting:
+            super()._on_generate(session, gen, extra)
+
+    def _forget_awaiting(self, identity: bytes, request_ids: set[str] | None = None) -> int:
+        """Drop requests still waiting for the guide (an abort, or all of a session's); how many."""
+        if not self._awaiting_guide:
+            return 0
+        before = len(self._awaiting_guide)
+        self._awaiting_guide[:] = [
+            (session, gen, extra)
+            for session, gen, extra in self._awaiting_guide
+            if session.identity != identity or (request_ids is not None and gen.request_id not in request_ids)
+        ]
+        return before - len(self._awaiting_guide)
+
     def abort(self, identity: bytes, request_ids: list[str]) -> None:
+        self._forget_awaiting(identity, set(request_ids))
         finals = []
         for request_id in request_ids:
             req = self._requests.get((identity, request_id))
