@@ -143,7 +143,8 @@ def convert_logprobs(positions, token_ids, top_n: int) -> tuple[list[float], lis
     position flattened in vLLM's rank order.
 
     ``positions`` is a FlatLogprobs (``flat_logprobs=True``: per position, the entries from
-    ``start_indices[i]`` to ``end_indices[i]`` are the sampled token, then ranks 1..N) or a list of
+    ``start_indices[i]`` to ``end_indices[i]`` are the sampled token, then ranks 1..N, or, for a position
+    that vLLM merged from several deltas, the sampled token, then the ranks it is not) or a list of
     ``{token_id: Logprob(logprob, rank, decoded_token)}`` dicts (the sampled token's entry merged
     with its top-N entry when it is among them)."""
     chosen: list[float] = []
@@ -153,12 +154,18 @@ def convert_logprobs(positions, token_ids, top_n: int) -> tuple[list[float], lis
         return chosen, ids, values
     starts = getattr(positions, "start_indices", None)
     if starts is not None:
-        flat_ids, flat_values = positions.token_ids, positions.logprobs
-        for start in starts:
+        flat_ids, flat_values, flat_ranks = positions.token_ids, positions.logprobs, positions.ranks
+        for start, end in zip(starts, positions.end_indices, strict=True):
             chosen.append(flat_values[start])
             if top_n:
-                ids.extend(flat_ids[start + 1 : start + 1 + top_n])
-                values.extend(flat_values[start + 1 : start + 1 + top_n])
+                entries = range(start + 1, end)
+                if len(entries) < top_n:
+                    # A position that went through a dict on the way (vLLM's RequestOutput.add merges a slow
+                    # consumer's deltas that way) holds the sampled token once, with its top-N rank.
+                    entries = sorted(range(start, end), key=flat_ranks.__getitem__)
+                for i in entries[:top_n]:
+                    ids.append(flat_ids[i])
+                    values.append(flat_values[i])
         return chosen, ids, values
     for token, position in zip(token_ids, positions, strict=False):
         chosen.append(position[token].logprob)

@@ -928,6 +928,20 @@ def test_vllm_logprobs_conversion():
     assert convert_logprobs(both, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
     a, b = vllm_logprobs(100, 2, False), vllm_logprobs(205, 2, False, best=200)
     assert convert_logprobs(a + b, [100, 205], 2) == ([-0.25, -5.25], [100, 101, 200, 201], [-0.25, -1.25] * 2)
+    # a slow consumer's deltas merged by vLLM's RequestOutput.add: FlatLogprobs.extend re-appends each
+    # position through a dict, so a sampled token among the top N is stored once, with its top-N rank
+    merged = SimpleNamespace(
+        start_indices=[0, 2, 5],
+        end_indices=[2, 5, 7],
+        token_ids=[100, 101] + [205, 200, 201] + [301, 300],
+        logprobs=[-0.25, -1.25] + [-5.25, -0.25, -1.25] + [-1.25, -0.25],
+        ranks=[1, 2] + [6, 1, 2] + [2, 1],
+    )
+    assert convert_logprobs(merged, [100, 205, 301], 2) == (
+        [-0.25, -5.25, -1.25],
+        [100, 101, 200, 201, 300, 301],
+        [-0.25, -1.25] * 3,
+    )
 
 
 def test_vllm_logprobs_stream():

@@ -1000,30 +1000,12 @@ def test_rows_cover_the_honoured_fields():
     assert not named - covered, f"fields without a row: {sorted(named - covered)}"
 
 
-# A known engine-bridge bug (reported, engines/ is not this test's to change): when vLLM's AsyncLLM merges the
-# outputs of several steps of a request that wants logprobs (the bridge fell behind), vLLM 0.32's
-# FlatLogprobs.extend goes through a dict per position, which folds the sampled token's entry into its
-# top-N entry; engines/vllm_backend.py's convert_logprobs expects N + 1 entries per position and the engine
-# fails the request ("the engine returned 5 top token IDs and 5 top logprobs for 3 tokens"), a 500.
-BRIDGE_LOGPROBS_BUG = "top token IDs and"
-RETRIED: list[str] = []
-
-
-def _bridge_bug(status: int, answer) -> bool:
-    text = json.dumps(answer)
-    return BRIDGE_LOGPROBS_BUG in text and (status == 500 or isinstance(answer, list))
-
-
 def _ask(url: str, row: Row, stream: bool) -> dict:
     path = "/v1/chat/completions" if row.endpoint == "chat" else "/v1/completions"
     body = dict(row.body, stream=True) if stream else dict(row.body)
     if not stream and True in row.streams:
         body.pop("stream_options", None)  # it belongs to the streamed request (alone, a 400: stream-options-alone)
-    for _ in range(3):
-        status, _, answer = post(url, path, body, row.headers)
-        if not _bridge_bug(status, answer):
-            break
-        RETRIED.append(f"{row.name} (stream {stream})")
+    status, _, answer = post(url, path, body, row.headers)
     return normalise(status, answer, stream, row.keep_id)
 
 
@@ -1072,8 +1054,6 @@ def answers(stack):
     vs = {(row.name, s): _ask(stack.vllm.url, row, s) for row, s in todo}
     ts = {(row.name, s): _ask(stack.front.url, row, s) for row, s in todo}
     print(f"\n{len(todo)} requests to each server in {time.monotonic() - t0:.1f} s")
-    if RETRIED:
-        print(f"retried after the engine bridge's logprobs bug (BRIDGE_LOGPROBS_BUG): {RETRIED}")
     return {key: (vs[key], ts[key]) for key in vs}
 
 
