@@ -68,8 +68,12 @@ def ranks(tmp_path):
 
 
 def serve(sims, *args) -> Server:
+    """A gateway in front of ``sims``, returned once every rank has said welcome: a request sent earlier
+    goes to the ranks connected so far (on a loaded machine a rank can lag the gateway's readiness)."""
     flags = [x for s in sims for x in ("--scheduler", s.endpoint)]
-    return Server("--workers", "1", *flags, *args)
+    srv = Server("--workers", "1", *flags, *args)
+    srv.wait_until(lambda: http("GET", srv.url + "/ready")[2]["missing_ranks"] == [], 60, interval=0.05)
+    return srv
 
 
 def conversation(client, name: str, turns: int) -> list[tuple[int, int]]:
