@@ -51,6 +51,7 @@ class ConvertResult:
     frames: list  # buffers: per choice, Generate header then prompt tokens
     owner: int  # the worker holding the detokenizer state
     owner_deaths: int = 0  # the owner's deaths when it answered: more by the time streams start, and it holds none
+    affinity: int | None = None  # the conversation's key (dispatch.py): repointed when its stream moves
 
 
 @dataclass(eq=False)
@@ -347,6 +348,15 @@ class WorkerPool:
         ]
         return min(live, key=lambda w: len(w.owned)).index if live else None
 
+    def rehome(self, owner: int, affinity: int | None, conversation: int | None = None, rank: int = 0) -> None:
+        """A conversation's stream moved to ``owner``: its next turn goes there too (the dead worker's
+        cache is gone, and this one now holds its decoder), and with --gateways N the worker learns
+        the scheduler rank the conversation is on, as the dead one knew."""
+        if affinity is not None:
+            self.policy.rehome(affinity, owner)
+        if conversation is not None:
+            self.placed(owner, conversation, rank)
+
     def resume(self, owner: int, streams: list[m.ResumeStream]) -> None:
         """Send streams of a dead worker to ``owner``, which rebuilds them (a failure comes back as a
         delta with an error; a worker dying meanwhile moves them again, through on_owner_lost)."""
@@ -452,7 +462,7 @@ class WorkerPool:
                 self.release(worker.index, ids)
             return
         worker.owned.update(ids)
-        job.future.set_result(ConvertResult(done, frames, worker.index, self.deaths.get(worker.index, 0)))
+        job.future.set_result(ConvertResult(done, frames, worker.index, self.deaths.get(worker.index, 0), job.affinity))
 
     def state(self) -> list[dict]:
         return [

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import openai
-from faultutil import CHAT_MODEL
+from faultutil import CHAT_MODEL, state, wait_until
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -80,13 +82,13 @@ def requests() -> list[tuple[str, dict]]:
     return out
 
 
-async def one(client, endpoint: str, body: dict, progress: list) -> dict:
+async def one(client, endpoint: str, body: dict, progress: list, model: str = CHAT_MODEL) -> dict:
     """Everything the client received, joined per choice; progress[0] counts chunks as they come."""
     got: dict = {}
     if endpoint == "chat":
-        stream = await client.chat.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
+        stream = await client.chat.completions.create(model=model, stream=True, **{"max_tokens": 400, **body})
     else:
-        stream = await client.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
+        stream = await client.completions.create(model=model, stream=True, **{"max_tokens": 400, **body})
     async for chunk in stream:
         progress[0] += 1
         for c in chunk.choices:
@@ -113,14 +115,14 @@ async def one(client, endpoint: str, body: dict, progress: list) -> dict:
     return got
 
 
-async def run(srv, requests, on_progress=None) -> list:
+async def run(srv, requests, on_progress=None, model: str = CHAT_MODEL) -> list:
     """All requests at once; ``on_progress(progress)`` runs in a thread beside them (the fault)."""
     client = srv.async_client().with_options(timeout=40)
     progress = [[0] for _ in requests]
 
     async def guarded(i, endpoint, body):
         try:
-            return await one(client, endpoint, body, progress[i])
+            return await one(client, endpoint, body, progress[i], model)
         except openai.APIError as exc:
             return {"error": f"{getattr(exc, 'code', None) or type(exc).__name__}: {exc}"}
 
@@ -129,6 +131,15 @@ async def run(srv, requests, on_progress=None) -> list:
     if fault is not None:
         await fault
     return results
+
+
+def kill_busiest(srv, progress, wait_chunks: int = 6) -> dict:
+    """Once every stream has had a few chunks, kill -9 the worker detokenizing the most streams."""
+    wait_until(lambda: all(p[0] >= wait_chunks for p in progress), 60, interval=0.01, what="every stream under way")
+    victim = max((w for w in state(srv)["workers"] if w["alive"]), key=lambda w: w["streams"])
+    assert victim["streams"] > 0, state(srv)
+    os.kill(victim["pid"], signal.SIGKILL)
+    return victim
 
 
 def write_replies(path) -> str:

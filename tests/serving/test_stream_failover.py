@@ -18,17 +18,8 @@ import time
 import openai
 import pytest
 from conftest import Server
-from faultutil import metric, state, wait_until
-from stream_replay import PARAGRAPH, requests, run, write_replies
-
-
-def kill_busiest(srv, progress, wait_chunks: int = 6) -> dict:
-    """Once every stream has had a few chunks, kill -9 the worker detokenizing the most streams."""
-    wait_until(lambda: all(p[0] >= wait_chunks for p in progress), 60, interval=0.01, what="every stream under way")
-    victim = max((w for w in state(srv)["workers"] if w["alive"]), key=lambda w: w["streams"])
-    assert victim["streams"] > 0, state(srv)
-    os.kill(victim["pid"], signal.SIGKILL)
-    return victim
+from faultutil import CHAT_MODEL, metric, state, wait_until
+from stream_replay import PARAGRAPH, kill_busiest, requests, run, write_replies
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +58,42 @@ def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server)
     # nothing is kept for finished requests
     wait_until(lambda: metric(srv, "tokenmill_stream_history_bytes") == 0, 30, what="token history freed")
     wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="the killed worker replaced")
+
+
+def test_a_moved_conversation_s_next_turn_goes_to_its_new_worker(failover_server):
+    """Six conversations stream their first turn; kill -9 of the worker holding most of them moves those
+    streams to the other worker, and with them the conversations' affinity: every conversation's next
+    turn is converted and detokenized by the surviving worker, not by the dead one's replacement (which
+    the hash ring would give them)."""
+    srv = failover_server
+    wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers alive")
+    firsts = [[{"role": "user", "content": f"plain story conversation {k}"}] for k in range(6)]
+    killed = {}
+    answers = asyncio.run(
+        run(
+            srv,
+            [("chat", {"messages": m, "seed": k}) for k, m in enumerate(firsts)],
+            lambda p: killed.update(kill_busiest(srv, p)),
+        )
+    )
+    assert all("error" not in a for a in answers), answers
+    survivor = next(w["index"] for w in state(srv)["workers"] if w["index"] != killed["index"])
+    wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="the killed worker replaced")
+    client = srv.client()
+    holders = []
+    for k, first in enumerate(firsts):
+        turn = [
+            *first,
+            {"role": "assistant", "content": answers[k][0]["content"]},
+            {"role": "user", "content": "go on"},
+        ]
+        stream = client.chat.completions.create(model=CHAT_MODEL, messages=turn, max_tokens=30, stream=True)
+        next(iter(stream))  # under way: the worker detokenizing it holds it
+        holders.append([w["index"] for w in state(srv)["workers"] if w["streams"]])
+        for _ in stream:
+            pass
+    print(f"killed worker {killed['index']} holding {killed['streams']} streams; next turns held by {holders}")
+    assert holders == [[survivor]] * len(firsts)
 
 
 def test_killing_the_replacement_too_ends_in_a_clear_error(failover_server):
