@@ -42,6 +42,11 @@ def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server)
     assert baseline[4][0]["calls"] and baseline[4][0]["finish"] == "tool_calls"
     assert baseline[5][0]["logprobs"] and "😀" in baseline[5][0]["content"]
     assert len(baseline[6]) == 2 and baseline[7][0]["logprobs"]
+    # the agent APIs: Anthropic thinking, tool_use and a stop sequence; Responses function call and text
+    assert baseline[8][0]["reasoning"] and baseline[8][0]["content"] and baseline[8][0]["logprobs"]
+    assert baseline[18][0]["calls"] and baseline[18][0]["finish"][0] == "tool_use"
+    assert baseline[28][0]["finish"][:2] == ("stop_sequence", "END-OF-PART")
+    assert baseline[9][0]["calls"] and "😀" in baseline[19][0]["content"] and baseline[29][0]["content"]
 
     resumed_before = metric(srv, "tokenmill_stream_failovers_total", reason="resumed")
     killed = {}
