@@ -289,6 +289,9 @@ class Generations:
                 choice.done = True
                 self.by_request.pop(choice.request_id, None)
                 self._forget_history(choice)
+                # its worker holds nothing more for it (a stop string ended it before the scheduler's
+                # last output, or it moved with its last tokens: neither went out as a finished item)
+                self.conversion.ended(gen.owner, choice.request_id)
                 if choice.finish_reason == protocol.FINISH_ERROR:
                     self.fail(
                         gen,

@@ -337,6 +337,10 @@ class WorkerPool:
                 worker.owned.discard(item.request_id)
         worker.try_send([m.encoder.encode(m.DetokBatch(items))])  # a dead worker's requests fail on its death
 
+    def ended(self, owner: int, request_id: str) -> None:
+        """The owner sent a stream's last text: it holds no state for it any more."""
+        self.workers[owner].owned.discard(request_id)
+
     def died_since(self, owner: int, deaths: int) -> bool:
         """The worker that converted a request died (or was lost) after answering: it holds no state for it."""
         return self.deaths.get(owner, 0) != deaths
