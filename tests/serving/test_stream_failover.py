@@ -15,10 +15,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
+import openai
 import pytest
-from conftest import Server
+from conftest import ROOT, Server
 from faultutil import CHAT_MODEL, idle, metric, rss_kib, state, wait_until
 from stream_replay import PARAGRAPH, kill_busiest, requests, run, write_replies
 
@@ -129,6 +134,74 @@ def test_killing_the_replacement_too_ends_in_a_clear_error(failover_server):
     assert metric(srv, "tokenmill_stream_failovers_total", reason="no_worker") > before
     wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers replaced")
     wait_until(lambda: metric(srv, "tokenmill_stream_history_bytes") == 0, 30, what="token history freed")
+
+
+def test_a_stream_the_new_worker_cannot_rebuild_fails_alone(tmp_path_factory):
+    """Two workers (tests/future_worker.py, joined over ipc://) write one stream's state as a later
+    release would. kill -9 of the worker holding it and other streams: the others move and end exactly
+    as undisturbed; that one ends with a clear 503 worker_died saying why (a state version this worker
+    does not know); nothing is kept for any of them afterwards."""
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='tmfo')}/workers.sock"
+    srv = Server(
+        "--workers", "0", "--remote-workers", endpoint, "--remote-worker-timeout", "2",
+        "--sim-inter-token-latency-ms", "25", "--sim-replies", write_replies(tmp_path_factory.mktemp("r") / "r.jsonl"),
+        ready=False,
+    )  # fmt: skip
+    script = str(ROOT / "tests" / "future_worker.py")
+    workers = [
+        subprocess.Popen(
+            [sys.executable, script, endpoint], cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL
+        )
+        for _ in "ab"
+    ]
+    try:
+        srv.wait_ready(90)
+        wait_until(lambda: sum(w["alive"] for w in state(srv)["workers"]) == 2, 90, what="both workers joined")
+        others = [(endpoint, {**body, "max_tokens": 100}) for endpoint, body in requests()[:6]]
+        marked = {"messages": [{"role": "user", "content": "plain story marked"}], "stop": ["FUTURE-STATE"]}
+        baseline = asyncio.run(run(srv, [("chat", marked), *others]))
+        assert all("error" not in got for got in baseline), [g for g in baseline if "error" in g] + [
+            srv.read_output()[-3000:]
+        ]
+
+        # the marked stream alone first: the worker holding a stream then holds it
+        client = srv.client()
+        stream = client.chat.completions.create(model=CHAT_MODEL, stream=True, max_tokens=400, **marked)
+        text = next(iter(stream)).choices[0].delta.content or ""
+        victim = next(w for w in state(srv)["workers"] if w["streams"])
+        resumed = metric(srv, "tokenmill_stream_failovers_total", reason="resumed")
+        tail = {}
+
+        def read_rest():
+            try:
+                tail["text"] = text + "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            except openai.APIError as exc:
+                tail["error"] = exc
+
+        reader = threading.Thread(target=read_rest)
+        reader.start()
+
+        def kill(progress):
+            wait_until(lambda: all(p[0] >= 3 for p in progress), 60, interval=0.01, what="every stream under way")
+            os.kill(victim["pid"], signal.SIGKILL)
+
+        disturbed = asyncio.run(run(srv, others, kill))
+        reader.join(60)
+        assert disturbed == baseline[1:]
+        assert "error" in tail, tail
+        err = tail["error"]
+        assert err.code == "worker_died" and err.type == "ServiceUnavailableError", err.body
+        assert "could not go on with it (stream state of version 2; this worker knows version 1)" in err.message
+        assert metric(srv, "tokenmill_stream_failovers_total", reason="rebuild_failed") == 1
+        assert metric(srv, "tokenmill_stream_failovers_total", reason="resumed") >= resumed + 2  # it and others
+        quiet = wait_until(lambda: idle(srv), 30, what="no live generation")
+        assert all(w["streams"] == 0 for w in quiet["workers"] if w["alive"]), quiet["workers"]
+        assert metric(srv, "tokenmill_stream_history_bytes") == 0
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait(10)
+        srv.stop()
 
 
 def test_a_stream_over_the_history_cap_is_not_resumed(tmp_path):
