@@ -221,9 +221,10 @@ def test_a_stream_over_the_history_cap_is_not_resumed(tmp_path):
         srv.stop()
 
 
-async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, done: list, texts: dict) -> None:
+async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, done: list, texts: dict, pause) -> None:
     """``total`` streamed requests over ``concurrency`` keep-alive connections, read by hand (the SDK's
-    client costs more CPU than the gateway does per request): the text of each, counted in ``texts``."""
+    client costs more CPU than the gateway does per request): the text of each, counted in ``texts``.
+    No new request starts while ``pause()`` is true."""
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -233,6 +234,8 @@ async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, do
     async def connection() -> None:
         reader = writer = None
         while left[0] > 0:
+            while pause():
+                await asyncio.sleep(0.02)
             left[0] -= 1
             try:
                 if writer is None:
@@ -260,10 +263,12 @@ async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, do
 
 
 def test_history_is_freed_after_10000_requests_with_failovers(failover_server):
-    """10,000 short streams, 128 at a time, while workers holding streams are killed one after another:
-    every one ends complete, and afterwards the gateway holds nothing for them: the token history gauge
-    back to 0, no live generation, no stream counted on any worker, and its RSS no higher than after
-    the first 2,000 requests, give or take allocator noise."""
+    """10,000 short streams, 128 at a time, while workers holding streams are killed: one after 2,000,
+    5,000 and 8,000 requests (if a replacement is not ready 1,000 requests later, new requests wait
+    for it, so the three kills happen however fast the machine is). Every stream ends complete, and
+    afterwards the gateway holds nothing for them: the token history gauge back to 0, no live
+    generation, no stream counted on any worker, and its RSS no higher than after the first 2,000
+    requests, give or take allocator noise."""
     srv = failover_server
     wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers alive")
     request = {"messages": [{"role": "user", "content": "plain story again"}], "max_tokens": 6}
@@ -271,28 +276,31 @@ def test_history_is_freed_after_10000_requests_with_failovers(failover_server):
     assert "error" not in want
     body = json.dumps({"model": CHAT_MODEL, "stream": True, **request}).encode()
     total, done, texts, killed, rss = 10_000, [0], {}, [], {}
+    kills_at = (2000, 5000, 8000)
 
     def killer():
-        """Kill a worker holding streams, wait for its replacement, again, while requests remain;
-        note the gateway's RSS once 2,000 are done."""
-        wait_until(lambda: done[0] >= 2000, 300, interval=0.02, what="2,000 requests done")
-        rss["warm"] = rss_kib(srv.proc.pid)
-        while done[0] < total - 1000:
-            busy = [w for w in state(srv)["workers"] if w["alive"] and w["streams"]]
-            if not busy:
-                time.sleep(0.005)
-                continue
+        """At each of kills_at, kill -9 a worker holding streams and wait for its replacement; note the
+        gateway's RSS at the first."""
+        for at in kills_at:
+            wait_until(lambda at=at: done[0] >= at, 300, interval=0.005, what=f"{at} requests done")
+            rss.setdefault("warm", rss_kib(srv.proc.pid))
+            busy = wait_until(
+                lambda: [w for w in state(srv)["workers"] if w["alive"] and w["streams"]], 30, 0.002, "streams"
+            )
             os.kill(busy[0]["pid"], signal.SIGKILL)
-            killed.append(busy[0]["pid"])
             wait_until(
                 lambda pid=busy[0]["pid"]: all(w["alive"] and w["pid"] != pid for w in state(srv)["workers"]),
                 90,
                 what="the worker replaced",
             )
+            killed.append(busy[0]["pid"])
+
+    def pause() -> bool:
+        return any(done[0] >= at + 1000 and len(killed) <= k for k, at in enumerate(kills_at))
 
     async def main():
         kill = asyncio.create_task(asyncio.to_thread(killer))
-        await _stream_texts(srv.port, body, total, 128, done, texts)
+        await _stream_texts(srv.port, body, total, 128, done, texts, pause)
         await kill
 
     resumed = metric(srv, "tokenmill_stream_failovers_total", reason="resumed")
@@ -300,7 +308,7 @@ def test_history_is_freed_after_10000_requests_with_failovers(failover_server):
     asyncio.run(main())
     print(f"{total} requests in {time.monotonic() - t0:.1f} s, {len(killed)} workers killed meanwhile; {rss}")
     assert texts == {want[0]["content"]: total}, {t: n for t, n in texts.items() if t != want[0]["content"]}
-    assert len(killed) >= 2
+    assert len(killed) == len(kills_at)
     assert metric(srv, "tokenmill_stream_failovers_total", reason="resumed") >= resumed + len(killed)
     quiet = wait_until(lambda: idle(srv), 30, what="no live generation")
     assert all(w["streams"] == 0 for w in quiet["workers"]), [(w["index"], w["streams"]) for w in quiet["workers"]]
