@@ -358,7 +358,6 @@ class App:
             gen.rank = rank.index
             if gw.shares_placements and done.conversation is not None:
                 gw.conversion.placed(result.owner, done.conversation, rank.index)
-                gen.placement = done.conversation
             gw.generations.add(gen)
             k = done.frames_per_choice
             for i in range(len(done.choices)) if gen in gw.generations.live else ():  # (failed: its owner died)

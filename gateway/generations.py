@@ -62,7 +62,6 @@ class Generation:
     owner_deaths: int = 0  # the owner's deaths (WorkerPool.deaths) when it converted this request
     failovers: int = 0  # times its streams moved to another worker
     affinity: int | None = None  # its conversation's key for the workers' dispatch (moves with its streams)
-    placement: int | None = None  # its conversation for the node's shared placements (--gateways N), or None
 
     @property
     def finished(self) -> bool:
@@ -372,7 +371,7 @@ class Generations:
         gen.failovers += 1
         gen.owner = new_owner
         self._count_failover("resumed")
-        self.conversion.rehome(new_owner, gen.affinity, gen.placement, gen.rank)
+        self.conversion.rehome(new_owner, gen.affinity)
         for c in running:
             moving[new_owner].append(
                 ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))

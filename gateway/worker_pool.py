@@ -352,14 +352,11 @@ class WorkerPool:
         ]
         return min(live, key=lambda w: len(w.owned)).index if live else None
 
-    def rehome(self, owner: int, affinity: int | None, conversation: int | None = None, rank: int = 0) -> None:
+    def rehome(self, owner: int, affinity: int | None) -> None:
         """A conversation's stream moved to ``owner``: its next turn goes there too (the dead worker's
-        cache is gone, and this one now holds its decoder), and with --gateways N the worker learns
-        the scheduler rank the conversation is on, as the dead one knew."""
+        cache is gone, and this one now holds its decoder)."""
         if affinity is not None:
             self.policy.rehome(affinity, owner)
-        if conversation is not None:
-            self.placed(owner, conversation, rank)
 
     def resume(self, owner: int, streams: list[m.ResumeStream]) -> None:
         """Send streams of a dead worker to ``owner``, which rebuilds them (a failure comes back as a
