@@ -349,6 +349,7 @@ class App:
             arrival,
             fields=done.fields,
             owner_deaths=result.owner_deaths,
+            affinity=result.affinity,
         )
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")

@@ -184,6 +184,12 @@ class Dispatcher:
         self.dispatch()
         return job
 
+    def rehome(self, key: int, index: int) -> None:
+        """A conversation's stream moved to this worker (its own died): its next turn goes here. The
+        worker has none of its segments cached yet (size 0): a long next turn is not a quick one."""
+        if self.affinity:
+            self._set_home(key, index, 0)
+
     def worker_lost(self, index: int) -> list[Job]:
         """A worker died or left: what it was converting is dispatched once more, what waited for it
         goes to whoever is free, and its conversations lose their home (its cache is gone). Returns the

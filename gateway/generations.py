@@ -61,6 +61,7 @@ class Generation:
     fields: dict[str, str] = field(default_factory=dict)  # Generate fields -> request fields (ConvertDone.fields)
     owner_deaths: int = 0  # the owner's deaths (WorkerPool.deaths) when it converted this request
     failovers: int = 0  # times its streams moved to another worker
+    affinity: int | None = None  # its conversation's key for the workers' dispatch (moves with its streams)
 
     @property
     def finished(self) -> bool:
@@ -287,6 +288,9 @@ class Generations:
                 choice.done = True
                 self.by_request.pop(choice.request_id, None)
                 self._forget_history(choice)
+                # its worker holds nothing more for it (a stop string ended it before the scheduler's
+                # last output, or it moved with its last tokens: neither went out as a finished item)
+                self.conversion.ended(gen.owner, choice.request_id)
                 if choice.finish_reason == protocol.FINISH_ERROR:
                     self.fail(
                         gen,
@@ -367,6 +371,7 @@ class Generations:
         gen.failovers += 1
         gen.owner = new_owner
         self._count_failover("resumed")
+        self.conversion.rehome(new_owner, gen.affinity)
         for c in running:
             moving[new_owner].append(
                 ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))

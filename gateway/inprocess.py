@@ -73,5 +73,8 @@ class InProcessConversion:
         deltas = self.detokenizer.step(items)
         self.on_detok(DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures()))
 
+    def ended(self, owner: int, request_id: str) -> None:
+        pass  # the detokenizer forgets a stream at its last text
+
     def release(self, owner: int, request_ids) -> None:
         self.detokenizer.release(request_ids)

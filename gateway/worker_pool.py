@@ -51,6 +51,7 @@ class ConvertResult:
     frames: list  # buffers: per choice, Generate header then prompt tokens
     owner: int  # the worker holding the detokenizer state
     owner_deaths: int = 0  # the owner's deaths when it answered: more by the time streams start, and it holds none
+    affinity: int | None = None  # the conversation's key (dispatch.py): repointed when its stream moves
 
 
 @dataclass(eq=False)
@@ -336,6 +337,10 @@ class WorkerPool:
                 worker.owned.discard(item.request_id)
         worker.try_send([m.encoder.encode(m.DetokBatch(items))])  # a dead worker's requests fail on its death
 
+    def ended(self, owner: int, request_id: str) -> None:
+        """The owner sent a stream's last text: it holds no state for it any more."""
+        self.workers[owner].owned.discard(request_id)
+
     def died_since(self, owner: int, deaths: int) -> bool:
         """The worker that converted a request died (or was lost) after answering: it holds no state for it."""
         return self.deaths.get(owner, 0) != deaths
@@ -346,6 +351,12 @@ class WorkerPool:
             w for w, s in zip(self.workers, self.policy.workers) if s.ready and not w.retired and w.index != exclude
         ]
         return min(live, key=lambda w: len(w.owned)).index if live else None
+
+    def rehome(self, owner: int, affinity: int | None) -> None:
+        """A conversation's stream moved to ``owner``: its next turn goes there too (the dead worker's
+        cache is gone, and this one now holds its decoder)."""
+        if affinity is not None:
+            self.policy.rehome(affinity, owner)
 
     def resume(self, owner: int, streams: list[m.ResumeStream]) -> None:
         """Send streams of a dead worker to ``owner``, which rebuilds them (a failure comes back as a
@@ -452,7 +463,7 @@ class WorkerPool:
                 self.release(worker.index, ids)
             return
         worker.owned.update(ids)
-        job.future.set_result(ConvertResult(done, frames, worker.index, self.deaths.get(worker.index, 0)))
+        job.future.set_result(ConvertResult(done, frames, worker.index, self.deaths.get(worker.index, 0), job.affinity))
 
     def state(self) -> list[dict]:
         return [

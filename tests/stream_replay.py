@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
+import anthropic
 import openai
-from faultutil import CHAT_MODEL
+from faultutil import CHAT_MODEL, state, wait_until
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -48,11 +51,16 @@ WEATHER = {
 }
 
 
+ANTHROPIC_WEATHER = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
 def requests() -> list[tuple[str, dict]]:
-    """32 seeded streaming requests: (endpoint, body) covering every kind of state a stream holds."""
+    """32 seeded streaming requests: (endpoint, body) covering every kind of state a stream holds, on
+    chat and completions and the agent APIs (Anthropic's /v1/messages, OpenAI's /v1/responses)."""
     out = []
     for i in range(32):
-        kind = i % 8
+        kind = i % 10
         seed = 1000 + i
 
         def msg(text: str, i: int = i) -> list[dict]:
@@ -74,19 +82,41 @@ def requests() -> list[tuple[str, dict]]:
             out.append(("chat", body))
         elif kind == 6:
             out.append(("chat", {"messages": msg("plain story"), "seed": seed, "n": 2}))
-        else:
+        elif kind == 7:
             body = {"prompt": f"stop story number {i}", "seed": seed, "logprobs": 1, "stop": ["END-OF-PART"]}
             out.append(("completion", body))
+        elif kind == 8:  # thinking blocks, a tool_use block, a stop sequence
+            out.append(
+                (
+                    "messages",
+                    [
+                        {
+                            "messages": msg("thinking story"),
+                            "thinking": {"type": "enabled", "budget_tokens": 1024},
+                            "max_tokens": 1100,
+                        },
+                        {"messages": msg("calling story"), "tools": [ANTHROPIC_WEATHER]},
+                        {"messages": msg("stop story"), "stop_sequences": ["END-OF-PART"]},
+                    ][i // 10 % 3],
+                )
+            )
+        else:  # a function call, multi-byte text
+            story = ["calling story", "utf8 story", "plain story"][i // 10 % 3]
+            out.append(("responses", {"input": msg(story), "tools": [RESPONSES_WEATHER]}))
     return out
 
 
-async def one(client, endpoint: str, body: dict, progress: list) -> dict:
+async def one(client, endpoint: str, body: dict, progress: list, model: str = CHAT_MODEL) -> dict:
     """Everything the client received, joined per choice; progress[0] counts chunks as they come."""
     got: dict = {}
+    if endpoint == "messages":
+        return await _messages(client, body, progress, model)
+    if endpoint == "responses":
+        return await _responses(client, body, progress, model)
     if endpoint == "chat":
-        stream = await client.chat.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
+        stream = await client.chat.completions.create(model=model, stream=True, **{"max_tokens": 400, **body})
     else:
-        stream = await client.completions.create(model=CHAT_MODEL, stream=True, **{"max_tokens": 400, **body})
+        stream = await client.completions.create(model=model, stream=True, **{"max_tokens": 400, **body})
     async for chunk in stream:
         progress[0] += 1
         for c in chunk.choices:
@@ -113,15 +143,64 @@ async def one(client, endpoint: str, body: dict, progress: list) -> dict:
     return got
 
 
-async def run(srv, requests, on_progress=None) -> list:
+def _slot() -> dict:
+    return {"content": "", "reasoning": "", "calls": {}, "logprobs": [], "finish": None}
+
+
+async def _messages(client, body: dict, progress: list, model: str) -> dict:
+    """An Anthropic stream joined: text, thinking (with its signature), tool_use blocks, stop_reason."""
+    slot, calls = _slot(), {}
+    stream = await client.messages.create(model=model, stream=True, **{"max_tokens": 400, **body})
+    async for event in stream:
+        progress[0] += 1
+        if event.type == "content_block_start" and event.content_block.type == "tool_use":
+            calls[event.index] = slot["calls"].setdefault(
+                len(slot["calls"]), {"name": event.content_block.name, "arguments": ""}
+            )
+        elif event.type == "content_block_delta":
+            delta = event.delta
+            if delta.type == "text_delta":
+                slot["content"] += delta.text
+            elif delta.type == "thinking_delta":
+                slot["reasoning"] += delta.thinking
+            elif delta.type == "signature_delta":
+                slot["logprobs"].append(delta.signature)  # (a SHA-256 of the thinking: the same both times)
+            elif delta.type == "input_json_delta":
+                calls[event.index]["arguments"] += delta.partial_json
+        elif event.type == "message_delta":
+            slot["finish"] = (event.delta.stop_reason, event.delta.stop_sequence, event.usage.output_tokens)
+    return {0: slot}
+
+
+async def _responses(client, body: dict, progress: list, model: str) -> dict:
+    """A Responses stream joined: output text, reasoning text, function calls, final status and usage."""
+    slot = _slot()
+    stream = await client.responses.create(model=model, stream=True, **{"max_output_tokens": 400, **body})
+    async for event in stream:
+        progress[0] += 1
+        if event.type == "response.output_text.delta":
+            slot["content"] += event.delta
+        elif event.type == "response.reasoning_text.delta":
+            slot["reasoning"] += event.delta
+        elif event.type == "response.output_item.added" and event.item.type == "function_call":
+            slot["calls"][event.output_index] = {"name": event.item.name, "arguments": ""}
+        elif event.type == "response.function_call_arguments.delta":
+            slot["calls"][event.output_index]["arguments"] += event.delta
+        elif event.type in ("response.completed", "response.incomplete", "response.failed"):
+            slot["finish"] = (event.response.status, event.response.usage.output_tokens)
+    return {0: slot}
+
+
+async def run(srv, requests, on_progress=None, model: str = CHAT_MODEL) -> list:
     """All requests at once; ``on_progress(progress)`` runs in a thread beside them (the fault)."""
     client = srv.async_client().with_options(timeout=40)
+    agent = anthropic.AsyncAnthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=40)
     progress = [[0] for _ in requests]
 
     async def guarded(i, endpoint, body):
         try:
-            return await one(client, endpoint, body, progress[i])
-        except openai.APIError as exc:
+            return await one(agent if endpoint == "messages" else client, endpoint, body, progress[i], model)
+        except (openai.APIError, anthropic.APIError) as exc:
             return {"error": f"{getattr(exc, 'code', None) or type(exc).__name__}: {exc}"}
 
     fault = asyncio.create_task(asyncio.to_thread(on_progress, progress)) if on_progress else None
@@ -129,6 +208,15 @@ async def run(srv, requests, on_progress=None) -> list:
     if fault is not None:
         await fault
     return results
+
+
+def kill_busiest(srv, progress, wait_chunks: int = 6) -> dict:
+    """Once every stream has had a few chunks, kill -9 the worker detokenizing the most streams."""
+    wait_until(lambda: all(p[0] >= wait_chunks for p in progress), 60, interval=0.01, what="every stream under way")
+    victim = max((w for w in state(srv)["workers"] if w["alive"]), key=lambda w: w["streams"])
+    assert victim["streams"] > 0, state(srv)
+    os.kill(victim["pid"], signal.SIGKILL)
+    return victim
 
 
 def write_replies(path) -> str:

@@ -1,5 +1,6 @@
 """The vLLM stack the vLLM-backed test modules share (tests/engines/test_vllm_engine.py,
-tests/engines/test_vllm_field_parity.py, tests/engines/test_vllm_responses_parity.py): one tiny random-weight Llama (tokenmill/tiny_model.py) served by vLLM's
+tests/engines/test_vllm_field_parity.py, tests/engines/test_vllm_responses_parity.py,
+tests/engines/test_vllm_failover.py, among others): one tiny random-weight Llama (tokenmill/tiny_model.py) served by vLLM's
 own OpenAI server and by `tokenmill engine --backend vllm` behind `tokenmill serve`.
 
 It is started once per test session, as soon as pytest has collected the tests (conftest calls each

@@ -275,7 +275,8 @@ class Worker:
             out = m.DetokOut(deltas, time.perf_counter() - t0, self.detokenizer.take_failures())
             link.sock.send(m.encoder.encode(out))
             if link.beats:
-                link.streams.difference_update(item.request_id for item in msg.items if item.finished)
+                # final: the state is freed (the last tokens, or a stop string before them)
+                link.streams.difference_update(d.request_id for d in deltas if d.final)
         elif isinstance(msg, m.Resume):
             t0 = time.perf_counter()
             deltas = []
@@ -338,7 +339,7 @@ class Worker:
             link.streams.add(rid)
         deltas = detokenizer.step(stream.items)
         if link.beats:
-            link.streams.difference_update(item.request_id for item in stream.items if item.finished)
+            link.streams.difference_update(d.request_id for d in deltas if d.final)
         return deltas
 
     def _convert_loop(self, loads: bool) -> None:

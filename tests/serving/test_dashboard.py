@@ -360,6 +360,8 @@ def test_dashboard_structure():
         "evictions",
         "cache mismatches",
         "cache enabled",
+        "stream failovers by reason",
+        "token history kept for stream failover",
     ]:
         assert topic in titles, f"no panel about {topic}"
 

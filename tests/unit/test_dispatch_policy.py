@@ -355,3 +355,24 @@ def test_the_messages_conversation_key_hashes_the_system_field_and_the_first_use
     assert len(turns) == 1 and None not in turns
     assert conversation_key(body("Agent B.", "Fix the test", 0), True) not in turns
     assert conversation_key(body("Agent A.", "Add a flag", 0), True) not in turns
+
+
+def test_a_conversation_whose_stream_moved_goes_to_its_new_worker_converted_afresh():
+    """Worker 0 dies while streaming a 20 KB conversation's answer; the stream moves to worker 1
+    (rehome). The next turn goes to worker 1, not to the ring's choice or the dead worker's
+    replacement, and to a conversion thread: worker 1 holds none of the conversation's segments yet,
+    so it is not a cheap turn for its IO thread."""
+    policy, pool = _policy()
+    key = _key_on(policy, 0)
+    _converted(policy, key, 20_000, on=0)
+    policy.worker_lost(0)
+    assert key not in policy.homes
+    policy.rehome(key, 1)
+    policy.worker_ready(0, 1)  # the replacement, where the ring still points
+    pool.sent.clear()
+    job = _turn(policy, "next-turn", 21_000, key=key)
+    assert pool.sent == [(1, "next-turn")] and not job.quick
+    assert policy.homes[key] == (1, 21_000)
+    policy, _ = _policy(affinity=False)
+    policy.rehome(key, 1)
+    assert not policy.homes  # no affinity: nothing to repoint

@@ -73,6 +73,12 @@ def add_arguments(parser) -> None:
         help="Instead: 256 streams with --workers 2, undisturbed then with one worker killed mid-run "
         "(streams_failover.py): delivered ratio and read gaps of the streams it held.",
     )
+    parser.add_argument(
+        "--history",
+        action="store_true",
+        help="Instead: the pool keeping each stream's token history for failover (the default) and with "
+        "--stream-history-bytes 0, side by side (streams_history.py; levels 256,1024, quick 256).",
+    )
 
 
 def echo_word_id() -> int:
@@ -298,6 +304,11 @@ def serve_args(streams: int) -> tuple:
 
 
 def run(args) -> int:
+    if args.history:
+        from tokenmill.bench.streams_history import run_history
+
+        write_json(args.json, run_history(args))
+        return 0
     if args.failover:
         from tokenmill.bench.streams_failover import run_failover
 

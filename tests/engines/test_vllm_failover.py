@@ -1,0 +1,69 @@
+"""A tokenizer worker's death costs no stream, against a real vLLM engine (issue 33): a gateway of two
+workers in front of the session stack's `tokenmill engine --backend vllm` (tests/vllm_stack.py), greedy
+streams undisturbed and then with kill -9 of the worker detokenizing most of them mid-stream: the same
+text, token IDs and finish reasons both times. vLLM goes on generating through the failover; only the
+detokenization moves to the other worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from vllm_env import missing_reason
+
+_why = missing_reason()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+import vllm_stack  # noqa: E402
+from conftest import Server  # noqa: E402
+from faultutil import metric, state, wait_until  # noqa: E402
+from stream_replay import kill_busiest, run  # noqa: E402
+from vllm_stack import MAX_MODEL_LEN, NAME  # noqa: E402
+
+start_early = vllm_stack.start_early
+stack = vllm_stack.module_fixture()
+
+GREEDY = {"temperature": 0, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+STREAMS = [
+    ("chat", {"messages": [{"role": "user", "content": "Tell me about the river"}], **GREEDY}),
+    ("chat", {"messages": [{"role": "user", "content": "Zürich 😀 東京 naïve"}], **GREEDY, "logprobs": True}),
+    ("chat", {"messages": [{"role": "user", "content": "The mill wheel"}], **GREEDY, "n": 2}),
+    ("completion", {"prompt": "Once upon a time", **GREEDY, "logprobs": 1}),
+    ("completion", {"prompt": "The miller counted sacks of grain", **GREEDY}),
+    ("chat", {"messages": [{"role": "user", "content": "Count the sacks"}], **GREEDY}),
+]
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    srv = Server(
+        "--model", str(stack.model), "--scheduler", stack.engine.endpoint, "--served-model-name", NAME,
+        "--max-model-len", str(MAX_MODEL_LEN), "--workers", "2", timeout=120,
+    )  # fmt: skip
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_greedy_streams_through_a_failover_equal_the_undisturbed(gateway):
+    baseline = asyncio.run(run(gateway, STREAMS, model=NAME))
+    for got in baseline:
+        assert "error" not in got, got
+        assert all(slot["finish"] == "length" and slot["content"] for slot in got.values()), got
+    killed = {}
+
+    def kill(progress):
+        killed.update(kill_busiest(gateway, progress, wait_chunks=20))
+        killed["progress"] = [p[0] for p in progress]
+
+    disturbed = asyncio.run(run(gateway, STREAMS, kill, model=NAME))
+    print(f"killed worker {killed['index']} holding {killed['streams']} streams, chunks so far {killed['progress']}")
+    assert any(p < 400 for p in killed["progress"]), "every stream had ended before the kill"
+    differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
+    for i in differ:
+        print(f"stream {i}:\n  undisturbed {baseline[i]}\n  with failover {disturbed[i]}")
+    assert not differ, f"streams {differ} differ after the failover"
+    assert metric(gateway, "tokenmill_stream_failovers_total", reason="resumed") >= 1
+    wait_until(lambda: metric(gateway, "tokenmill_stream_history_bytes") == 0, 30, what="token history freed")
+    wait_until(lambda: all(w["alive"] for w in state(gateway)["workers"]), 90, what="the killed worker replaced")
