@@ -5,7 +5,9 @@ what llguidance does (``"ok"``, ``"endless"``: accepted but never complete, so i
 or where the matcher gives up, or ``"refused"``), and a checker that judges an output independently (``jsonschema`` for schemas, the
 ``regex`` package's fullmatch for regexes and for grammars an equivalent regex, a function for the rest).
 tests/serving/test_structured_table.py runs it through the simulator; where vLLM's default backend is
-known to differ from llguidance, the row says so (``vllm``) and docs/engines.md lists it.
+known to differ from llguidance, the row says so (``vllm``) and docs/engines.md lists it. Where SGLang's
+default backend (xgrammar, with SGLang's own schema checks) differs from llguidance, the row says so
+(``sglang``): tests/engines/test_structured_sglang.py holds the SGLang bridge's admission check to it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class Row:
     llguidance: str  # OK, ENDLESS or REFUSED
     check: Any = None  # a JSON schema (dict/bool), a regex (str) or a function text -> bool
     vllm: str | None = None  # what vLLM 0.32's default backend does, where it differs
+    sglang: str | None = None  # what SGLang 0.5.23's default backend (xgrammar) does, where it differs
+
+    def sglang_refuses(self) -> bool:
+        return (self.sglang or self.llguidance) == REFUSED
 
 
 def so(key: str, value: Any) -> dict[str, Any]:
@@ -86,6 +92,7 @@ ROWS: list[Row] = [
     schema_row("pattern", {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}),
     schema_row("pattern-unicode", {"type": "string", "pattern": "^[А-Я][а-я]{1,8}$"}),
     # llguidance implements no uniqueItems (xgrammar ignores it: vLLM's default backend serves it)
+    # (SGLang refuses it too: its own check refuses keywords xgrammar would ignore)
     schema_row("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, REFUSED, vllm=OK),
     schema_row("enum", {"enum": ["red", "green", 3, None]}),
     schema_row("const", {"const": {"k": [1, 2]}}),
@@ -105,11 +112,12 @@ ROWS: list[Row] = [
     ),
     schema_row("recursive", {"type": "object", "properties": {"next": {"$ref": "#"}}, "additionalProperties": False}),
     # vLLM's guidance conversion applies its whitespace options to an object schema only (xgrammar takes it)
-    schema_row("true", True, REFUSED, vllm=OK),
+    schema_row("true", True, REFUSED, vllm=OK, sglang=OK),
     schema_row("empty", {}),
     schema_row("bad-type", {"type": "strnig"}, REFUSED),
     schema_row("ref-missing", {"$ref": "#/$defs/missing"}, REFUSED),
-    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED),
+    # xgrammar under SGLang serves it (no fetch: the reference matches any value); vLLM's checks refuse it
+    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED, sglang=OK),
     schema_row("pattern-backreference", {"type": "string", "pattern": "(a)\\1"}, REFUSED),
     schema_row("unsatisfiable", {"type": "integer", "minimum": 5, "maximum": 1}, REFUSED),
     Row(
@@ -136,8 +144,9 @@ ROWS: list[Row] = [
     Row("json_object", so("json_object", True), "structured_outputs.json_object", OK, {"type": "object"}),
     # ---- regexes
     regex_row("phone", r"[A-Z][a-z]{2,5} \d{3}-\d{4}"),
-    regex_row("unicode-letters", r"\p{L}{2,5}"),
-    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}"),
+    # xgrammar has no Unicode classes (vLLM's auto falls back to guidance; SGLang has no fallback)
+    regex_row("unicode-letters", r"\p{L}{2,5}", sglang=REFUSED),
+    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}", sglang=REFUSED),
     regex_row("cyrillic", r"[а-я]{3}"),
     regex_row("bounded-group", r"(ab|cd){2,4}e"),
     regex_row("email", r"\w{1,8}@\w{1,8}\.com"),
@@ -153,10 +162,13 @@ ROWS: list[Row] = [
     regex_row("reversed-bounds", r"a{5,2}", REFUSED),
     regex_row("reversed-range", r"[z-a]", REFUSED),
     # ---- grammars: Lark and GBNF
-    grammar_row("issue-lark", 'start: "yes" | "no"', OK, "yes|no"),
-    grammar_row("lark-terminal", "start: NUMBER\nNUMBER: /[0-9]{1,6}/", OK, "[0-9]{1,6}"),
-    grammar_row("lark-list", 'start: item ("," item)*\nitem: /[a-z]{1,5}/', OK, "[a-z]{1,5}(,[a-z]{1,5})*"),
-    grammar_row("lark-recursive", 'start: "(" start ")" | "x"', OK, r"(\()*x(\))*"),
+    # SGLang takes a grammar as its backend's EBNF (xgrammar's: no Lark)
+    grammar_row("issue-lark", 'start: "yes" | "no"', OK, "yes|no", sglang=REFUSED),
+    grammar_row("lark-terminal", "start: NUMBER\nNUMBER: /[0-9]{1,6}/", OK, "[0-9]{1,6}", sglang=REFUSED),
+    grammar_row(
+        "lark-list", 'start: item ("," item)*\nitem: /[a-z]{1,5}/', OK, "[a-z]{1,5}(,[a-z]{1,5})*", sglang=REFUSED
+    ),
+    grammar_row("lark-recursive", 'start: "(" start ")" | "x"', OK, r"(\()*x(\))*", sglang=REFUSED),
     # no finite derivation: served, never complete (xgrammar serves "a"s up to max_tokens)
     grammar_row("issue-endless", 'root ::= "a" root', ENDLESS, "a*"),
     grammar_row("gbnf-rules", 'root ::= answer " " [0-9]{1,3}\nanswer ::= "yes" | "no"', OK, "(yes|no) [0-9]{1,3}"),
@@ -164,7 +176,7 @@ ROWS: list[Row] = [
     grammar_row("gbnf-star", 'root ::= ("x" | "y")* "!"', OK, "[xy]*!"),
     grammar_row("gbnf-undefined", "root ::= missing_rule", REFUSED),
     grammar_row("gbnf-no-root", 'start ::= "a"', REFUSED),
-    grammar_row("lark-empty-alternative", 'start: "a" |', OK, "a?"),
+    grammar_row("lark-empty-alternative", 'start: "a" |', OK, "a?", sglang=REFUSED),
     grammar_row("gbnf-unclosed", 'root ::= "a" (', REFUSED),
     # ---- choices
     Row("choice", so("choice", ["yes", "no"]), "structured_outputs.choice", OK, lambda t: t in ("yes", "no")),
@@ -199,6 +211,7 @@ ROWS: list[Row] = [
         "structured_outputs.structural_tag",
         REFUSED,
         vllm=OK,  # xgrammar (vLLM's default backend) takes its own format; llguidance only the older one
+        sglang=OK,
     ),
     Row("structural-tag-not-json", so("structural_tag", "[[f]]"), "structured_outputs.structural_tag", REFUSED),
 ]
