@@ -215,3 +215,16 @@ ROWS: list[Row] = [
     ),
     Row("structural-tag-not-json", so("structural_tag", "[[f]]"), "structured_outputs.structural_tag", REFUSED),
 ]
+
+# Specs that could make a matcher blow up (repeats of repeats, huge bounds, nested stars, deep nesting, a
+# wide grammar): each engine refuses them (a 400 naming the field) or serves them within max_tokens, and
+# serves the next request as usual.
+PATHOLOGICAL: dict[str, dict[str, Any]] = {
+    "repeat-of-repeat": so("regex", "(a{1000}){1000}"),
+    "huge-bounds": so("regex", "[a-z]{100000}[0-9]{100000}"),
+    "nested-stars": so("regex", "((a|b)*)*((c|d)*)*(a|c){50}x"),
+    "deep-groups": so("regex", "(" * 200 + "a" + ")" * 200),
+    "schema-pattern": so("json", {"type": "string", "pattern": "(x{500}){500}"}),
+    "deep-json": so("json", '{"a": ' * 500 + "1" + "}" * 500),
+    "wide-grammar": so("grammar", "root ::= " + " | ".join(f'"w{i}" root' for i in range(5000)) + ' | "e"'),
+}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from structured_specs import REFUSED, ROWS
+from structured_specs import PATHOLOGICAL, REFUSED, ROWS
 from vllm_env import VLLM_PYTHON, missing_reason
 
 from scheduler_client.protocol import STRUCTURED_FEATURES
@@ -35,16 +35,16 @@ SLOW = {"id": "slow", "kind": "json_schema", "spec": json.dumps({"type": "string
 AFTER = {"id": "after", "kind": "regex", "spec": "[0-9]{3}"}
 
 
-def _spec(row):
-    """The row's Generate.structured as the tokenizer workers build it, or their InvalidRequest."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **row.body}
+def _spec(fields: dict):
+    """The Generate.structured the tokenizer workers build for these request fields, or their InvalidRequest."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     try:
         return structured(parse("chat", json.dumps(body).encode()), Engine(list(STRUCTURED_FEATURES)))[0]
     except InvalidRequest as exc:
         return exc
 
 
-SPECS = {row.id: _spec(row) for row in ROWS}
+SPECS = {row.id: _spec(row.body) for row in ROWS} | {f"bad:{k}": _spec(body) for k, body in PATHOLOGICAL.items()}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,19 @@ def test_spec_as_sglang(verdicts, backend, row):
     assert len(sent) == 1, got["reached"]
     if spec.kind in ("json_schema", "regex", "structural_tag", "grammar"):
         assert list(sent.values()) == [spec.spec]
+
+
+@pytest.mark.parametrize("name", list(PATHOLOGICAL))
+def test_pathological_specs_are_refused_or_bounded(verdicts, name):
+    """Refused by the workers' limits, or judged by SGLang's xgrammar within the check's timeout (all of
+    these compile in under a second there); the specs after them are judged as usual."""
+    spec, body = SPECS[f"bad:{name}"], PATHOLOGICAL[name]
+    if isinstance(spec, InvalidRequest):
+        assert spec.param == next(iter(body)) + "." + next(iter(next(iter(body.values())))), spec
+        return
+    got = verdicts[BACKENDS[0]]["specs"][f"bad:{name}"]
+    assert (got["refused"] is None) != (got["reached"] is None), got
+    assert got["refused"] is None or (got["param"] == "structured" and "timed out" not in got["refused"]), got
 
 
 def test_a_compile_past_the_timeout_is_refused_and_the_check_goes_on(verdicts):
