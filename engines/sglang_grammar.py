@@ -115,9 +115,8 @@ class GrammarCheck:
             return self._verdicts[key]
         try:
             verdict = await asyncio.wait_for(self._compile(key), self.timeout_s)
-        except TimeoutError:
-            # as SGLang's scheduler; the compile thread finishes in the background and is not cached
-            return f"Grammar preprocessing timed out after {self.timeout_s:g} s: {key[0]} grammar"
+        except TimeoutError:  # remembered, as SGLang's scheduler does (its compile thread runs on)
+            verdict = f"Grammar preprocessing timed out after {self.timeout_s:g} s: {key[0]} grammar"
         if len(self._verdicts) >= self.max_verdicts:
             self._verdicts.clear()
             self.backend.reset()  # the compiler's cache of compiled grammars too
