@@ -26,7 +26,7 @@ class Row:
     param: str  # the field a 400 names
     llguidance: str  # OK, ENDLESS or REFUSED
     check: Any = None  # a JSON schema (dict/bool), a regex (str) or a function text -> bool
-    vllm: str | None = None  # what vLLM 0.32's default backend does, where it differs
+    vllm: str | None = None  # what vLLM 0.32's own server does (a 4xx or 5xx is REFUSED), where it differs
     sglang: str | None = None  # what SGLang 0.5.23's default backend (xgrammar) does, where it differs
 
     def sglang_refuses(self) -> bool:
@@ -91,9 +91,9 @@ ROWS: list[Row] = [
     schema_row("format-ipv4", {"type": "string", "format": "ipv4"}),
     schema_row("pattern", {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}),
     schema_row("pattern-unicode", {"type": "string", "pattern": "^[А-Я][а-я]{1,8}$"}),
-    # llguidance implements no uniqueItems (xgrammar ignores it: vLLM's default backend serves it)
-    # (SGLang refuses it too: its own check refuses keywords xgrammar would ignore)
-    schema_row("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, REFUSED, vllm=OK),
+    # llguidance implements no uniqueItems; vLLM's auto sends it to guidance, which refuses it, and SGLang's
+    # own check refuses keywords xgrammar would ignore
+    schema_row("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, REFUSED),
     schema_row("enum", {"enum": ["red", "green", 3, None]}),
     schema_row("const", {"const": {"k": [1, 2]}}),
     schema_row("array-bounds", {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3}),
@@ -111,13 +111,15 @@ ROWS: list[Row] = [
         "prefixItems", {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False}
     ),
     schema_row("recursive", {"type": "object", "properties": {"next": {"$ref": "#"}}, "additionalProperties": False}),
-    # vLLM's guidance conversion applies its whitespace options to an object schema only (xgrammar takes it)
-    schema_row("true", True, REFUSED, vllm=OK, sglang=OK),
+    # llguidance (vLLM's conversion too) applies its whitespace options to an object schema only; vLLM's request
+    # model refuses a boolean json; SGLang's xgrammar takes it
+    schema_row("true", True, REFUSED, sglang=OK),
     schema_row("empty", {}),
     schema_row("bad-type", {"type": "strnig"}, REFUSED),
     schema_row("ref-missing", {"$ref": "#/$defs/missing"}, REFUSED),
-    # xgrammar under SGLang serves it (no fetch: the reference matches any value); vLLM's checks refuse it
-    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED, sglang=OK),
+    # llguidance fetches nothing and refuses it; xgrammar warns ("URI should either be '#' or start with
+    # '#/'") and serves it, under vLLM (whose validation passes it, so auto keeps xgrammar) and SGLang
+    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED, vllm=OK, sglang=OK),
     schema_row("pattern-backreference", {"type": "string", "pattern": "(a)\\1"}, REFUSED),
     schema_row("unsatisfiable", {"type": "integer", "minimum": 5, "maximum": 1}, REFUSED),
     Row(
@@ -144,9 +146,10 @@ ROWS: list[Row] = [
     Row("json_object", so("json_object", True), "structured_outputs.json_object", OK, {"type": "object"}),
     # ---- regexes
     regex_row("phone", r"[A-Z][a-z]{2,5} \d{3}-\d{4}"),
-    # xgrammar has no Unicode classes (vLLM's auto falls back to guidance; SGLang has no fallback)
-    regex_row("unicode-letters", r"\p{L}{2,5}", sglang=REFUSED),
-    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}", sglang=REFUSED),
+    # xgrammar has no Unicode classes: vLLM's validation passes them and its engine core then fails (vLLM's own
+    # server answers 500, tokenmill's vLLM bridge 400); SGLang refuses them
+    regex_row("unicode-letters", r"\p{L}{2,5}", vllm=REFUSED, sglang=REFUSED),
+    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}", vllm=REFUSED, sglang=REFUSED),
     regex_row("cyrillic", r"[а-я]{3}"),
     regex_row("bounded-group", r"(ab|cd){2,4}e"),
     regex_row("email", r"\w{1,8}@\w{1,8}\.com"),
