@@ -44,6 +44,12 @@ ValueError). This bridge starts SGLang token-only by default (SGLang would other
 every output in its detokenizer process), so by default it offers logprobs, min_p,
 repetition_penalty and logit_bias; ``--engine-arg skip_tokenizer_init=false`` adds min_tokens
 and the structured kinds (unless ``grammar_backend`` is "none").
+
+A constrained request is admitted only once SGLang's own grammar backend has compiled its spec
+(engines/sglang_grammar.py): a spec it refuses is an ``EngineRejected`` with ``param`` "structured" (a
+400 naming the request field) before the request reaches the engine. A grammar failure SGLang's
+scheduler reports later (an ``abort`` finish whose message speaks of the grammar, with no token
+generated) is refused the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from typing import Any
 from engines import engine_kwargs, parse_engine_args, require
 from engines.scheduler_server import Rejected
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from engines.sglang_grammar import GrammarCheck
 from scheduler_client.protocol import (
     FEATURE_LOGPROBS,
     FINISH_ABORT,
@@ -107,6 +114,7 @@ class SGLangBackend(Backend):
         self._aborting: set[str] = set()
         self._peak = 0
         self._cancelled = 0
+        self.grammar: GrammarCheck | None = None  # SGLang's grammar backend, judging specs at admission
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SGLangBackend:
@@ -144,6 +152,8 @@ class SGLangBackend(Backend):
             features |= TOKENIZER_FEATURES
             if str(getattr(server_args, "grammar_backend", None)).lower() == "none":
                 features -= set(STRUCTURED_FEATURES)
+            else:
+                self.grammar = self._grammar_check()
         self._info = EngineInfo(
             name=f"sglang:{self.label}",
             vocab_size=vocab_size,
@@ -159,6 +169,15 @@ class SGLangBackend(Backend):
             max_running,
             ", ".join(sorted(features)),
         )
+
+    def _grammar_check(self) -> GrammarCheck | None:
+        """SGLang's grammar backend in this process, or None (specs are then judged in SGLang's scheduler
+        only, whose grammar aborts are still refused with param "structured")."""
+        try:
+            return GrammarCheck.for_engine(self.engine)
+        except Exception as exc:
+            log.warning("structured-output specs are not checked at admission: %s: %s", type(exc).__name__, exc)
+            return None
 
     def _run_loop(self) -> None:
         loop = self._loop
@@ -253,13 +272,18 @@ class SGLangBackend(Backend):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         rid = request.rid
+        params = self.sampling_params(request)
+        if request.structured is not None and self.grammar is not None:
+            refusal = await self.grammar.refusal(params)
+            if refusal is not None:
+                raise EngineRejected(refusal, param="structured")
         here = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
 
         def emit(item) -> None:  # called on the engine loop thread
             here.call_soon_threadsafe(chunks.put_nowait, item)
 
-        self._running[rid] = self._call(self._pump(request, emit))
+        self._running[rid] = self._call(self._pump(request, params, emit))
         self._peak = max(self._peak, len(self._running))
         finished = False
         try:
@@ -283,7 +307,9 @@ class SGLangBackend(Backend):
             self._running.pop(rid, None)
             self._aborting.discard(rid)
 
-    async def _pump(self, request: EngineRequest, emit: Callable[[tuple[str, Any]], None]) -> None:
+    async def _pump(
+        self, request: EngineRequest, params: dict[str, Any], emit: Callable[[tuple[str, Any]], None]
+    ) -> None:
         """On the engine loop: run one request and hand its chunks over."""
         sent = 0
         try:
@@ -292,13 +318,16 @@ class SGLangBackend(Backend):
                 logprobs = {"return_logprob": True, "top_logprobs_num": int(request.logprobs)}
             stream = await self.engine.async_generate(
                 input_ids=request.prompt,
-                sampling_params=self.sampling_params(request),
+                sampling_params=params,
                 stream=True,
                 rid=request.rid,
                 **logprobs,
             )
             async for out in stream:
                 chunk, sent = _to_chunk(out, sent, request.logprobs)
+                if chunk.finish == FINISH_ABORT and sent == 0 and _param_of(chunk.error or "", request):
+                    emit(("reject", chunk.error))  # SGLang's scheduler could not compile the constraint
+                    return
                 emit(("chunk", chunk))
                 if chunk.finish is not None:
                     return

@@ -62,4 +62,14 @@ if [ -f .venv-vllm/.installed ] && [ pyproject.toml -nt .venv-vllm/.installed-to
   .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
   touch .venv-vllm/.installed-tokenmill
 fi
+# tests/engines/test_structured_sglang.py runs SGLang's own grammar backends (sglang/srt/constrained) inside
+# .venv-vllm (torch, xgrammar, llguidance are there). SGLang's CUDA pins cannot install on a CPU machine, so its
+# wheel goes in without dependencies, with the three its import chain needs beyond vLLM's, into .sglang-overlay,
+# which that test puts on PYTHONPATH; nothing is installed into .venv-vllm itself.
+if [ -f .venv-vllm/.installed ] && [ ! -f .sglang-overlay/.installed ]; then
+  rm -rf .sglang-overlay
+  .venv-vllm/bin/python -m pip install --quiet --no-deps --no-compile --target .sglang-overlay \
+    sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
+  touch .sglang-overlay/.installed
+fi
 exec .venv/bin/python -m pytest "$@"

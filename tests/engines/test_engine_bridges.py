@@ -87,6 +87,14 @@ def fake_top(best: int, n: int) -> list[tuple[float, int]]:
 # ---------------------------------------------------------------------------- fake SGLang
 
 
+# SGLang 0.5.23's scheduler messages (sglang/srt/constrained/grammar_manager.py), by the regex that gets them
+LATE_ABORTS = {
+    "late(": "Failed to compile regex grammar: Regex parsing error at position 5: The parenthesis is not closed.",
+    "slow": "Grammar preprocessing timed out: req.grammar_key=('regex', 'slow')",
+    "busy": "Request rejected: the waiting queue is full",  # not about the grammar
+}
+
+
 class FakeTokenizerManager:
     def __init__(self, engine: FakeSGLangEngine) -> None:
         self.engine = engine
@@ -191,6 +199,12 @@ class FakeSGLangEngine:
             stop = set(params.get("stop_token_ids") or [])
             ignore_eos = params.get("ignore_eos", False)
             aborted = self.abort_events.setdefault(rid, asyncio.Event())
+            late = LATE_ABORTS.get(params.get("regex"))
+            if late is not None:  # as SGLang's scheduler ends a request whose grammar it could not use
+                reason = {"type": "abort", "message": late, "status_code": 400, "err_type": "BadRequestError"}
+                meta = {"prompt_tokens": len(prompt), "completion_tokens": 0, "finish_reason": reason}
+                yield {"output_ids": [], "meta_info": meta}
+                return
             while True:
                 self.on_engine_loop("streaming")
                 try:
@@ -416,6 +430,66 @@ def test_sglang_validation_error_is_a_rejection():
             assert info.value.param == "structured"
 
         asyncio.run(main())
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_sglang_late_grammar_abort_is_a_rejection():
+    """A grammar SGLang's scheduler refuses after admission ends the request with an abort before any
+    token: the bridge refuses it naming ``structured`` (the client's 400), as SGLang's own server
+    answers 400; an abort of a constrained request that is not about its grammar stays an abort."""
+    backend, engine = sglang_backend()
+    engine.in_flight_goal = 1
+    try:
+
+        async def main():
+            for spec in ("late(", "slow"):
+                with pytest.raises(EngineRejected) as info:
+                    await collect(backend.generate(request(spec, structured=Structured(kind="regex", spec=spec))))
+                assert (info.value.param, str(info.value)) == ("structured", LATE_ABORTS[spec])
+            busy = request("busy", structured=Structured(kind="regex", spec="busy"))
+            assert await collect(backend.generate(busy)) == ([], "abort", LATE_ABORTS["busy"])
+
+        asyncio.run(main())
+        assert backend.load().num_running == 0
+    finally:
+        asyncio.run(backend.close())
+
+
+class StandInCheck:
+    """engines.sglang_grammar.GrammarCheck's contract, for the bridge's wiring; the real check, with
+    SGLang's own grammar backends, runs in tests/engines/test_structured_sglang.py."""
+
+    def __init__(self) -> None:
+        self.asked: list[dict] = []
+
+    async def refusal(self, params: dict) -> str | None:
+        self.asked.append(params)
+        await asyncio.sleep(0)
+        return "Failed to compile regex grammar: unclosed" if params.get("regex") == "(x" else None
+
+
+def test_sglang_admission_check_refuses_before_the_engine():
+    backend, engine = sglang_backend(skip_tokenizer_init=False)
+    engine.in_flight_goal = 1
+    # the fake has no tokenizer, so no SGLang grammar backend is built for it (nor imported)
+    assert backend.grammar is None and "structured.regex" in backend.info().features
+    backend.grammar = check = StandInCheck()
+    try:
+
+        async def main():
+            bad = request("bad", structured=Structured(kind="regex", spec="(x"))
+            with pytest.raises(EngineRejected, match="Failed to compile regex grammar") as info:
+                await collect(backend.generate(bad))
+            assert info.value.param == "structured"
+            assert "bad" not in engine.requests  # refused before SGLang saw it
+            good = request("good", n=2, structured=Structured(kind="regex", spec="[a-z]+"))
+            assert (await collect(backend.generate(good)))[1] == "length"
+            assert engine.requests["good"]["sampling_params"]["regex"] == "[a-z]+"
+            assert (await collect(backend.generate(request("plain", n=1))))[1] == "length"
+
+        asyncio.run(main())
+        assert [p.get("regex") for p in check.asked] == ["(x", "[a-z]+"]  # unconstrained requests skip it
     finally:
         asyncio.run(backend.close())
 

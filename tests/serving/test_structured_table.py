@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import regex
 from conftest import Server, http
-from structured_specs import ENDLESS, OK, REFUSED, ROWS
+from structured_specs import ENDLESS, OK, PATHOLOGICAL, REFUSED, ROWS
 
 CHAT = [{"role": "user", "content": "Answer in the required shape."}]
 MAX_TOKENS = 300
@@ -65,27 +65,7 @@ def test_simulator_output_is_valid_or_refused(srv, row):
         assert _valid(row.check, text), (row.id, text)
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"structured_outputs": {"regex": "(a{1000}){1000}"}},
-        {"structured_outputs": {"regex": "[a-z]{100000}[0-9]{100000}"}},
-        {"structured_outputs": {"regex": "((a|b)*)*((c|d)*)*(a|c){50}x"}},
-        {"structured_outputs": {"regex": "(" * 200 + "a" + ")" * 200}},
-        {"structured_outputs": {"json": {"type": "string", "pattern": "(x{500}){500}"}}},
-        {"structured_outputs": {"json": '{"a": ' * 500 + "1" + "}" * 500}},
-        {"structured_outputs": {"grammar": "root ::= " + " | ".join(f'"w{i}" root' for i in range(5000)) + ' | "e"'}},
-    ],
-    ids=[
-        "repeat-of-repeat",
-        "huge-bounds",
-        "nested-stars",
-        "deep-groups",
-        "schema-pattern",
-        "deep-json",
-        "wide-grammar",
-    ],
-)
+@pytest.mark.parametrize("body", list(PATHOLOGICAL.values()), ids=list(PATHOLOGICAL))
 def test_pathological_specs_are_refused_or_bounded(srv, body):
     status, _, answer = _post(srv, {**body, "max_tokens": 20})
     param = next(iter(body)) + "." + next(iter(next(iter(body.values()))))
