@@ -16,6 +16,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
+import regex
+
 OK, ENDLESS, REFUSED = "ok", "endless", "refused"
 
 
@@ -231,3 +234,18 @@ PATHOLOGICAL: dict[str, dict[str, Any]] = {
     "deep-json": so("json", '{"a": ' * 500 + "1" + "}" * 500),
     "wide-grammar": so("grammar", "root ::= " + " | ".join(f'"w{i}" root' for i in range(5000)) + ' | "e"'),
 }
+
+
+def valid(check, text: str) -> bool:
+    """Whether ``text`` is valid under a row's checker."""
+    if isinstance(check, (dict, bool)):
+        # not jsonschema.validate: it checks the schema against the metaschema first, and the table has
+        # schemas an engine serves that the metaschema calls malformed
+        try:
+            jsonschema.Draft202012Validator(check, format_checker=jsonschema.FormatChecker()).validate(json.loads(text))
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if isinstance(check, str):
+        return regex.fullmatch(check, text) is not None
+    return bool(check(text))
