@@ -170,15 +170,18 @@ def front_cpu(port: int, pid: int, model: str, requests: int) -> dict:
             },
         ),
     }
-    out, errors = {}, []
-    for name, (path, body) in bodies.items():
+    spent, errors = dict.fromkeys(bodies, 0.0), []
+    for path, body in bodies.values():
+        request(port, "POST", path, json.dumps(body).encode(), timeout=120)  # warm
+    for name in ("messages", "chat", "chat", "messages"):  # ABBA: a drift of the machine counts on both alike
+        path, body = bodies[name]
         raw = json.dumps(body).encode()
-        request(port, "POST", path, raw, timeout=120)  # warm
         cpu0 = _cpu_s(pid)
-        for _ in range(requests):
+        for _ in range(requests // 2):
             status, data = request(port, "POST", path, raw, timeout=120)
             if status != 200:
                 errors.append(f"{path} {status}: {data[:200]!r}")
-        out[f"{name}_cpu_ms_per_request"] = rnd((_cpu_s(pid) - cpu0) * 1000 / requests, 3)
+        spent[name] += _cpu_s(pid) - cpu0
+    out = {f"{name}_cpu_ms_per_request": rnd(spent[name] * 1000 / (requests // 2 * 2), 3) for name in bodies}
     out["errors"] = errors[:3]
     return out

@@ -12,7 +12,7 @@ the start of every long message, so no cache of either side can serve it):
 * **agent replay**: conversations growing by a tool output per turn to ~60k tokens, each turn
   sent whole to ``/tokenize``: the conversion time of the late turns;
 * **agent messages**: a Claude-Code-shaped conversation over Anthropic's ``/v1/messages/count_tokens``
-  (a ~20k-token system prompt with tool schemas, growing by tool results to ~60k tokens) with a
+  (a ~16k-token system prompt with tool schemas, growing by tool results to ~50k tokens) with a
   ``/health`` prober, then the front process's CPU per ``/v1/messages`` and per chat-completions
   request (``tokenmill.bench.agent_messages``);
 * **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
@@ -500,13 +500,13 @@ def run(args) -> int:
                 pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
                 work["agent_replay"] = lambda port, pieces=pieces, tag=tag: agent_replay(port, tag, pieces)
             if "agent_messages" in chosen:
-                # Claude-Code-shaped: a ~20k-token system prompt with tools, growing by ~4k-token tool results
-                # (to ~60k tokens: the tiny model's 65,536 positions bound what vLLM counts)
-                # (this text runs 2.2-3.4 characters per token: at most ~18k + 10 x ~3.6k tokens)
-                system = texts.take(40_000)
-                results_ = [[texts.take(8_000) for _ in range(10)] for _ in range(2)]  # two conversations
+                # Claude-Code-shaped: a ~16k-token system prompt with tools, growing by ~3k-token tool results to
+                # ~50k tokens (the tiny model's 65,536 positions bound what vLLM counts; this text runs 2.2-3.7
+                # characters per token, ~3.7 in most runs: 60k + 10 x 12k characters)
+                system = texts.take(60_000)
+                results_ = [[texts.take(12_000) for _ in range(10)] for _ in range(2)]  # two conversations
                 work["agent_messages"] = lambda port, a=system, b=results_, tag=tag: agent_messages(
-                    port, NAME, tag, a, b
+                    port, pid_of[port], NAME, tag, a, b
                 )
             if "front_cpu" in chosen:
                 work["front_cpu"] = lambda port: front_cpu(port, pid_of[port], NAME, 100 if quick else 300)
