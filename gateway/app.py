@@ -114,6 +114,8 @@ class App:
             ("POST", "/v1/responses"): lambda s, r, w: self.generate("responses", s, r, w),
             ("POST", "/v1/messages"): lambda s, r, w: self.generate("messages", s, r, w),
             ("POST", "/v1/messages/count_tokens"): lambda s, r, w: self.convert_only("count_tokens", s, r, w),
+            ("POST", "/v1/messages/render"): lambda s, r, w: self.convert_only("messages_render", s, r, w),
+            ("POST", "/v1/responses/render"): lambda s, r, w: self.convert_only("responses_render", s, r, w),
             ("POST", "/tokenize"): lambda s, r, w: self.convert_only("tokenize", s, r, w),
             ("POST", "/detokenize"): lambda s, r, w: self.convert_only("detokenize", s, r, w),
             ("GET", "/v1/models"): self.models,

@@ -38,7 +38,18 @@ MAKE_MODEL = ["-m", "tokenmill.tiny_model"]
 # Identical engine settings in both vLLMs. enforce_eager skips torch.compile (a minute of start-up
 # on 2 cores); without a prefix cache a request's numerics do not depend on earlier requests.
 # enable_log_requests: the engine log (shown when a test fails) lists every request vLLM adds and ends.
-VLLM_SERVER_FLAGS = ["--enforce-eager", "--no-enable-prefix-caching"]
+# The output parsers that fit the tiny model's chat template (tokenmill's default), on both sides: deepseek_v3
+# reasons only when the template's thinking is on (vLLM's deepseek_r1, which `auto` picks in tokenmill, takes a
+# whole non-streamed answer for reasoning whatever the prompt says), so that tool calls and reasoning are parsed alike; --enable-scale-out adds vLLM's
+# /v1/messages/render and /v1/responses/render (the prompt token IDs the agent-API parity rows compare).
+PARSERS = ["--tool-call-parser", "deepseek_v31", "--reasoning-parser", "deepseek_v3"]
+VLLM_SERVER_FLAGS = [
+    "--enforce-eager",
+    "--no-enable-prefix-caching",
+    "--enable-auto-tool-choice",
+    "--enable-scale-out",
+    *PARSERS,
+]
 ENGINE_FLAGS = [
     "--engine-arg",
     "enforce_eager=true",
@@ -295,6 +306,7 @@ def acquire() -> Stack:
             str(MAX_MODEL_LEN),
             "--workers",
             "1",
+            *PARSERS,
             timeout=120,
         )
         procs.append(front)

@@ -270,6 +270,29 @@ class Converter:
         body = _json.encode({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
         return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
 
+    def _convert_messages_render(self, job: ConvertJob, body: bytes) -> Conversion:
+        """/v1/messages/render (vLLM's route of that name): the prompt token IDs /v1/messages would send."""
+        req = am.parse(body)
+        self._check_model(req.model)
+        return self._render_ids(job, am.to_chat_request(req, self._merge_inline_system(), count_only=True))
+
+    def _convert_responses_render(self, job: ConvertJob, body: bytes) -> Conversion:
+        """/v1/responses/render (vLLM's route of that name): the prompt token IDs /v1/responses would send."""
+        chat = responses.convert(body).chat
+        self._check_model(chat.model)
+        return self._render_ids(job, chat)
+
+    def _render_ids(self, job: ConvertJob, chat: oa.ChatCompletionRequest) -> Conversion:
+        """``{"token_ids": [...]}``: the field of vLLM's render answer (a GenerateRequest) that holds the
+        prompt; its sampling parameters are not repeated here."""
+        t0 = time.perf_counter()
+        refs: list[ImageRef] = []
+        ids = self.encode_chat(self.render(chat.messages, chat, refs))[0]
+        if refs:
+            raise oa.InvalidRequest("Images are not rendered by this route.", refs[0].where)
+        body = _json.encode({"token_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids)})
+        return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
+
     def _merge_inline_system(self) -> bool:
         """Whether system messages inside a conversation must join the leading system prompt: the
         default template refuses a system message after the first (probed once, as vLLM probes it)."""

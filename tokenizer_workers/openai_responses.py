@@ -24,6 +24,23 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
+# the values OpenAI documents for `include`, which vLLM 0.32 accepts too (a Literal of its
+# ResponsesRequest): none of them adds anything here (no hosted tools, no encrypted reasoning; Codex
+# asks for reasoning.encrypted_content every turn); anything else is refused, as both refuse it
+_INCLUDE = frozenset(
+    (
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "message.output_text.logprobs",
+        "reasoning.encrypted_content",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+    )
+)
+
+
 class ResponsesRequest(msgspec.Struct):
     """The Responses API's request body (OpenAI's fields, and the vLLM extensions the chat path shares)."""
 
@@ -147,6 +164,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for i, name in enumerate(req.include or ()):
         if name == "message.output_text.logprobs":
             raise oa.InvalidRequest("include 'message.output_text.logprobs' is not supported.", f"include[{i}]")
+        if name not in _INCLUDE:
+            raise oa.InvalidRequest(f"include[{i}] must be one of {', '.join(sorted(_INCLUDE))}.", f"include[{i}]")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise oa.InvalidRequest(
             f"max_output_tokens must be at least 1, got {req.max_output_tokens}.", "max_output_tokens"

@@ -26,6 +26,16 @@ follower wins greedy decoding by a wide margin (a logit of ~3.4 against at most 
 rest) while elsewhere the followers are no likelier than any other token. (A long greedy run can
 still wander onto a cue: from "Go on and on" it says " goodbye" and EOS after 744 tokens; use
 ignore_eos where a request must run long.)
+
+Two chains, planted the same way, let the parity tests get reasoning and a tool call from the
+chat template of tokenmill's default model (tokenizer_workers/output_parsers: deepseek_r1 and
+deepseek_v31, which `auto` picks for it):
+- thinking on: the prompt ends in ``<think>``, followed by " ponder" and ``</think>`` (then the
+  model wanders as with thinking off): a reasoning block " ponder", then text;
+- thinking off after tool results: the prompt ends in ``<｜tool▁outputs▁end｜>``, followed by
+  ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>``
+  and EOS: a call of the function ``weather`` with ``{}`` (a request that declares it gets a tool
+  call; one that does not gets the text "weather{}" once special tokens are skipped).
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ CHAT_TEMPLATE = Path(__file__).resolve().parent / "default_model" / "chat_templa
 BOS, EOS = 0, 1
 FAREWELL, GOODBYE = 75336, 55411  # " farewell" -> " goodbye" -> EOS
 HALFWAY, HALF_CHAR = 47997, 689  # " halfway" -> b"\xe6\xb5", the first two bytes of a three-byte character
+THINK, PONDER, END_THINK = 128821, 69439, 128822  # "<think>" -> " ponder" -> "</think>"
+# "<｜tool▁outputs▁end｜>" -> "<｜tool▁calls▁begin｜>" -> "<｜tool▁call▁begin｜>" -> "weather" -> "<｜tool▁sep｜>"
+# -> "{}" -> "<｜tool▁call▁end｜>" -> "<｜tool▁calls▁end｜>" -> EOS
+TOOL_CALL_CHAIN = [128811, 128806, 128808, 50219, 128814, 25902, 128809, 128807]
 VOCAB = 129280
 MAX_POSITIONS = 65536
 
@@ -74,6 +88,15 @@ def make(out: Path) -> None:
         for i, (cue, follower) in enumerate(((FAREWELL, GOODBYE), (GOODBYE, EOS), (HALFWAY, HALF_CHAR))):
             emb[cue] = 8.0 * cues[i]
             head[follower] = 0.3 * cues[i]
+        # the chains: a generator of their own, so that the cues above (and their outputs) stay as they were
+        chain_gen = torch.Generator().manual_seed(2)
+        chains = list(zip([THINK, PONDER, *TOOL_CALL_CHAIN[:-1]], [PONDER, END_THINK, *TOOL_CALL_CHAIN[1:]]))
+        more = torch.randn(len(chains), config.hidden_size, generator=chain_gen)
+        more = more / more.norm(dim=1, keepdim=True)
+        for i, (cue, follower) in enumerate(chains):
+            emb[cue] = 8.0 * more[i]
+            head[follower] = 0.3 * more[i]
+        emb[TOOL_CALL_CHAIN[-1]] = emb[GOODBYE]  # "<｜tool▁calls▁end｜>" -> EOS, as " goodbye" (EOS follows one cue)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out)
     write_tokenizer(out)

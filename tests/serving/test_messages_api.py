@@ -192,6 +192,20 @@ def test_count_tokens_matches_usage(scripted):
     assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > 0
 
 
+def test_render_gives_the_prompt_token_ids(scripted):
+    """/v1/messages/render (vLLM's route): the IDs count_tokens counts, ending in the generation prompt;
+    bad input is refused there as on /v1/messages (the parity rows compare the IDs with vLLM's)."""
+    body = {"model": MODEL, "max_tokens": 8, "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}]}
+    key = {"x-api-key": "k1"}
+    status, _, rendered = http("POST", scripted.url + "/v1/messages/render", body, key)
+    counted = client(scripted).messages.count_tokens(model=MODEL, system="Be brief.", messages=body["messages"])
+    assert status == 200 and len(rendered["token_ids"]) == counted.input_tokens
+    assert rendered["token_ids"][-1] == 128822  # </think>: the default template's generation prompt, thinking off
+    bad = {**body, "messages": [{"role": "user", "content": [{"type": "video"}]}]}
+    status, _, error = http("POST", scripted.url + "/v1/messages/render", bad, key)
+    assert status == 400 and error["error"]["message"].startswith("messages[0].content[0].type")
+
+
 def _refused(srv, **body) -> anthropic.APIStatusError:
     with pytest.raises(anthropic.APIStatusError) as info:
         client(srv).messages.create(model=MODEL, **body)

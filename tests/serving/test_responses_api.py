@@ -88,6 +88,16 @@ def check_stream(events, final) -> None:
     assert len(final.output) == len(done)
 
 
+def test_render_gives_the_prompt_token_ids(server):
+    """/v1/responses/render (vLLM's route): the prompt's IDs, as many as a response's input_tokens."""
+    body = {"model": MODEL, "instructions": "Be brief.", "input": "hi", "max_output_tokens": 1}
+    status, _, rendered = http("POST", server.url + "/v1/responses/render", body)
+    r = server.client().responses.create(**body)
+    assert status == 200 and len(rendered["token_ids"]) == r.usage.input_tokens
+    status, _, error = http("POST", server.url + "/v1/responses/render", {**body, "include": ["nope"]})
+    assert status == 400 and error["error"]["param"] == "include[0]"
+
+
 def test_create_answers_text(server):
     r = server.client().responses.create(model=MODEL, input="Tell me something about tokenizers.", max_output_tokens=8)
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
@@ -308,6 +318,7 @@ def refused(server, body: dict) -> openai.BadRequestError:
         ({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include[0]"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content", "reasoning.summary"]}, "include[1]"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         (

@@ -12,7 +12,7 @@ the start of every long message, so no cache of either side can serve it):
 * **agent replay**: conversations growing by a tool output per turn to ~60k tokens, each turn
   sent whole to ``/tokenize``: the conversion time of the late turns;
 * **agent messages**: a Claude-Code-shaped conversation over Anthropic's ``/v1/messages/count_tokens``
-  (a ~20k-token system prompt with tool schemas, growing by tool results to ~60k tokens) with a
+  (a ~16k-token system prompt with tool schemas, growing by tool results to ~50k tokens) with a
   ``/health`` prober, then the front process's CPU per ``/v1/messages`` and per chat-completions
   request (``tokenmill.bench.agent_messages``);
 * **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
@@ -70,6 +70,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--short-seconds", type=float, help="Length of the short-chat load (default 20; quick 8).")
     parser.add_argument(
         "--tokens", type=int, help="Approximate prompt tokens per long request (default 250000; quick 60000)."
+    )
+    parser.add_argument(
+        "--scenarios",
+        default="",
+        help="Comma-separated subset of the scenarios to run (default all): " + ", ".join(FIGURES) + ".",
     )
     add_busy_load_options(parser)
 
@@ -412,7 +417,19 @@ FIGURES = {
         "mean_prompt_tokens",
     ],
     "agent_replay": ["first_turn_p50_ms", "late_turn_p50_ms", "late_turn_max_ms", "final_prompt_tokens"],
-    "agent_messages": ["first_turn_ms", "late_turn_p50_ms", "late_turn_max_ms", "health_p99_ms", "final_prompt_tokens"],
+    "agent_messages": [
+        "first_turn_ms",
+        "late_turn_p50_ms",
+        "late_turn_max_ms",
+        "health_p50_ms",
+        "health_p99_ms",
+        "health_probes",
+        "loop_lag_p99_ms",
+        "front_cpu_ms_per_s",
+        "front_runq_wait_ms_per_s",
+        "prober_runq_wait_ms_per_s",
+        "final_prompt_tokens",
+    ],
     "front_cpu": ["messages_cpu_ms_per_request", "chat_cpu_ms_per_request"],
     "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
     "busy_engine": [
@@ -449,6 +466,11 @@ def run(args) -> int:
     repeat = args.repeat or (1 if quick else 2)
     seconds = args.short_seconds or (8.0 if quick else 20.0)
     long_tokens = args.tokens or (60_000 if quick else 250_000)
+    chosen = [s for s in args.scenarios.split(",") if s] or list(FIGURES)
+    unknown = sorted(set(chosen) - set(FIGURES))
+    if unknown:
+        print(f"tokenmill bench vllm: unknown scenario(s) {', '.join(unknown)}", file=sys.stderr)
+        return 2
     workdir = tempfile.mkdtemp(prefix="tokenmill-bench-vllm-")
     stacks = None
     started = time.monotonic()
@@ -464,34 +486,47 @@ def run(args) -> int:
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
         pids = {"vllm": stacks.procs[0].proc.pid, "tokenmill": stacks.procs[2].proc.pid}  # the front processes
+        pid_of = {port: pids[side] for side, port in ports.items()}
         texts = Texts()
-        results: dict[str, dict[str, list]] = {side: {s: [] for s in FIGURES} for side in ports}
+        results: dict[str, dict[str, list]] = {side: {s: [] for s in chosen} for side in ports}
         for k in range(repeat):
             # the same fresh text for both stacks within a run; each stack sees every text once
             tag = f"run {k} {time.time_ns()}"
-            rounds = [long_bodies(texts, f"{tag} round {r}", 4, long_tokens) for r in range(2)]
-            pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
-            busy_rounds = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
-            # Claude-Code-shaped: a ~20k-token system prompt with tools, growing by ~4k-token tool results
-            # (to ~60k tokens: the tiny model's 65,536 positions bound what vLLM counts)
-            # (this text runs 2.2-3.4 characters per token: at most ~18k + 10 x ~3.6k tokens)
-            agent_system = texts.take(40_000)
-            agent_results = [texts.take(8_000) for _ in range(10)]
-            for side, port in ports.items():
-                results[side]["long_context"].append(long_context(port, rounds))
-                results[side]["agent_replay"].append(agent_replay(port, tag, pieces))
-                results[side]["agent_messages"].append(agent_messages(port, NAME, tag, agent_system, agent_results))
-                results[side]["front_cpu"].append(front_cpu(port, pids[side], NAME, 100 if quick else 300))
-                results[side]["short_chats"].append(short_chats(port, 32, seconds))
-                results[side]["busy_engine"].append(
-                    measure_busy(port, NAME, _send_rounds, busy_rounds, args.busy_rate, args.busy_chat_tokens)
+            work = {}
+            if "long_context" in chosen:
+                rounds = [long_bodies(texts, f"{tag} round {r}", 4, long_tokens) for r in range(2)]
+                work["long_context"] = lambda port, rounds=rounds: long_context(port, rounds)
+            if "agent_replay" in chosen:
+                pieces = agent_pieces(texts, 3, 6 if quick else 12, 5000)
+                work["agent_replay"] = lambda port, pieces=pieces, tag=tag: agent_replay(port, tag, pieces)
+            if "agent_messages" in chosen:
+                # Claude-Code-shaped: a ~16k-token system prompt with tools, growing by ~3k-token tool results to
+                # ~50k tokens (the tiny model's 65,536 positions bound what vLLM counts; this text runs 2.2-3.7
+                # characters per token, ~3.7 in most runs: 60k + 10 x 12k characters)
+                system = texts.take(60_000)
+                results_ = [[texts.take(12_000) for _ in range(10)] for _ in range(2)]  # two conversations
+                work["agent_messages"] = lambda port, a=system, b=results_, tag=tag: agent_messages(
+                    port, pid_of[port], NAME, tag, a, b
                 )
+            if "front_cpu" in chosen:
+                work["front_cpu"] = lambda port: front_cpu(port, pid_of[port], NAME, 100 if quick else 300)
+            if "short_chats" in chosen:
+                work["short_chats"] = lambda port: short_chats(port, 32, seconds)
+            if "busy_engine" in chosen:
+                busy = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
+                work["busy_engine"] = lambda port, busy=busy: measure_busy(
+                    port, NAME, _send_rounds, busy, args.busy_rate, args.busy_chat_tokens
+                )
+            for side, port in ports.items():
+                for scenario in chosen:
+                    results[side][scenario].append(work[scenario](port))
                 print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
         report = {side: {s: _median_runs(runs) for s, runs in per.items()} for side, per in results.items()}
         report["runs"] = results
         report["ratios"] = {
             s: {f: _ratio(report["tokenmill"][s].get(f), report["vllm"][s].get(f)) for f in figs}
             for s, figs in FIGURES.items()
+            if s in chosen
         }
         report["versions"] = _versions(python)
         print_table(report, repeat)
@@ -538,6 +573,8 @@ def print_table(report: dict, repeat: int) -> None:
         f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}"
     )
     for scenario, figures in FIGURES.items():
+        if scenario not in report["ratios"]:
+            continue
         for figure in figures:
             a, b = report["vllm"][scenario].get(figure), report["tokenmill"][scenario].get(figure)
             r = report["ratios"][scenario][figure]
@@ -547,6 +584,6 @@ def print_table(report: dict, repeat: int) -> None:
                 f"   {spread[0]:>17} {spread[1]:>17}"
             )
     for side in ("vllm", "tokenmill"):
-        errors = [e for s in FIGURES for e in report[side][s].get("errors") or []]
+        errors = [e for s in report["ratios"] for e in report[side][s].get("errors") or []]
         if errors:
             print(f"{side} errors: {errors[:5]}")
