@@ -56,7 +56,7 @@ THINK, PONDER, END_THINK = 128821, 69439, 128822  # "<think>" -> " ponder" -> "<
 # -> "{}" -> "<｜tool▁call▁end｜>" -> "<｜tool▁calls▁end｜>" -> EOS
 TOOL_CALL_CHAIN = [128811, 128806, 128808, 50219, 128814, 25902, 128809, 128807]
 VOCAB = 129280
-MAX_POSITIONS = 65536
+MAX_POSITIONS = 131072  # room for the agent bench's ~100k-token conversations
 
 
 def make(out: Path) -> None:

@@ -58,7 +58,7 @@ from tokenmill.bench.common import (
 from tokenmill.bench.servers import ROOT, ProcessHandle
 
 NAME = "bench"
-MAX_MODEL_LEN = 65536
+MAX_MODEL_LEN = 131072  # the tiny model's positions: the agent scenario reaches ~100k tokens
 
 
 def add_arguments(parser) -> None:
@@ -501,10 +501,11 @@ def run(args) -> int:
                 work["agent_replay"] = lambda port, pieces=pieces, tag=tag: agent_replay(port, tag, pieces)
             if "agent_messages" in chosen:
                 # Claude-Code-shaped: a ~16k-token system prompt with tools, growing by ~3k-token tool results to
-                # ~50k tokens (the tiny model's 65,536 positions bound what vLLM counts; this text runs 2.2-3.7
-                # characters per token, ~3.7 in most runs: 60k + 10 x 12k characters)
+                # ~100k tokens, as the agent (this text runs 2.2-3.7 characters per token, ~3.7 in most
+                # runs: 60k + 26 x 12k characters; the tiny model has 131,072 positions); quick: to ~50k
                 system = texts.take(60_000)
-                results_ = [[texts.take(12_000) for _ in range(10)] for _ in range(2)]  # two conversations
+                turns = 10 if quick else 26
+                results_ = [[texts.take(12_000) for _ in range(turns)] for _ in range(2)]  # two conversations
                 work["agent_messages"] = lambda port, a=system, b=results_, tag=tag: agent_messages(
                     port, pid_of[port], NAME, tag, a, b
                 )
