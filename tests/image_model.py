@@ -6,7 +6,7 @@ scheduler serves it.
 
 ``python tests/image_model.py OUT_DIR`` (with torch and transformers: .venv-vllm) adds random weights:
 a tiny Qwen2VLForConditionalGeneration (text 128 x 2 layers, vision tower depth 2, tied embeddings,
-bfloat16, ~34 MB, nearly all of it the 129k-token embedding) that vLLM's CPU build loads, for
+attention values and outputs scaled up so that the image decides the output, bfloat16, ~34 MB, nearly all of it the 129k-token embedding) that vLLM's CPU build loads, for
 tests/engines/test_vllm_images.py. Same script, same bytes: the weights come from ``torch.manual_seed(0)``."""
 
 from __future__ import annotations
@@ -98,7 +98,13 @@ def make_vl_weights(root: Path, name: str = "Tiny-Qwen2-VL") -> Path:
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
-    Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(d)
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():  # at the default init the last token's own embedding decides the next token whatever
+        # the image; stronger attention values and outputs make the output depend on the image
+        for name, weight in model.named_parameters():
+            if "language_model" in name and name.endswith(("v_proj.weight", "o_proj.weight")):
+                weight.mul_(10.0)
+    model.to(torch.bfloat16).save_pretrained(d)
     return d
 
 

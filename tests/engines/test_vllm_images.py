@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -329,8 +330,9 @@ np.savez(out, **arrays)
 
 def test_pixels_equal_vllms_own_processing(stack, tmp_path):
     """The workers' pixels, un-normalised, against vLLM's decoding and transformers' image processor in
-    vLLM's venv: exactly equal without resizing, within one intensity level with it (Pillow's bicubic
-    against torchvision's)."""
+    vLLM's venv (its torchvision backend): exactly equal where nothing is resized; with resizing, Pillow's
+    bicubic filter (the workers', as transformers' Pillow backend) against torchvision's differs by one
+    intensity level on a few values and by two on very few (measured: docs/engines.md)."""
     urls = {name: _data_url(kind) for name, kind in IMAGES.items()}
     (tmp_path / "cases.json").write_text(json.dumps(urls))
     made = subprocess.run(
@@ -342,7 +344,7 @@ def test_pixels_equal_vllms_own_processing(stack, tmp_path):
             str(tmp_path / "cases.json"),
             str(tmp_path / "v.npz"),
         ],
-        env={**__import__("os").environ, **ENV, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, **ENV, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -356,12 +358,15 @@ def test_pixels_equal_vllms_own_processing(stack, tmp_path):
     for name, url in urls.items():
         ours = pipeline.load_image_part(url, "x").pixels.astype(np.float64)
         levels = (ours.reshape(len(ours), 3, -1) * std + mean) * 255
-        assert theirs[name].shape == ours.shape, name
-        diff = np.abs(levels - theirs[name].reshape(levels.shape))
-        worst[name] = (float(diff.max()), float((diff > 0.5).mean()))
-    print(f"\n{theirs['_processor']}: largest difference in intensity levels, share of values off: {worst}")
-    for name, (largest, _) in worst.items():
-        assert largest <= (1e-3 if name in NOT_RESIZED or name == "1x1" else 1 + 1e-3), (name, worst[name])
+        assert theirs[name].shape == ours.shape, name  # the same grid: EXIF, GIF frame, alpha alike
+        diff = np.rint(np.abs(levels - theirs[name].reshape(levels.shape)))
+        worst[name] = (int(diff.max()), round(float((diff >= 1).mean()), 5), round(float((diff >= 2).mean()), 6))
+    print(f"\n{theirs['_processor']}: (largest difference in levels, share >= 1, share >= 2): {worst}")
+    for name, (largest, _, two) in worst.items():
+        if name in NOT_RESIZED or name == "1x1":  # 1x1: a flat colour, whatever the filter
+            assert largest == 0, (name, worst[name])
+        else:
+            assert largest <= 2 and two < 0.001, (name, worst[name])
 
 
 def test_resent_image_goes_to_the_engine_core_as_its_hash(stack):
