@@ -51,7 +51,7 @@ from protocol_client import ProtocolClient  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from vllm_stack import Proc, wait_all  # noqa: E402
 
-from scheduler_client.protocol import Welcome  # noqa: E402
+from scheduler_client.protocol import Error, Generate, ImageItem, Welcome, ids_to_frame  # noqa: E402
 from tokenizer_workers.images import ImagePipeline, processor_for  # noqa: E402
 
 NAME = "Tiny-Qwen2-VL"
@@ -278,14 +278,22 @@ def _greedy(url: str, messages: list[dict]) -> tuple[list[int], list[int], str, 
 # ---- tests --------------------------------------------------------------------------------------------
 
 
-def test_engine_lists_images(stack):
+def test_engine_lists_images_and_refuses_another_family(stack):
+    """welcome lists images; an item of a family the bridge cannot hand to vLLM is an error naming images."""
     _, engine, _ = stack
     client = ProtocolClient(engine.endpoint, log=engine.log)
     try:
         welcome = client.handshake("test-images")
+        assert isinstance(welcome, Welcome) and "images" in welcome.features
+        prompt = [129282, *[129284] * 4, 129283, 9]
+        item = ImageItem("gemma3", "float32", [16, 1176], [1, 4, 4], 1, 4, "0" * 64)
+        pixels = np.zeros((16, 1176), np.float32).tobytes()
+        gen = Generate(request_id="g", prompt_token_count=len(prompt), max_new_tokens=2, images=[item])
+        client.send(gen, ids_to_frame(prompt), pixels)
+        error = client.recv_not_stats()
+        assert isinstance(error, Error) and (error.request_id, error.param) == ("g", "images"), error
     finally:
         client.close()
-    assert isinstance(welcome, Welcome) and "images" in welcome.features
 
 
 def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
