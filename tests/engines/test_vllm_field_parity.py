@@ -988,8 +988,8 @@ def test_rows_cover_the_honoured_fields():
         if line.startswith("|"):
             named |= set(re.findall(r"`([a-z_.]+)`", line.split("|")[1]))
     covered = {f for row in ROWS for f in row.fields}
-    # image_url: the parity stack's tiny model is text-only and the vLLM bridge takes no images yet (issue 34);
-    # images are compared with transformers' processor in tests/serving/test_images_api.py instead
+    # image_url: the parity stack's tiny model is text-only; images are compared with vLLM's own server on a
+    # tiny Qwen2-VL in tests/engines/test_vllm_images.py
     covered |= {"image_url"}
     assert not named - covered, f"fields without a row: {sorted(named - covered)}"
 
