@@ -26,7 +26,7 @@ import logging
 import os
 import stat
 from array import array
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,8 +236,11 @@ class SchedulerServer:
     def check(self, gen: Generate) -> None:
         """Engine-specific validation after the generic checks; raise :class:`Rejected`."""
 
-    def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
-        """Start a validated request. May still raise :class:`Rejected` (nothing may have been sent)."""
+    def accept(
+        self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes, pixels: Sequence[memoryview] = ()
+    ) -> None:
+        """Start a validated request. May still raise :class:`Rejected` (nothing may have been sent).
+        ``pixels``: the pixel frames of ``gen.images`` (1.2), in order, checked against their items."""
         raise NotImplementedError
 
     def abort(self, identity: bytes, request_ids: list[str]) -> None:
@@ -445,7 +448,7 @@ class SchedulerServer:
         try:
             prompt, prompt_bytes = self.validate(session, gen, extra)
             self.check(gen)
-            self.accept(session, gen, prompt, prompt_bytes)
+            self.accept(session, gen, prompt, prompt_bytes, [frame.buffer for frame in extra[1:]])
         except Rejected as exc:
             self.send_error(session.identity, exc.message, exc.code, gen.request_id, exc.param)
 

@@ -62,6 +62,7 @@ from scheduler_client.protocol import (
     FINISH_STOP,
     PROTOCOL_VERSION,
     Generate,
+    ImageItem,
     PromptLogprobs,
     RequestOutput,
     SamplingParams,
@@ -108,6 +109,8 @@ class EngineRequest:
     prompt_logprobs: int | None = None  # 1.2: the prompt's logprobs (0: each prompt token's; N > 0: and the top N)
     kv_transfer_params: dict | None = None  # 1.2: for the engine's KV connector (with "kv_transfer_params")
     extra_args: dict | None = None  # 1.2: engine-specific extra arguments (with "extra_args")
+    # 1.2: the prompt's images (with "images"): each item with its pixel frame's buffer (valid while the request is)
+    images: list[tuple[ImageItem, memoryview]] = field(default_factory=list)
 
 
 @dataclass
@@ -313,7 +316,9 @@ class EngineServer(SchedulerServer):
             )
         self.backend.check(gen)
 
-    def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
+    def accept(
+        self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes, pixels: Sequence[memoryview] = ()
+    ) -> None:
         max_new = gen.max_new_tokens
         limit = self._info.max_model_len
         if limit is not None:
@@ -342,6 +347,7 @@ class EngineServer(SchedulerServer):
             prompt_logprobs=gen.prompt_logprobs,
             kv_transfer_params=gen.kv_transfer_params,
             extra_args=gen.extra_args,
+            images=list(zip(gen.images, pixels, strict=True)),
         )
         self._live[live.key] = live
         live.task = asyncio.create_task(self._run(live, request), name=f"engine-{live.rid}")

@@ -573,7 +573,9 @@ class SimulatedScheduler(SchedulerServer):
             self._wake_engine()
         return len(gone)
 
-    def accept(self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes) -> None:
+    def accept(
+        self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes, pixels: Sequence[memoryview] = ()
+    ) -> None:
         # 1.2 images: their placeholder tokens are prompt tokens like any other here (no vision tower)
         self.image_placeholder_tokens += sum(item.length for item in gen.images)
         max_new = gen.max_new_tokens

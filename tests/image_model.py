@@ -2,7 +2,12 @@
 tokenizer with Qwen2-VL's special tokens added, a chat template of Qwen2-VL's shape (ChatML, an
 image part rendered as <|vision_start|><|image_pad|><|vision_end|> through the ``content['type'] ==
 'image'`` branch transformers uses) and a preprocessor_config.json. No weights: the simulated
-scheduler serves it."""
+scheduler serves it.
+
+``python tests/image_model.py OUT_DIR`` (with torch and transformers: .venv-vllm) adds random weights:
+a tiny Qwen2VLForConditionalGeneration (text 128 x 2 layers, vision tower depth 2, tied embeddings,
+attention values and outputs scaled up so that the image decides the output, bfloat16, ~34 MB, nearly all of it the 129k-token embedding) that vLLM's CPU build loads, for
+tests/engines/test_vllm_images.py. Same script, same bytes: the weights come from ``torch.manual_seed(0)``."""
 
 from __future__ import annotations
 
@@ -57,3 +62,53 @@ def make_vl_model(root: Path, name: str = "Tiny-Qwen2-VL") -> Path:
     (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     (d / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
     return d
+
+
+def make_vl_weights(root: Path, name: str = "Tiny-Qwen2-VL") -> Path:
+    """make_vl_model's directory with a tiny random Qwen2-VL in it (needs torch and transformers)."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    d = make_vl_model(root, name)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    torch.manual_seed(0)
+    text = {
+        "vocab_size": tok.get_vocab_size(),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        # Qwen2-VL's multimodal rotary sections (temporal, height, width) sum to head_dim / 2 = 16
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
+        "bos_token_id": 0,
+        "eos_token_id": ids["<|im_end|>"],
+        "tie_word_embeddings": True,
+    }
+    vision = {"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 2}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():  # at the default init the last token's own embedding decides the next token whatever
+        # the image; stronger attention values and outputs make the output depend on the image
+        for name, weight in model.named_parameters():
+            if "language_model" in name and name.endswith(("v_proj.weight", "o_proj.weight")):
+                weight.mul_(10.0)
+    model.to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+if __name__ == "__main__":
+    import sys
+
+    make_vl_weights(Path(sys.argv[1]).parent, Path(sys.argv[1]).name)

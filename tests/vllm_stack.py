@@ -75,13 +75,13 @@ class Proc:
     """A vLLM-venv subprocess in its own process group (vLLM's engine-core and worker processes
     included), logging to a file; stop() ends the whole group."""
 
-    def __init__(self, args: list[str], log_path: Path, nice: int = 0) -> None:
+    def __init__(self, args: list[str], log_path: Path, nice: int = 0, env: dict | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             args,
             cwd=ROOT,
-            env={**os.environ, **VLLM_ENV},
+            env={**os.environ, **VLLM_ENV, **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

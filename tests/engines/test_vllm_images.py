@@ -1,0 +1,382 @@
+"""Images on a real vLLM: tokenmill's workers preprocess, the vLLM bridge hands the pixels to AsyncLLM
+as vLLM's prebuilt multimodal input, and a client sees what vLLM's own server gives it.
+
+A tiny random Qwen2-VL (tests/image_model.py: text 128 x 2 layers, vision depth 2, ~34 MB, made
+here) is served twice on vLLM's CPU build, both under the torch/torchvision overlay that vLLM's
+Qwen2-VL path needs (tests/vllm_env.py, VLLM_VISION):
+
+* by vLLM's own OpenAI server (its defaults: its own fetch, decode and HF processor, pixels
+  normalised on the device);
+* by `tokenmill engine --backend vllm` behind `tokenmill serve` (the bridge turns
+  ``mm_device_do_normalize`` off: the workers' pixels come normalised).
+
+For the cases of issue 34 (1x1, 20x20, a 1024^2 JPEG, 768x1024, a 28x5000 strip, an EXIF-rotated
+JPEG, an RGBA PNG, an animated GIF, a 224^2 PNG that needs no resizing, a two-image message) the
+prompt token IDs (``return_token_ids``) and the greedy outputs are vLLM's; an aspect ratio over 200
+is a 400 on both; the workers' pixels equal vLLM's own processing (decode as vLLM does, then
+transformers' image processor in vLLM's venv) within one intensity level, and exactly where no
+resize happens; the bridge lists ``images``; and an image the engine core already holds goes to it
+as its content hash (vLLM's processor cache), not as pixels.
+
+Both vLLMs start in the background as soon as pytest has collected this module (as tests/vllm_stack.py
+does for the text stack), at a lower CPU priority. Skipped, saying why, without vLLM's CPU build or
+without the overlay.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vllm_env import VLLM_PYTHON, VLLM_VISION, vision_missing_reason
+
+_why = vision_missing_reason()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+import openai  # noqa: E402
+from conftest import ROOT, Server, free_port, http  # noqa: E402
+from PIL import Image  # noqa: E402
+from protocol_client import ProtocolClient  # noqa: E402
+from vllm_stack import Proc, wait_all  # noqa: E402
+
+from scheduler_client.protocol import Welcome  # noqa: E402
+from tokenizer_workers.images import ImagePipeline, processor_for  # noqa: E402
+
+NAME = "Tiny-Qwen2-VL"
+MAX_MODEL_LEN = 4096
+NICE = 10
+ENV = {"PYTHONPATH": str(VLLM_VISION)}  # torch 2.14.1 and torchvision 0.29.1 ahead of .venv-vllm's torch
+SAME = ["--enforce-eager", "--no-enable-prefix-caching"]  # in both vLLMs: no compile, no cross-request state
+
+
+# ---- the images ------------------------------------------------------------------------------------
+
+
+def _encode(image: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _noise(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
+    channels = len(mode)
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, channels), dtype=np.uint8), mode)
+
+
+def _photo(width: int, height: int, seed: int) -> Image.Image:
+    """Smooth gradients with some grain: what resampling filters meet in photographs."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    rng = np.random.default_rng(seed)
+    rgb = np.stack(
+        [128 + 100 * np.sin(x / 37 + k) * np.cos(y / 53 - k) + rng.normal(0, 6, x.shape) for k in range(3)], -1
+    )
+    return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB")
+
+
+def _exif_rotated() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    return _encode(_photo(200, 100, 5), "JPEG", quality=90, exif=exif)
+
+
+def _gif() -> bytes:
+    frames = [_noise(60, 40, 6).convert("P"), _noise(60, 40, 7).convert("P")]
+    return _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+
+
+def _rgba() -> bytes:
+    image = _noise(64, 48, 8, "RGBA")
+    alpha = np.tile(np.linspace(0, 255, 64, dtype=np.uint8), (48, 1))
+    image.putalpha(Image.fromarray(alpha, "L"))
+    return _encode(image, "PNG")
+
+
+IMAGES = {
+    "1x1": ("image/png", lambda: _encode(Image.new("RGB", (1, 1), (200, 30, 60)), "PNG")),
+    "20x20": ("image/png", lambda: _encode(_noise(20, 20, 1), "PNG")),
+    "1024x1024-jpeg": ("image/jpeg", lambda: _encode(_photo(1024, 1024, 2), "JPEG", quality=90)),
+    "768x1024": ("image/png", lambda: _encode(_photo(768, 1024, 3), "PNG")),
+    "28x5000": ("image/png", lambda: _encode(_noise(28, 5000, 4), "PNG")),
+    "exif-rotated-jpeg": ("image/jpeg", _exif_rotated),
+    "rgba-png": ("image/png", _rgba),
+    "animated-gif": ("image/gif", _gif),
+    "224x224-unresized": ("image/png", lambda: _encode(_photo(224, 224, 9), "PNG")),
+}
+NOT_RESIZED = {"224x224-unresized"}  # smart_resize keeps 224 x 224: no resampling on either side
+TOO_THIN = ("image/png", lambda: _encode(_noise(1, 300, 10), "PNG"))  # aspect ratio 300 > 200
+
+
+def _data_url(kind: tuple) -> str:
+    media_type, make = kind
+    return f"data:{media_type};base64," + base64.b64encode(make()).decode()
+
+
+def _message(*urls: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is in the picture?"}]}]
+
+
+CASES = {name: _message(_data_url(kind)) for name, kind in IMAGES.items()}
+CASES["two-images"] = _message(_data_url(IMAGES["20x20"]), _data_url(IMAGES["rgba-png"]))
+
+
+# ---- the two servers, started at collection ------------------------------------------------------------
+
+
+class _Early:
+    """Makes the model and starts both vLLMs in a thread that lives as long as they do (their
+    parent-death signal is tied to it, see tests/vllm_stack.py)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.root: Path | None = None
+        self.procs: list = []
+        self.error: BaseException | None = None
+        self.t0 = time.monotonic()
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.t0 = time.monotonic()
+            self.thread = threading.Thread(target=self._run, name="vllm-images", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix="tmvlimg-"))
+            model = self.root / NAME
+            made = subprocess.run(
+                ["nice", "-n", str(NICE), str(VLLM_PYTHON), str(ROOT / "tests" / "image_model.py"), str(model)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert made.returncode == 0, f"tests/image_model.py failed:\n{made.stdout}{made.stderr}"
+            self.procs.append(_VLLMServer(model, self.root / "vllm.log"))
+            self.procs.append(_Engine(model, f"ipc://{self.root}/engine.sock", self.root / "engine.log"))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+        self.finished.wait()
+
+    def stop(self) -> list:
+        statuses = [(p, p.stop()) for p in reversed(self.procs)]
+        self.procs.clear()
+        self.finished.set()
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+        return statuses
+
+
+class _VLLMServer(Proc):
+    def __init__(self, model: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["--model", str(model), "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN)]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), *SAME]
+        super().__init__([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *args], log_path, NICE, ENV)
+
+    def ready(self) -> bool:
+        self.check_alive("vLLM's server")
+        try:
+            return http("GET", self.url + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+
+class _Engine(Proc):
+    def __init__(self, model: Path, endpoint: str, log_path: Path) -> None:
+        self.endpoint = endpoint
+        args = ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN), "--bind", endpoint]
+        args += ["--engine-arg", "enforce_eager=true", "--engine-arg", "enable_prefix_caching=false"]
+        super().__init__(
+            [str(VLLM_PYTHON), "-m", "tokenmill.cli", "engine", "--backend", "vllm", *args], log_path, NICE, ENV
+        )
+
+    def ready(self) -> bool:
+        self.check_alive("tokenmill engine --backend vllm")
+        return "listening on" in self.log()
+
+
+EARLY = _Early()
+
+
+def start_early(items) -> None:
+    """conftest calls this once the tests are collected: both vLLMs load while earlier modules run."""
+    EARLY.start()
+
+
+def stop_early() -> None:
+    """conftest's pytest_sessionfinish: a run stopped before this module's fixture ended."""
+    if EARLY.procs:
+        EARLY.stop()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    EARLY.start()
+    EARLY.started.wait()
+    try:
+        if EARLY.error is not None:
+            raise EARLY.error
+        vllm, engine = EARLY.procs
+        wait_all(vllm, engine)
+        front = Server(
+            "--model",
+            str(EARLY.root / NAME),
+            "--scheduler",
+            engine.endpoint,
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--workers",
+            "1",
+            timeout=120,
+        )
+        EARLY.procs.append(front)
+        print(f"\nvLLM image stack ready {time.monotonic() - EARLY.t0:.1f} s after collection")
+        yield vllm, engine, front
+    finally:
+        statuses = EARLY.stop()
+    for p, status in statuses:
+        assert status == 0, f"{type(p).__name__} exited with {status}:\n{p.log()[-3000:] if hasattr(p, 'log') else ''}"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _greedy(url: str, messages: list[dict]) -> tuple[list[int], list[int], str, str]:
+    r = _client(url).chat.completions.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    c = r.choices[0]
+    return list(r.prompt_token_ids), list(c.token_ids), c.message.content, c.finish_reason
+
+
+# ---- tests --------------------------------------------------------------------------------------------
+
+
+def test_engine_lists_images(stack):
+    _, engine, _ = stack
+    client = ProtocolClient(engine.endpoint, log=engine.log)
+    try:
+        welcome = client.handshake("test-images")
+    finally:
+        client.close()
+    assert isinstance(welcome, Welcome) and "images" in welcome.features
+
+
+def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
+    """Every case through both servers: the same prompt token IDs (placeholders expanded alike), the same
+    greedy tokens; and the images reach the model (different images, different outputs)."""
+    vllm, _, front = stack
+    outputs = {}
+    for name, messages in CASES.items():
+        theirs, ours = _greedy(vllm.url, messages), _greedy(front.url, messages)
+        assert ours[0] == theirs[0], f"{name}: prompt token IDs differ"
+        assert ours[1:] == theirs[1:], f"{name}: greedy output differs: {ours[1:]} != {theirs[1:]}"
+        outputs[name] = tuple(ours[1])
+    assert len(set(outputs.values())) > len(outputs) // 2, f"the images hardly change the outputs: {outputs}"
+
+
+def test_aspect_ratio_over_200_is_a_400_on_both(stack):
+    vllm, _, front = stack
+    messages = _message(_data_url(TOO_THIN))
+    for url in (vllm.url, front.url):
+        with pytest.raises(openai.BadRequestError) as info:
+            _greedy(url, messages)
+        assert "aspect ratio" in str(info.value)
+    assert info.value.body["param"] == "messages[0].content[0]"
+
+
+VLLM_PIXELS = """
+import base64, json, sys
+import numpy as np
+from transformers import AutoImageProcessor
+from vllm.multimodal.media.image import ImageMediaIO
+
+model, cases, out = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
+processor = AutoImageProcessor.from_pretrained(model)
+arrays = {"_processor": np.array(type(processor).__name__)}
+for name, url in cases.items():
+    image = ImageMediaIO(image_mode="RGB").load_base64("", url.split(",", 1)[1]).media
+    # as vLLM calls it with mm_device_do_normalize (its default for Qwen2-VL): resized pixels, 0..255
+    got = processor(images=[image], do_rescale=False, do_normalize=False, return_tensors="np")
+    arrays[name] = np.asarray(got["pixel_values"], dtype=np.float32)
+np.savez(out, **arrays)
+"""
+
+
+def test_pixels_equal_vllms_own_processing(stack, tmp_path):
+    """The workers' pixels, un-normalised, against vLLM's decoding and transformers' image processor in
+    vLLM's venv (its torchvision backend): exactly equal where nothing is resized; with resizing, Pillow's
+    bicubic filter (the workers', as transformers' Pillow backend) against torchvision's differs by one
+    intensity level on a few values and by two on very few (measured: docs/engines.md)."""
+    urls = {name: _data_url(kind) for name, kind in IMAGES.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(urls))
+    made = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            "-c",
+            VLLM_PIXELS,
+            str(EARLY.root / NAME),
+            str(tmp_path / "cases.json"),
+            str(tmp_path / "v.npz"),
+        ],
+        env={**os.environ, **ENV, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-4000:]
+    theirs = np.load(tmp_path / "v.npz")
+    pipeline = ImagePipeline(processor_for(EARLY.root / NAME))
+    mean = np.array(pipeline.processor.mean, dtype=np.float64)[None, :, None]
+    std = np.array(pipeline.processor.std, dtype=np.float64)[None, :, None]
+    worst = {}
+    for name, url in urls.items():
+        ours = pipeline.load_image_part(url, "x").pixels.astype(np.float64)
+        levels = (ours.reshape(len(ours), 3, -1) * std + mean) * 255
+        assert theirs[name].shape == ours.shape, name  # the same grid: EXIF, GIF frame, alpha alike
+        diff = np.rint(np.abs(levels - theirs[name].reshape(levels.shape)))
+        worst[name] = (int(diff.max()), round(float((diff >= 1).mean()), 5), round(float((diff >= 2).mean()), 6))
+    print(f"\n{theirs['_processor']}: (largest difference in levels, share >= 1, share >= 2): {worst}")
+    for name, (largest, _, two) in worst.items():
+        if name in NOT_RESIZED or name == "1x1":  # 1x1: a flat colour, whatever the filter
+            assert largest == 0, (name, worst[name])
+        else:
+            assert largest <= 2 and two < 0.001, (name, worst[name])
+
+
+def test_resent_image_goes_to_the_engine_core_as_its_hash(stack):
+    """vLLM's processor cache keys on the items' mm_hash, which is the workers' content hash: the second
+    time an image comes, the bridge's sender cache knows vLLM's engine core holds it and sends no pixels;
+    the output is the same."""
+    _, engine, front = stack
+    messages = CASES["768x1024"]
+    seen = engine.log().count("held by vLLM's engine core")
+    first = _greedy(front.url, messages)
+    second = _greedy(front.url, messages)
+    assert second == first
+    assert engine.log().count("held by vLLM's engine core") > seen, engine.log()[-3000:]
