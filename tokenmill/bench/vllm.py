@@ -81,10 +81,11 @@ def add_arguments(parser) -> None:
     group.add_argument("--images", action="store_true", help="Run the image scenario instead of the others.")
     group.add_argument(
         "--vision-path",
-        default=os.environ.get("TOKENMILL_VLLM_VISION_PATH"),
+        default=os.environ.get("TOKENMILL_VLLM_VISION", str(ROOT / ".venv-vllm-vision")),
         metavar="DIR",
         help="A torch + torchvision overlay (pip install --target) put first on PYTHONPATH for the processes "
-        "that run vLLM: its Qwen2-VL needs torchvision (default $TOKENMILL_VLLM_VISION_PATH).",
+        "that run vLLM: its Qwen2-VL needs torchvision (default $TOKENMILL_VLLM_VISION, else .venv-vllm-vision, "
+        "which ./scripts/test.sh builds).",
     )
     group.add_argument(
         "--images-engine",
@@ -114,6 +115,7 @@ class Stacks:
         max_model_len: int = MAX_MODEL_LEN,
         vllm_env: dict | None = None,
         simulated: bool = False,
+        eager: bool = False,
     ):
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.procs: list[ProcessHandle] = []
@@ -133,6 +135,7 @@ class Stacks:
             "127.0.0.1",
             "--port",
             str(self.vllm_port),
+            *(["--enforce-eager"] if eager else []),
         ]
         engine_args = [
             vllm_python,
@@ -147,6 +150,7 @@ class Stacks:
             str(max_model_len),
             "--bind",
             engine,
+            *(["--engine-arg", "enforce_eager=true"] if eager else []),
         ]
         serve = [
             sys.executable,
@@ -556,21 +560,27 @@ def run_images(args, python: Path) -> int:
             model = os.path.join(workdir, "Tiny-Qwen2-VL")
             maker = [str(python), str(ROOT / "tests" / "image_model.py"), model]
             subprocess.run(maker, cwd=ROOT, check=True, env={**os.environ, **(vllm_env or {})})
+        # every run's images made before the servers start (a PNG takes ~0.7 s to encode): the same for both sides
+        count = img.CHATS * img.IMAGES_PER_CHAT
+        work = [
+            [
+                img.chat_bodies(NAME, f"run {k} round {r} {time.time_ns()}", img.photo_images(count, k * 1000 + r))
+                for r in range(rounds)
+            ]
+            for k in range(repeat)
+        ]
         simulated = args.images_engine == "simulated"
-        stacks = Stacks(str(python), model, workdir, max_model_len=32768, vllm_env=vllm_env, simulated=simulated)
+        # eager on both sides: torch.compile's start-up on two shared cores is minutes, and the same for both
+        stacks = Stacks(
+            str(python), model, workdir, max_model_len=32768, vllm_env=vllm_env, simulated=simulated, eager=True
+        )
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
         results: dict[str, list] = {side: [] for side in ports}
         for k in range(repeat):
-            tag = f"run {k} {time.time_ns()}"
-            count = img.CHATS * img.IMAGES_PER_CHAT
-            work = [
-                img.chat_bodies(NAME, f"{tag} round {r}", img.photo_images(count, seed=k * 1000 + r))
-                for r in range(rounds)
-            ]
             for side in list(ports)[:: 1 if k % 2 == 0 else -1]:  # the order alternates between runs
-                results[side].append(img.image_chats(ports[side], side, stacks.front_pids[side], work))
+                results[side].append(img.image_chats(ports[side], side, stacks.front_pids[side], work[k]))
                 print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
         report = {side: {"images": _median_runs(runs)} for side, runs in results.items()}
         report["runs"] = {side: {"images": runs} for side, runs in results.items()}
