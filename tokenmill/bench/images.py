@@ -13,7 +13,7 @@ images: what an agent does every turn. A prober in its own process GETs ``/healt
 through all of it. Figures: the prober's percentiles, images per second over the first turns (wall
 time, the engine's vision tower and prefill included: the same engine on both sides), each turn's
 latency, and the front end's CPU per image (vLLM: its API-server process; tokenmill: the gateway and
-the workers), first turn against resend.
+the workers), first turn against resend, and of that the gateway's alone over both turns.
 """
 
 from __future__ import annotations
@@ -75,12 +75,17 @@ def chat_bodies(model: str, tag: str, images: list[tuple[str, bytes]]) -> tuple[
     return first, resend
 
 
-def front_cpu_s(side: str, pid: int) -> float:
+def front_cpu_s(side: str, pid: int) -> dict[str, float]:
     """CPU seconds of the front end: vLLM's API-server process (its engine core is a child, left out);
-    tokenmill serve's gateway and workers (a simulated scheduler in its tree left out)."""
+    tokenmill serve's gateway and its workers (a simulated scheduler in its tree left out)."""
     if side == "vllm":
-        return cpu_seconds(pid)
-    return sum(cpu_seconds(p) for p, name in process_tree(pid).items() if process_role(name) != "scheduler")
+        return {"gateway": cpu_seconds(pid), "workers": 0.0}
+    out = {"gateway": 0.0, "workers": 0.0}
+    for p, name in process_tree(pid).items():
+        role = process_role(name)
+        if role != "scheduler":
+            out[role] += cpu_seconds(p)
+    return out
 
 
 def _send_together(port: int, bodies: list[bytes]) -> tuple[float, list[float], list[int], list[str]]:
@@ -119,13 +124,16 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
     time.sleep(0.5)
     walls, first_ms, resend_ms, tokens, errors = [], [], [], [], []
     cpu = {"first": 0.0, "resend": 0.0}
+    gateway_cpu = 0.0  # tokenmill's gateway alone (vLLM's front is one process: all of it)
     images = 0
     try:
         for first, resend in rounds:
             for kind, bodies in (("first", first), ("resend", resend)):
                 cpu0 = front_cpu_s(side, pid)
                 wall, latencies, counted, failed = _send_together(port, bodies)
-                cpu[kind] += front_cpu_s(side, pid) - cpu0
+                cpu1 = front_cpu_s(side, pid)
+                cpu[kind] += sum(cpu1.values()) - sum(cpu0.values())
+                gateway_cpu += cpu1["gateway"] - cpu0["gateway"]
                 errors += failed
                 if kind == "first":
                     walls.append(wall)
@@ -151,6 +159,7 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
         "front_cpu_ms_per_image": rnd(cpu["first"] * 1000 / sent, 2),
         "resend_front_cpu_ms_per_image": rnd(cpu["resend"] * 1000 / sent, 2),
         "resend_cpu_vs_first": rnd(cpu["resend"] / cpu["first"], 3) if cpu["first"] else None,
+        "gateway_cpu_ms_per_image": rnd(gateway_cpu * 1000 / (2 * sent), 2),
         "prompt_tokens": max(tokens, default=0),
         "errors": errors[:3],
     }
@@ -167,5 +176,6 @@ FIGURES = [
     "front_cpu_ms_per_image",
     "resend_front_cpu_ms_per_image",
     "resend_cpu_vs_first",
+    "gateway_cpu_ms_per_image",
     "prompt_tokens",
 ]
