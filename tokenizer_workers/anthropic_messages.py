@@ -12,7 +12,11 @@ are the chat path's. Every refusal names the Messages field (``messages[2].conte
   (``merge_inline_system``, probed once per template by the converter).
 * ``tool_use`` -> an assistant tool call (``input`` as JSON arguments), ``tool_result`` -> a
   ``tool`` message (its text blocks joined with ``"\\n"``); ``thinking`` -> the assistant's
-  ``reasoning``; ``redacted_thinking`` is dropped (opaque); ``image`` is refused by name.
+  ``reasoning``; ``redacted_thinking`` is dropped (opaque); ``document`` is refused by name.
+* ``image`` (user messages and ``tool_result`` content; source ``base64`` with a media_type, or
+  ``url``) -> the chat path's image (an ``ImageRef`` naming the block, a base64 source as a
+  ``data:`` URL whose bytes must be of the declared type); a ``tool_result``'s images follow its
+  ``tool`` message as a user message, as vLLM places them. A text-only model refuses them by name.
 * ``tool_choice`` ``auto`` / ``any`` (-> ``required``) / ``tool`` (-> a named function) / ``none``;
   ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
 * ``thinking``: ``disabled`` -> ``reasoning_effort: "none"`` (the template's thinking switch off),
@@ -29,9 +33,11 @@ from typing import Any
 import msgspec
 
 from tokenizer_workers import openai_requests as oa
+from tokenizer_workers.chat_messages import ImageRef
 
 _BILLING = "x-anthropic-billing-header"
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's list
 _BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking", "document")
 
 
@@ -86,23 +92,52 @@ def _text_of(blocks: list, param: str) -> str:
     return "".join(parts)
 
 
-def _tool_result_text(content, param: str) -> str:
+def _image(block: dict, at: str) -> ImageRef:
+    """An image block as the chat path's image; its source is checked here, its bytes by the worker."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad("an image block needs a source object.", f"{at}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in _MEDIA_TYPES:
+            raise _bad(f"must be one of {', '.join(_MEDIA_TYPES)}, got {media!r}.", f"{at}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise _bad("must be a non-empty base64 string.", f"{at}.source.data")
+        return ImageRef(f"data:{media};base64,{data}", at, media_type=media)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
+            raise _bad("must be an http(s) URL.", f"{at}.source.url")
+        return ImageRef(url, at)
+    if kind == "file":
+        raise _bad(
+            "file sources need Anthropic's Files API, which this server has not; send base64 or url.",
+            f"{at}.source.type",
+        )
+    raise _bad(f"must be 'base64' or 'url', got {kind!r}.", f"{at}.source.type")
+
+
+def _tool_result(content, param: str) -> tuple[str, list[ImageRef]]:
+    """A tool_result's text (its text blocks joined with "\\n") and its images."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content or "", []
     if not isinstance(content, list):
         raise _bad("must be a string or a list of blocks.", param)
-    texts = []
+    texts, images = [], []
     for k, item in enumerate(content):
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "text":
             if not isinstance(item.get("text"), str):
                 raise _bad("a text block needs a string text.", f"{param}[{k}].text")
             texts.append(item["text"])
-        elif kind in ("image", "document"):
-            raise _bad(f"{kind} blocks are not supported: this server serves a text-only model.", f"{param}[{k}].type")
+        elif kind == "image":
+            images.append(_image(item, f"{param}[{k}]"))
+        elif kind == "document":
+            raise _bad("document blocks are not supported here.", f"{param}[{k}].type")
         elif kind != "tool_reference":
-            raise _bad(f"unknown block type {kind!r}; expected text.", f"{param}[{k}].type")
-    return "\n".join(texts)
+            raise _bad(f"unknown block type {kind!r}; expected text or image.", f"{param}[{k}].type")
+    return "\n".join(texts), images
 
 
 def chat_messages(req: MessagesRequest, merge_inline_system: bool) -> list[dict]:
@@ -146,7 +181,7 @@ def chat_messages(req: MessagesRequest, merge_inline_system: bool) -> list[dict]
 
 def _blocks(role: str, content: list, where: str, seen_calls: set[str]) -> list[dict]:
     """One Messages message's blocks -> its chat message, and a ``tool`` message per tool_result."""
-    texts: list[dict] = []
+    texts: list[dict | ImageRef] = []  # the message's text and image parts, in order
     calls: list[dict] = []
     reasoning: list[str] = []
     tool_messages: list[dict] = []
@@ -160,8 +195,12 @@ def _blocks(role: str, content: list, where: str, seen_calls: set[str]) -> list[
                 raise _bad("a text block needs a string text.", f"{at}.text")
             if block["text"]:
                 texts.append({"type": "text", "text": block["text"]})
-        elif kind in ("image", "document"):
-            raise _bad(f"{kind} blocks are not supported: this server serves a text-only model.", f"{at}.type")
+        elif kind == "image":
+            if role != "user":
+                raise _bad("image blocks belong to user messages.", f"{at}.type")
+            texts.append(_image(block, at))
+        elif kind == "document":
+            raise _bad("document blocks are not supported here.", f"{at}.type")
         elif kind == "thinking":
             if role != "assistant":
                 raise _bad("thinking blocks belong to assistant messages.", f"{at}.type")
@@ -188,15 +227,18 @@ def _blocks(role: str, content: list, where: str, seen_calls: set[str]) -> list[
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in seen_calls:
                 raise _bad(f"tool_use_id {call_id!r} matches no earlier tool_use block.", f"{at}.tool_use_id")
-            text = _tool_result_text(block.get("content"), f"{at}.content")
+            text, images = _tool_result(block.get("content"), f"{at}.content")
             tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            if images:
+                tool_messages.append({"role": "user", "content": images})
     message: dict[str, Any] = {"role": role}
     if reasoning:
         message["reasoning"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
     if texts:
-        message["content"] = texts[0]["text"] if len(texts) == 1 else texts
+        only = texts[0]
+        message["content"] = only["text"] if len(texts) == 1 and isinstance(only, dict) else texts
     out = list(tool_messages)  # tool results answer the previous turn: they come first
     if texts or calls or reasoning or not tool_messages:
         message.setdefault("content", "" if not (calls or reasoning) else None)

@@ -16,7 +16,9 @@ only when the caller passes an ``images`` list (the model has an image processor
 URL and field path is appended to it in prompt order, and the part becomes ``{"type": "image"}``
 (transformers' form, which templates test with ``content['type'] == 'image'``), or the model's
 placeholder text within the joined string for string-content templates. Otherwise images are
-refused naming the part. Audio, video and embeddings are always refused.
+refused naming the part. Audio, video and embeddings are always refused. The agent APIs' converters
+(Anthropic ``image`` blocks, Responses ``input_image``) put an ``ImageRef`` itself in the content, so
+the part is named in their API's terms; no JSON body can hold one.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class ContentError(ValueError):
 
 @dataclass(frozen=True)
 class ImageRef:
-    """An image part as the request gave it: its URL (data: or http(s)) and where it was."""
+    """An image part as the request gave it: its URL (data: or http(s)) and where it was; ``media_type``
+    is what an Anthropic base64 block declared (checked against the bytes)."""
 
     url: str
     where: str
     detail: str = "auto"
+    media_type: str | None = None
 
 
 _DETAILS = ("auto", "low", "high")
@@ -167,6 +171,11 @@ def _content_parts(where: str, content, openai_format: bool, media: _Media) -> l
 def _content_part(where: str, part, openai_format: bool, media: _Media):
     if isinstance(part, str):
         return {"type": "text", "text": part} if openai_format else part
+    if isinstance(part, ImageRef):  # an agent API's image, already checked and named by its converter
+        if media.images is None:
+            _refuse_media(part.where, "image_url", media)
+        media.images.append(part)
+        return {"type": "image"} if openai_format else media.image_text
     if not isinstance(part, Mapping):
         raise ValueError(f"{where} must be a string or an object with a 'type'.")
     part_type = part.get("type")

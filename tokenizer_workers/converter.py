@@ -265,7 +265,10 @@ class Converter:
         req = am.parse(body)
         self._check_model(req.model)
         chat = am.to_chat_request(req, self._merge_inline_system(), count_only=True)
-        ids = self.encode_chat(self.render(chat.messages, chat))[0]
+        refs: list[ImageRef] = []
+        prompt = self.render(chat.messages, chat, refs)
+        images = self._load_images(refs)  # decoded and processed (and cached) as /v1/messages would
+        ids = self._expand_images(self.encode_chat(prompt)[0], images)[0]
         # as vLLM answers (and Anthropic's beta with context_management): nothing is cleared here
         body = _json.encode({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
         return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
@@ -483,7 +486,7 @@ class Converter:
         if not refs:
             return []
         try:
-            return [self.images.load_image_part(ref.url, ref.where) for ref in refs]
+            return [self.images.load_image_part(ref.url, ref.where, ref.media_type) for ref in refs]
         except ImageError as exc:
             raise oa.InvalidRequest(str(exc), exc.param, code="invalid_image") from None
 

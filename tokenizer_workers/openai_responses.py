@@ -2,7 +2,8 @@
 
 One conversion layer over the shared chat core: ``instructions`` becomes the leading system message,
 ``input`` items become chat messages (``function_call`` / ``custom_tool_call`` the assistant's
-tool calls, ``*_output`` tool messages, ``reasoning`` the assistant's reasoning), flat Responses tools
+tool calls, ``*_output`` tool messages, ``reasoning`` the assistant's reasoning; ``input_image`` parts
+the chat path's images, ``file_id`` refused: no file store), flat Responses tools
 become chat tools (a ``custom`` tool a function taking one string ``input``, as vLLM shows it), and
 ``text.format`` becomes ``response_format``. Rendering, tokenizing, parsing and caching are then the
 chat path's own. Errors name the Responses field (``input[3].call_id``).
@@ -16,11 +17,13 @@ from typing import Any
 import msgspec
 
 from tokenizer_workers import openai_requests as oa
+from tokenizer_workers.chat_messages import ImageRef
 
 _json = msgspec.json.Encoder()
 CUSTOM_INPUT_KEY = "input"  # the one argument of the function a custom tool is shown as (vLLM's)
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_DETAILS = ("auto", "low", "high", "original")  # none changes a Qwen2-VL image (as in vLLM)
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -423,7 +426,7 @@ def _item(messages: list[dict], calls: set[str], item, where: str) -> None:
 
 
 def _text(content, where: str, parts_ok: bool):
-    """A message's content: a string, or its parts as chat text parts (images refused by name)."""
+    """A message's content: a string, or its parts as chat text parts and images (user-side only)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -433,10 +436,12 @@ def _text(content, where: str, parts_ok: bool):
         if not isinstance(part, dict):
             raise oa.InvalidRequest(f"{where}[{j}] must be an object.", f"{where}[{j}]")
         kind = part.get("type")
+        if kind == "input_image" and parts_ok:
+            out.append(_input_image(part, f"{where}[{j}]"))
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise oa.InvalidRequest(
-                f"{where}[{j}]: {kind} parts are not supported; this server serves text-only models.", f"{where}[{j}]"
-            )
+            whose = "an assistant message takes text only" if kind == "input_image" else "not supported here"
+            raise oa.InvalidRequest(f"{where}[{j}]: {kind} parts: {whose}.", f"{where}[{j}]")
         if kind not in _TEXT_PARTS:
             raise oa.InvalidRequest(f"{where}[{j}].type {kind!r} is not a text part.", f"{where}[{j}].type")
         key = "refusal" if kind == "refusal" else "text"
@@ -446,6 +451,24 @@ def _text(content, where: str, parts_ok: bool):
     if not parts_ok:  # the assistant's text, as vLLM takes it: one string
         return "".join(p["text"] for p in out)
     return out
+
+
+def _input_image(part: dict, where: str) -> ImageRef:
+    """An input_image part as the chat path's image: ``image_url`` a data: or http(s) URL; ``file_id``
+    needs OpenAI's file store, which this server has not."""
+    if part.get("file_id") is not None:
+        raise oa.InvalidRequest(
+            f"{where}.file_id: there is no file store here; send the image as image_url (a data: or http(s) URL).",
+            f"{where}.file_id",
+        )
+    url, detail = part.get("image_url"), part.get("detail") or "auto"
+    if not isinstance(url, str) or not url:
+        raise oa.InvalidRequest(
+            f"{where}.image_url must be a non-empty string (a data: or http(s) URL).", f"{where}.image_url"
+        )
+    if detail not in _DETAILS:
+        raise oa.InvalidRequest(f"{where}.detail must be one of {', '.join(_DETAILS)}.", f"{where}.detail")
+    return ImageRef(url, where, detail)
 
 
 def _echo(req: ResponsesRequest) -> bytes:

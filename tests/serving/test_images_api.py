@@ -266,3 +266,147 @@ def test_a_server_configured_to_fetch_takes_http_image_urls(vl_dir):
     finally:
         srv.stop()
         site.close()
+
+
+# ---- the agent APIs' image forms: Anthropic `image` blocks, Responses `input_image` ----------------
+
+
+def _jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8), "RGB").save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _block(data: bytes, media_type: str = "image/png") -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": _b64(data)}}
+
+
+def _anthropic(srv):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
+
+
+def _chat_tokens(srv, messages) -> int:
+    return srv.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage.prompt_tokens
+
+
+def test_agent_api_images_count_as_the_chat_path_counts(vl_server):
+    png, jpeg = _png(640, 480, seed=5), _jpeg(300, 200, seed=6)
+    jpeg_url = "data:image/jpeg;base64," + _b64(jpeg)
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Compare "}, _image_part(_url(png)), _image_part(jpeg_url)],
+        }
+    ]
+    expected = _chat_tokens(vl_server, chat)
+    assert expected > 391 + 77  # 640x480 -> 644x476; 300x200 -> 308x196
+    claude = _anthropic(vl_server)
+    blocks = [{"type": "text", "text": "Compare "}, _block(png), _block(jpeg, "image/jpeg")]
+    counted = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": blocks}])
+    answered = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": blocks}])
+    assert counted.input_tokens == answered.usage.input_tokens == expected
+    parts = [
+        {"type": "input_text", "text": "Compare "},
+        {"type": "input_image", "image_url": _url(png), "detail": "auto"},
+        {"type": "input_image", "image_url": jpeg_url, "detail": "high"},
+    ]
+    response = vl_server.client().responses.create(
+        model=MODEL, max_output_tokens=2, input=[{"role": "user", "content": parts}]
+    )
+    assert response.usage.input_tokens == expected
+
+    # a tool's screenshot: Anthropic's tool_result image follows the tool message as a user message (as vLLM)
+    call = {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+    chat_tool = [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        {"role": "user", "content": [_image_part(_url(png))]},
+    ]
+    result = {"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "done"}, _block(png)]}
+    claude_tool = [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [result]},
+    ]
+    assert claude.messages.count_tokens(model=MODEL, messages=claude_tool).input_tokens == _chat_tokens(
+        vl_server, chat_tool
+    )
+    # Responses keeps a function_call_output's images in the tool message, as vLLM does
+    chat_output = [*chat_tool[:2], {"role": "tool", "tool_call_id": "c1", "content": [_image_part(_url(png))]}]
+    items = [
+        {"role": "user", "content": "take a screenshot"},
+        {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": _url(png)}]},
+    ]
+    response = vl_server.client().responses.create(model=MODEL, max_output_tokens=2, input=items)
+    assert response.usage.input_tokens == _chat_tokens(vl_server, chat_output)
+
+
+def test_bad_agent_api_images_are_400s_naming_the_block(vl_server, server):
+    import anthropic
+
+    claude = _anthropic(vl_server)
+    tiff = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(tiff, "TIFF")
+    good = _block(_png(16, 16))
+    bad_blocks = {
+        "messages[0].content[1]": ({"type": "base64", "media_type": "image/png", "data": "!!!!"}, "base64"),
+        "messages[0].content[1].source.media_type": (
+            {"type": "base64", "media_type": "image/bmp", "data": good["source"]["data"]},
+            "image/jpeg",
+        ),
+        "messages[0].content[1] ": (  # the bytes are not what media_type says
+            {"type": "base64", "media_type": "image/jpeg", "data": good["source"]["data"]},
+            "image/png, not the declared image/jpeg",
+        ),
+        "messages[0].content[1]  ": (  # an unsupported format, whatever it is called
+            {"type": "base64", "media_type": "image/png", "data": _b64(tiff.getvalue())},
+            "not a known image type",
+        ),
+        "messages[0].content[1].source.type": ({"type": "file", "file_id": "file_1"}, "Files API"),
+        "messages[0].content[1].source.url": ({"type": "url", "url": "ftp://x/y.png"}, "http(s)"),
+    }
+    for param, (source, words) in bad_blocks.items():
+        blocks = [{"type": "text", "text": "look"}, {"type": "image", "source": source}]
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": blocks}])
+        message = err.value.body["error"]["message"]
+        assert err.value.body["error"]["type"] == "invalid_request_error", err.value.body
+        assert message.startswith(param.strip() + ":") and words in message, (param, message)
+    client = vl_server.client()
+    bad_parts = {
+        "input[0].content[1]": ({"image_url": "data:image/png;base64,!!!!"}, "base64"),
+        "input[0].content[1] ": (
+            {"image_url": "data:image/tiff;base64," + _b64(tiff.getvalue())},
+            "not a readable image",
+        ),
+        "input[0].content[1].file_id": ({"file_id": "file-abc"}, "no file store"),
+        "input[0].content[1].detail": ({"image_url": _url(_png(8, 8)), "detail": "ultra"}, "original"),
+    }
+    for param, (part, words) in bad_parts.items():
+        parts = [{"type": "input_text", "text": "look"}, {"type": "input_image", **part}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, max_output_tokens=2, input=[{"role": "user", "content": parts}])
+        body = err.value.body
+        assert body["param"] == param.strip() and words in body["message"], (param, body)
+    # a text-only model refuses both by name, in each API's own shape
+    with pytest.raises(anthropic.BadRequestError) as err:
+        _anthropic(server).messages.create(
+            model="deepseek-v4", max_tokens=2, messages=[{"role": "user", "content": [good]}]
+        )
+    assert err.value.body["error"]["message"].startswith("messages[0].content[0]: this model takes no images")
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().responses.create(
+            model="deepseek-v4",
+            max_output_tokens=2,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": _url(_png(8, 8))}]}],
+        )
+    assert err.value.body["param"] == "input[0].content[0]" and "takes no images" in err.value.body["message"]

@@ -234,7 +234,7 @@ def _refused(srv, **body) -> anthropic.APIStatusError:
                     }
                 ]
             },
-            "messages[0].content[0].type",
+            "messages[0].content[0]: this model takes no images",
         ),
         (
             {"tools": [{"name": "t", "input_schema": "not a schema"}], "messages": [{"role": "user", "content": "x"}]},

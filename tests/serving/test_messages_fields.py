@@ -50,7 +50,19 @@ SAMPLES = {
 # values refused with a 400 whose message names the field
 REFUSED = [
     ({"max_tokens": None}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    (  # the default model is text-only
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}
+            ]
+        },
+        "messages[0].content[0]",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "messages[0].content[0].source.type",
+    ),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "tools[0].type"),
     ({"tools": [{"name": "t", "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
     ({"tool_choice": {"type": "tool", "name": "missing"}, "tools": [TOOL]}, "tool_choice.name"),

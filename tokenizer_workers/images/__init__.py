@@ -1,6 +1,6 @@
 """Images in the tokenizer workers: fetch, decode, preprocess, cache (never on the gateway loop).
 
-``ImagePipeline.load_image_part(source, field_path)`` is the one entry point every API's image
+``ImagePipeline.load_image_part(source, field_path[, media_type])`` is the one entry point every API's image
 form calls (OpenAI ``image_url``; Anthropic ``image`` blocks and Responses ``input_image`` pass
 their base64 data as a ``data:`` URL, or their URL): it returns a ``ProcessedImage`` or raises
 ``ImageError`` naming ``field_path``.
@@ -58,7 +58,8 @@ class ImagePipeline:
         self.fetcher = ImageFetcher(fetch or ImageFetchSettings())
         self._key = hashlib.blake2b(processor.fingerprint().encode(), digest_size=16).digest()
 
-    def load_image_part(self, source: str, field_path: str) -> ProcessedImage:
+    def load_image_part(self, source: str, field_path: str, media_type: str | None = None) -> ProcessedImage:
+        """``media_type``: what the request declared for the bytes (Anthropic's base64 source), checked."""
         if not isinstance(source, str) or not source:
             raise ImageError(f"{field_path}: the image URL must be a non-empty string.", field_path)
         try:
@@ -68,6 +69,10 @@ class ImagePipeline:
                 raw = self.fetcher.fetch(source)
             else:
                 raise ValueError("image URLs must be base64 data: URLs or http(s) URLs")
+            if media_type is not None and (actual := _decode.media_type_of(raw)) != media_type:
+                raise ValueError(
+                    f"the image data is {actual or 'not a known image type'}, not the declared {media_type}"
+                )
             content_hash = hashlib.blake2b(raw, digest_size=32, key=self._key).hexdigest()
             cached = self.cache.get(content_hash)
             if cached is not None:

@@ -37,7 +37,17 @@ def data_url_bytes(url: str) -> bytes:
     try:
         return base64.b64decode(data.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("the data: URL's base64 data does not decode") from None
+        raise ValueError("the base64 data does not decode") from None
+
+
+_SIGNATURES = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG\r\n\x1a\n", "image/png"), (b"GIF8", "image/gif"))
+
+
+def media_type_of(data: bytes) -> str | None:
+    """The media type the file's first bytes say (JPEG, PNG, GIF, WebP), to check a declared one."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((media for magic, media in _SIGNATURES if data.startswith(magic)), None)
 
 
 def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:

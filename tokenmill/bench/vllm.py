@@ -17,6 +17,9 @@ the start of every long message, so no cache of either side can serve it):
   request (``tokenmill.bench.agent_messages``);
 * **short chats**: streamed ~50-token chats at concurrency 32 for 20 s, tokens counted from
   ``usage``: engine-bound on the CPU, so this shows what the front end costs the engine;
+* **images** (``--images``, on its own, on a tiny Qwen2-VL): 8 chats with 4 new 1024 x 1024 images
+  each, sent together, then resent one turn later, with a ``/health`` prober
+  (``tokenmill.bench.images``);
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
   (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
   instead of one long stream: the engine decodes on the same cores and new requests keep
@@ -77,79 +80,115 @@ def add_arguments(parser) -> None:
         help="Comma-separated subset of the scenarios to run (default all): " + ", ".join(FIGURES) + ".",
     )
     add_busy_load_options(parser)
+    group = parser.add_argument_group(
+        "images", "The image scenario (issue 34), run on its own on a tiny Qwen2-VL: tokenmill.bench.images."
+    )
+    group.add_argument("--images", action="store_true", help="Run the image scenario instead of the others.")
+    group.add_argument(
+        "--vision-path",
+        default=os.environ.get("TOKENMILL_VLLM_VISION", str(ROOT / ".venv-vllm-vision")),
+        metavar="DIR",
+        help="A torch + torchvision overlay (pip install --target) put first on PYTHONPATH for the processes "
+        "that run vLLM: its Qwen2-VL needs torchvision (default $TOKENMILL_VLLM_VISION, else .venv-vllm-vision, "
+        "which ./scripts/test.sh builds).",
+    )
+    group.add_argument(
+        "--images-engine",
+        choices=("vllm", "simulated"),
+        default="vllm",
+        help="What tokenmill serves from: tokenmill engine --backend vllm (default), or its simulated scheduler.",
+    )
+    group.add_argument(
+        "--image-rounds", type=int, help="Rounds of 8 chats x 4 new images per run (default 3; quick 1)."
+    )
 
 
 # ---- the two stacks ----------------------------------------------------------------------------
 
 
 class Stacks:
-    """vLLM's API server, and tokenmill serve in front of tokenmill engine --backend vllm."""
+    """vLLM's API server, and tokenmill serve in front of tokenmill engine --backend vllm (or, with
+    ``simulated``, in front of its own simulated scheduler). ``vllm_env``: extra environment for the
+    processes that run vLLM (the image scenario's torchvision overlay on PYTHONPATH)."""
 
-    def __init__(self, vllm_python: str, model: str, workdir: str):
+    def __init__(
+        self,
+        vllm_python: str,
+        model: str,
+        workdir: str,
+        *,
+        max_model_len: int = MAX_MODEL_LEN,
+        vllm_env: dict | None = None,
+        simulated: bool = False,
+        eager: bool = False,
+    ):
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.procs: list[ProcessHandle] = []
         self.vllm_port, self.tokenmill_port = free_port(), free_port()
         engine = f"ipc://{workdir}/engine.sock"
-        start = [
-            (
-                "vllm",
-                [
-                    vllm_python,
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    model,
-                    "--served-model-name",
-                    NAME,
-                    "--max-model-len",
-                    str(MAX_MODEL_LEN),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.vllm_port),
-                ],
-            ),
-            (
-                "engine",
-                [
-                    vllm_python,
-                    "-m",
-                    "tokenmill.cli",
-                    "engine",
-                    "--backend",
-                    "vllm",
-                    "--model",
-                    model,
-                    "--max-model-len",
-                    str(MAX_MODEL_LEN),
-                    "--bind",
-                    engine,
-                ],
-            ),
-            (
-                "tokenmill",
-                [
-                    sys.executable,
-                    "-m",
-                    "tokenmill.cli",
-                    "serve",
-                    "--model",
-                    model,
-                    "--scheduler",
-                    engine,
-                    "--served-model-name",
-                    NAME,
-                    "--port",
-                    str(self.tokenmill_port),
-                    "--log-level",
-                    "warning",
-                    "--max-queued-conversions",
-                    "100000",
-                ],
-            ),
+        vllm_server = [
+            vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            str(max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.vllm_port),
+            *(["--enforce-eager"] if eager else []),
         ]
-        for name, args in start:
-            self.procs.append(ProcessHandle(name, args, log=Path(workdir) / f"{name}.log", env=env, cwd=ROOT))
+        engine_args = [
+            vllm_python,
+            "-m",
+            "tokenmill.cli",
+            "engine",
+            "--backend",
+            "vllm",
+            "--model",
+            model,
+            "--max-model-len",
+            str(max_model_len),
+            "--bind",
+            engine,
+            *(["--engine-arg", "enforce_eager=true"] if eager else []),
+        ]
+        serve = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            "--model",
+            model,
+            *(["--scheduler", engine] if not simulated else ["--max-model-len", str(max_model_len)]),
+            "--served-model-name",
+            NAME,
+            "--port",
+            str(self.tokenmill_port),
+            "--log-level",
+            "warning",
+            "--max-queued-conversions",
+            "100000",
+        ]
+        start = [("vllm", vllm_server, vllm_env), ("engine", engine_args, vllm_env), ("tokenmill", serve, None)]
+        if simulated:
+            del start[1]
+        for name, args, extra in start:
+            self.procs.append(
+                ProcessHandle(
+                    name,
+                    args,
+                    log=Path(workdir) / f"{name}.log",
+                    env={**env, **(extra or {})},
+                    cwd=ROOT,
+                    new_session=True,  # stop() ends the group: vLLM's engine-core children too
+                )
+            )
+        self.front_pids = {"vllm": self.procs[0].pid, "tokenmill": self.procs[-1].pid}
 
     def ready(self) -> bool:
         for proc in self.procs:
@@ -169,7 +208,7 @@ class Stacks:
             if proc.proc.poll() is None:
                 proc.proc.terminate()  # all at once: each shuts down while the others do
         for proc in self.procs:
-            proc.stop(30)
+            proc.stop(30, leftovers=True)
 
 
 # ---- client processes ----------------------------------------------------------------------------
@@ -462,6 +501,8 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.images:
+        return run_images(args, python)
     quick = args.quick
     repeat = args.repeat or (1 if quick else 2)
     seconds = args.short_seconds or (8.0 if quick else 20.0)
@@ -485,8 +526,7 @@ def run(args) -> int:
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
-        pids = {"vllm": stacks.procs[0].proc.pid, "tokenmill": stacks.procs[2].proc.pid}  # the front processes
-        pid_of = {port: pids[side] for side, port in ports.items()}
+        pid_of = {port: stacks.front_pids[side] for side, port in ports.items()}  # the front processes
         texts = Texts()
         results: dict[str, dict[str, list]] = {side: {s: [] for s in chosen} for side in ports}
         for k in range(repeat):
@@ -539,16 +579,75 @@ def run(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def run_images(args, python: Path) -> int:
+    """The image scenario alone, on both stacks (tokenmill.bench.images)."""
+    from tokenmill.bench import images as img
+
+    repeat = args.repeat or (1 if args.quick else 2)
+    rounds = args.image_rounds or (1 if args.quick else 3)
+    vllm_env = {"PYTHONPATH": args.vision_path} if args.vision_path else None
+    workdir = tempfile.mkdtemp(prefix="tokenmill-bench-images-")
+    stacks = None
+    started = time.monotonic()
+    try:
+        model = args.vllm_model
+        if model is None:
+            model = os.path.join(workdir, "Tiny-Qwen2-VL")
+            maker = [str(python), str(ROOT / "tests" / "image_model.py"), model]
+            subprocess.run(maker, cwd=ROOT, check=True, env={**os.environ, **(vllm_env or {})})
+        # every run's images made before the servers start (a PNG takes ~0.7 s to encode): the same for both sides
+        count = img.CHATS * img.IMAGES_PER_CHAT
+        work = [
+            [
+                img.chat_bodies(NAME, f"run {k} round {r} {time.time_ns()}", img.photo_images(count, k * 1000 + r))
+                for r in range(rounds)
+            ]
+            for k in range(repeat)
+        ]
+        simulated = args.images_engine == "simulated"
+        # eager on both sides: torch.compile's start-up on two shared cores is minutes, and the same for both
+        stacks = Stacks(
+            str(python), model, workdir, max_model_len=32768, vllm_env=vllm_env, simulated=simulated, eager=True
+        )
+        stacks.wait_ready()
+        print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
+        ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
+        results: dict[str, list] = {side: [] for side in ports}
+        for k in range(repeat):
+            for side in list(ports)[:: 1 if k % 2 == 0 else -1]:  # the order alternates between runs
+                results[side].append(img.image_chats(ports[side], side, stacks.front_pids[side], work[k]))
+                print(f"  run {k + 1}/{repeat} on {side} done", flush=True)
+        report = {side: {"images": _median_runs(runs)} for side, runs in results.items()}
+        report["runs"] = {side: {"images": runs} for side, runs in results.items()}
+        report["ratios"] = {
+            "images": {
+                f: _ratio(report["tokenmill"]["images"].get(f), report["vllm"]["images"].get(f)) for f in img.FIGURES
+            }
+        }
+        report["engine"] = "simulated scheduler" if simulated else "tokenmill engine --backend vllm"
+        report["versions"] = _versions(python, vllm_env)
+        print_table(report, repeat, {"images": img.FIGURES})
+        print(f"tokenmill's side served by: {report['engine']}")
+        write_json(args.json, report)
+        return 0
+    finally:
+        if stacks is not None:
+            stacks.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _ratio(ours, theirs) -> float | None:
     r = ratio(ours, theirs)
     return None if r is None else round(r, 3)
 
 
-def _versions(python: Path) -> dict:
+def _versions(python: Path, env: dict | None = None) -> dict:
     from importlib.metadata import version
 
     probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
-    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True).stdout.split()
+    found = subprocess.run(
+        [str(python), "-c", probe], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    ).stdout.split()
     return {
         "tokenmill": version("tokenmill"),
         "vllm": found[0] if found else None,
@@ -564,7 +663,7 @@ def _spread(runs: list[dict], figure: str) -> str:
     return f"{min(values):g}-{max(values):g}" if len(values) > 1 else ""
 
 
-def print_table(report: dict, repeat: int) -> None:
+def print_table(report: dict, repeat: int, figures: dict | None = None) -> None:
     v = report["versions"]
     print(
         f"\ntokenmill bench vllm: vLLM {v['vllm']}'s own server vs tokenmill in front of the same engine "
@@ -573,10 +672,10 @@ def print_table(report: dict, repeat: int) -> None:
     print(
         f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}"
     )
-    for scenario, figures in FIGURES.items():
+    for scenario, names in (figures or FIGURES).items():
         if scenario not in report["ratios"]:
             continue
-        for figure in figures:
+        for figure in names:
             a, b = report["vllm"][scenario].get(figure), report["tokenmill"][scenario].get(figure)
             r = report["ratios"][scenario][figure]
             spread = [_spread(report["runs"][side][scenario], figure) for side in ("vllm", "tokenmill")]

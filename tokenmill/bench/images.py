@@ -1,0 +1,181 @@
+"""``tokenmill bench vllm --images``: image chats against vLLM's own server and against tokenmill (issue 34).
+
+Both stacks serve one tiny random Qwen2-VL (``tests/image_model.py``, made for the run with vLLM's
+Python, or ``--vllm-model``). vLLM's Qwen2-VL path imports torchvision, which this machine's CPU
+torch lacks: ``--vision-path`` (an overlay of torch and torchvision made with ``pip install
+--target``) goes first on PYTHONPATH for every process that runs vLLM.
+
+Per round, 8 chats are sent together, each with 4 images of 1024 x 1024 never seen before (photo-
+like: smooth colour fields with grain; two JPEG, two PNG, as base64 ``data:`` URLs), one output
+token each: the front end fetches nothing, but decodes, resizes, patches and expands 32 images. Then
+the same 8 chats one turn later (an assistant answer and a new question added), resending the same
+images: what an agent does every turn. A prober in its own process GETs ``/health`` every 10 ms
+through all of it. Figures: the prober's percentiles, images per second over the first turns (wall
+time, the engine's vision tower and prefill included: the same engine on both sides), each turn's
+latency, and the front end's CPU per image (vLLM: its API-server process; tokenmill: the gateway and
+the workers), first turn against resend, and of that the gateway's alone over both turns.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing as mp
+import threading
+import time
+
+from tokenmill.bench.common import cpu_seconds, health_prober, pct, process_role, process_tree, request, rnd
+
+CHATS = 8
+IMAGES_PER_CHAT = 4
+SIZE = 1024
+
+
+def photo_images(count: int, seed: int) -> list[tuple[str, bytes]]:
+    """``count`` distinct 1024 x 1024 photo-like images as (media type, file bytes), JPEG and PNG in
+    turn: a bicubic-smoothed random colour field with +-6 levels of grain (a JPEG of ~180 KB, a PNG
+    of ~1.8 MB; noise alone would make a PNG no photo makes)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        low = Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).resize((SIZE, SIZE), Image.BICUBIC)
+        grain = rng.integers(-6, 7, (SIZE, SIZE, 3), dtype=np.int16)
+        image = Image.fromarray(np.clip(np.asarray(low, dtype=np.int16) + grain, 0, 255).astype(np.uint8))
+        buf = io.BytesIO()
+        if i % 2:
+            image.save(buf, "PNG")
+            out.append(("image/png", buf.getvalue()))
+        else:
+            image.save(buf, "JPEG", quality=90)
+            out.append(("image/jpeg", buf.getvalue()))
+    return out
+
+
+def chat_bodies(model: str, tag: str, images: list[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """Per chat, its first turn and its second turn (the same images resent), as request bodies."""
+    first, resend = [], []
+    for c in range(len(images) // IMAGES_PER_CHAT):
+        parts: list[dict] = [{"type": "text", "text": f"[{tag} chat {c}] Compare these screenshots."}]
+        for media, data in images[c * IMAGES_PER_CHAT : (c + 1) * IMAGES_PER_CHAT]:
+            url = f"data:{media};base64,{base64.b64encode(data).decode()}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        messages = [{"role": "user", "content": parts}]
+        body = {"model": model, "max_tokens": 1, "temperature": 0, "messages": messages}
+        first.append(json.dumps(body).encode())
+        messages += [
+            {"role": "assistant", "content": "The second one has a dialog open."},
+            {"role": "user", "content": "What does the dialog say?"},
+        ]
+        resend.append(json.dumps(body).encode())
+    return first, resend
+
+
+def front_cpu_s(side: str, pid: int) -> dict[str, float]:
+    """CPU seconds of the front end: vLLM's API-server process (its engine core is a child, left out);
+    tokenmill serve's gateway and its workers (a simulated scheduler in its tree left out)."""
+    if side == "vllm":
+        return {"gateway": cpu_seconds(pid), "workers": 0.0}
+    out = {"gateway": 0.0, "workers": 0.0}
+    for p, name in process_tree(pid).items():
+        role = process_role(name)
+        if role != "scheduler":
+            out[role] += cpu_seconds(p)
+    return out
+
+
+def _send_together(port: int, bodies: list[bytes]) -> tuple[float, list[float], list[int], list[str]]:
+    """The bodies sent at once, a thread each: (wall s, latencies ms, prompt tokens, errors)."""
+    latencies, tokens, errors = [], [], []
+
+    def one(body: bytes) -> None:
+        t0 = time.perf_counter()
+        try:
+            status, data = request(port, "POST", "/v1/chat/completions", body, timeout=600)
+        except OSError as exc:
+            errors.append(repr(exc))
+            return
+        latencies.append((time.perf_counter() - t0) * 1000)
+        if status == 200:
+            tokens.append(json.loads(data)["usage"]["prompt_tokens"])
+        else:
+            errors.append(f"{status}: {data[:300]!r}")
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, latencies, tokens, errors
+
+
+def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], list[bytes]]]) -> dict:
+    """``rounds``: (first turns, resent turns) of 8 chats each, every round's images new."""
+    ctx = mp.get_context("spawn")
+    out, stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
+    prober = ctx.Process(target=health_prober, args=(port, stop, out, started))
+    prober.start()
+    started.wait(60)
+    time.sleep(0.5)
+    walls, first_ms, resend_ms, tokens, errors = [], [], [], [], []
+    cpu = {"first": 0.0, "resend": 0.0}
+    gateway_cpu = 0.0  # tokenmill's gateway alone (vLLM's front is one process: all of it)
+    images = 0
+    try:
+        for first, resend in rounds:
+            for kind, bodies in (("first", first), ("resend", resend)):
+                cpu0 = front_cpu_s(side, pid)
+                wall, latencies, counted, failed = _send_together(port, bodies)
+                cpu1 = front_cpu_s(side, pid)
+                cpu[kind] += sum(cpu1.values()) - sum(cpu0.values())
+                gateway_cpu += cpu1["gateway"] - cpu0["gateway"]
+                errors += failed
+                if kind == "first":
+                    walls.append(wall)
+                    first_ms += latencies
+                    tokens += counted
+                    images += IMAGES_PER_CHAT * len(counted)
+                else:
+                    resend_ms += latencies
+    finally:
+        stop.set()
+        health = out.get(timeout=120)[1]
+        prober.join(30)
+    first_p50, resend_p50 = pct(first_ms, 0.5), pct(resend_ms, 0.5)
+    sent = IMAGES_PER_CHAT * sum(len(first) for first, _ in rounds)
+    return {
+        "health_p50_ms": rnd(pct(health, 0.5), 2),
+        "health_p99_ms": rnd(pct(health, 0.99), 2),
+        "health_max_ms": rnd(max(health, default=None), 2),
+        "images_per_s": rnd(images / sum(walls), 2) if images else None,
+        "first_turn_p50_ms": rnd(first_p50),
+        "resend_turn_p50_ms": rnd(resend_p50),
+        "resend_vs_first": rnd(resend_p50 / first_p50, 3) if first_p50 and resend_p50 else None,
+        "front_cpu_ms_per_image": rnd(cpu["first"] * 1000 / sent, 2),
+        "resend_front_cpu_ms_per_image": rnd(cpu["resend"] * 1000 / sent, 2),
+        "resend_cpu_vs_first": rnd(cpu["resend"] / cpu["first"], 3) if cpu["first"] else None,
+        "gateway_cpu_ms_per_image": rnd(gateway_cpu * 1000 / (2 * sent), 2),
+        "prompt_tokens": max(tokens, default=0),
+        "errors": errors[:3],
+    }
+
+
+FIGURES = [
+    "health_p50_ms",
+    "health_p99_ms",
+    "health_max_ms",
+    "images_per_s",
+    "first_turn_p50_ms",
+    "resend_turn_p50_ms",
+    "resend_vs_first",
+    "front_cpu_ms_per_image",
+    "resend_front_cpu_ms_per_image",
+    "resend_cpu_vs_first",
+    "gateway_cpu_ms_per_image",
+    "prompt_tokens",
+]
