@@ -61,9 +61,12 @@ Images (1.2 ``images``): each item's pixel frame becomes a torch tensor over the
 the items go through vLLM's own processor-cache sender (``InputProcessor.inject_into_mm_cache``): an
 item whose hash the engine core already holds travels to it as a reference, not as pixels, as in
 vLLM's own server. The feature is listed only for a model whose vLLM implementation reads the
-``qwen2_vl`` family (Qwen2-VL, Qwen2.5-VL), and only with ``mm_device_do_normalize`` off: the
-bridge turns it off by default, because the workers' pixels are already normalised and vLLM would
-normalise them a second time on the device.
+``qwen2_vl`` family (Qwen2-VL, Qwen2.5-VL), and only with vLLM's default ``mm_device_do_normalize``
+on: the workers send uint8 pixels, resized and patched but not rescaled or normalised, the array
+vLLM's own processor hands its engine in that mode, and the model rescales and normalises them on the
+device with its own ``image_mean`` / ``image_std``. Only ``uint8`` items are taken; a ``float32``
+(already normalised) item is refused with ``param`` ``images``, since the device would normalise it
+a second time.
 
 Logprobs are vLLM's (its default ``logprobs_mode`` "raw_logprobs": the model's distribution
 before temperature, penalties, logit_bias and grammar masks, as vLLM's own server returns
@@ -117,6 +120,11 @@ def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
     for i, (image, buffer) in enumerate(request.images):
         if image.family != "qwen2_vl" or len(image.shape) != 2 or len(image.grid_thw) != 3:
             raise EngineRejected(f"images[{i}]: this engine reads the qwen2_vl family only", param="images")
+        if image.dtype != "uint8":
+            raise EngineRejected(
+                f"images[{i}]: this engine takes uint8 pixels (vLLM normalises them on the device), not {image.dtype}",
+                param="images",
+            )
         t, h, w = image.grid_thw
         if t * h * w != image.shape[0]:
             raise EngineRejected(
@@ -124,7 +132,7 @@ def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
             )
         with warnings.catch_warnings():  # the frame is read-only; vLLM only reads it
             warnings.simplefilter("ignore", UserWarning)
-            pixels = torch.frombuffer(buffer, dtype=getattr(torch, image.dtype)).view(*image.shape)
+            pixels = torch.frombuffer(buffer, dtype=torch.uint8).view(*image.shape)
         fields = {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", torch.tensor([image.shape[0]])),
             "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
@@ -343,7 +351,6 @@ class VLLMBackend(Backend):
     ) -> None:
         args = dict(engine_args or {})
         args.setdefault("skip_tokenizer_init", False)  # structured outputs need vLLM's tokenizer
-        args.setdefault("mm_device_do_normalize", False)  # the workers' pixels are normalised already
         self.engine_args = args
         self.engine = engine
         self._factory = engine_factory
@@ -433,10 +440,11 @@ class VLLMBackend(Backend):
 
     @staticmethod
     def _reads_qwen2_vl(model_config: Any) -> bool:
-        """Whether the model takes the workers' ``qwen2_vl`` pixels as they are: a Qwen2-VL-family vLLM
-        model that does not normalise its pixel input itself (``mm_device_do_normalize``)."""
+        """Whether the model takes the workers' ``qwen2_vl`` uint8 pixels as they are: a Qwen2-VL-family
+        vLLM model that rescales and normalises its pixel input on the device (``mm_device_do_normalize``,
+        vLLM's default for these models)."""
         mm_config = getattr(model_config, "multimodal_config", None)
-        if mm_config is None or getattr(mm_config, "mm_device_do_normalize", True):
+        if mm_config is None or not getattr(mm_config, "mm_device_do_normalize", False):
             return False
         limit = getattr(mm_config, "get_limit_per_prompt", None)
         if limit is not None and limit("image") < 1:

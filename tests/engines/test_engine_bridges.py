@@ -891,21 +891,21 @@ def test_vllm_protocol_1_2_params_and_features():
     asyncio.run(main())
 
 
-def test_vllm_images_feature_only_for_a_qwen2_vl_model_without_device_normalisation():
-    """images: listed for a Qwen2-VL-family model (its vLLM class reads the workers' qwen2_vl pixels) whose
-    pixel input vLLM does not normalise again on the device; the bridge turns that off by default. The
-    real engine: tests/engines/test_vllm_images.py."""
-    assert vllm_backend()[0].engine_args["mm_device_do_normalize"] is False
+def test_vllm_images_feature_only_for_a_qwen2_vl_model_with_device_normalisation():
+    """images: listed for a Qwen2-VL-family model (its vLLM class reads the workers' qwen2_vl pixels) that
+    rescales and normalises the workers' uint8 pixels on the device (vLLM's default, which the bridge
+    leaves alone). The real engine: tests/engines/test_vllm_images.py."""
+    assert "mm_device_do_normalize" not in vllm_backend()[0].engine_args
 
     def listed(architectures, **mm) -> bool:
         mm_config = SimpleNamespace(get_limit_per_prompt=lambda modality: 999, **mm)
         backend, _ = vllm_backend(architectures=architectures, multimodal_config=mm_config)
         return "images" in backend.info().features
 
-    assert listed(["Qwen2VLForConditionalGeneration"], mm_device_do_normalize=False)
-    assert listed(["Qwen2_5_VLForConditionalGeneration"], mm_device_do_normalize=False)
-    assert not listed(["Qwen2VLForConditionalGeneration"], mm_device_do_normalize=True)
-    assert not listed(["Gemma3ForConditionalGeneration"], mm_device_do_normalize=False)  # another family
+    assert listed(["Qwen2VLForConditionalGeneration"], mm_device_do_normalize=True)
+    assert listed(["Qwen2_5_VLForConditionalGeneration"], mm_device_do_normalize=True)
+    assert not listed(["Qwen2VLForConditionalGeneration"], mm_device_do_normalize=False)
+    assert not listed(["Gemma3ForConditionalGeneration"], mm_device_do_normalize=True)  # another family
     text_only, _ = vllm_backend(architectures=["LlamaForCausalLM"], multimodal_config=None)  # as vLLM has it
     assert "images" not in text_only.info().features
 

@@ -7,15 +7,15 @@ Qwen2-VL path needs (tests/vllm_env.py, VLLM_VISION):
 
 * by vLLM's own OpenAI server (its defaults: its own fetch, decode and HF processor, pixels
   normalised on the device);
-* by `tokenmill engine --backend vllm` behind `tokenmill serve` (the bridge turns
-  ``mm_device_do_normalize`` off: the workers' pixels come normalised).
+* by `tokenmill engine --backend vllm` behind `tokenmill serve` (vLLM's default
+  ``mm_device_do_normalize`` too: the workers send uint8 pixels, the device normalises them).
 
 For the cases of issue 34 (1x1, 20x20, a 1024^2 JPEG, 768x1024, a 28x5000 strip, an EXIF-rotated
 JPEG, an RGBA PNG, an animated GIF, a 224^2 PNG that needs no resizing, a two-image message) the
 prompt token IDs (``return_token_ids``) and the greedy outputs are vLLM's; an aspect ratio over 200
-is a 400 on both; the workers' pixels equal vLLM's own processing (decode as vLLM does, then
-transformers' image processor in vLLM's venv) within one intensity level, and exactly where no
-resize happens; the bridge lists ``images``; and an image the engine core already holds goes to it
+is a 400 on both; the workers' uint8 pixels equal vLLM's own uint8 processing (decode as vLLM
+does, then transformers' image processor in vLLM's venv, as vLLM calls it) within two intensity
+levels, and exactly where no resize happens; the bridge lists ``images``; and an image the engine core already holds goes to it
 as its content hash (vLLM's processor cache), not as pixels.
 
 Both vLLMs start in the background as soon as pytest has collected this module (as tests/vllm_stack.py
@@ -278,8 +278,9 @@ def _greedy(url: str, messages: list[dict]) -> tuple[list[int], list[int], str, 
 # ---- tests --------------------------------------------------------------------------------------------
 
 
-def test_engine_lists_images_and_refuses_another_family(stack):
-    """welcome lists images; an item of a family the bridge cannot hand to vLLM is an error naming images."""
+def test_engine_lists_images_and_refuses_another_family_or_dtype(stack):
+    """welcome lists images; an item of a family or dtype the bridge cannot hand to vLLM is an error
+    naming images."""
     _, engine, _ = stack
     client = ProtocolClient(engine.endpoint, log=engine.log)
     try:
@@ -292,6 +293,13 @@ def test_engine_lists_images_and_refuses_another_family(stack):
         client.send(gen, ids_to_frame(prompt), pixels)
         error = client.recv_not_stats()
         assert isinstance(error, Error) and (error.request_id, error.param) == ("g", "images"), error
+        # float32 (normalised) pixels: the device would normalise them again
+        item = ImageItem("qwen2_vl", "float32", [16, 1176], [1, 4, 4], 1, 4, "1" * 64)
+        gen = Generate(request_id="f", prompt_token_count=len(prompt), max_new_tokens=2, images=[item])
+        client.send(gen, ids_to_frame(prompt), pixels)
+        error = client.recv_not_stats()
+        assert isinstance(error, Error) and (error.request_id, error.param) == ("f", "images"), error
+        assert "uint8" in error.message, error
     finally:
         client.close()
 
@@ -339,16 +347,17 @@ for name, url in cases.items():
     image = ImageMediaIO(image_mode="RGB").load_base64("", url.split(",", 1)[1]).media
     # as vLLM calls it with mm_device_do_normalize (its default for Qwen2-VL): resized pixels, 0..255
     got = processor(images=[image], do_rescale=False, do_normalize=False, return_tensors="np")
-    arrays[name] = np.asarray(got["pixel_values"], dtype=np.float32)
+    arrays[name] = np.asarray(got["pixel_values"])
 np.savez(out, **arrays)
 """
 
 
 def test_pixels_equal_vllms_own_processing(stack, tmp_path):
-    """The workers' pixels, un-normalised, against vLLM's decoding and transformers' image processor in
-    vLLM's venv (its torchvision backend): exactly equal where nothing is resized; with resizing, Pillow's
-    bicubic filter (the workers', as transformers' Pillow backend) against torchvision's differs by one
-    intensity level on a few values and by two on very few (measured: docs/engines.md)."""
+    """The workers' uint8 pixels against vLLM's decoding and transformers' image processor in vLLM's venv
+    (its torchvision backend) called as vLLM calls it with mm_device_do_normalize: both uint8, the same
+    layout; exactly equal where nothing is resized; with resizing, Pillow's bicubic filter (the workers',
+    as transformers' Pillow backend) against torchvision's differs by one intensity level on a few values
+    and by two on very few (measured: docs/engines.md)."""
     urls = {name: _data_url(kind) for name, kind in IMAGES.items()}
     (tmp_path / "cases.json").write_text(json.dumps(urls))
     made = subprocess.run(
@@ -368,14 +377,12 @@ def test_pixels_equal_vllms_own_processing(stack, tmp_path):
     assert made.returncode == 0, made.stderr[-4000:]
     theirs = np.load(tmp_path / "v.npz")
     pipeline = ImagePipeline(processor_for(EARLY.root / NAME))
-    mean = np.array(pipeline.processor.mean, dtype=np.float64)[None, :, None]
-    std = np.array(pipeline.processor.std, dtype=np.float64)[None, :, None]
     worst = {}
     for name, url in urls.items():
-        ours = pipeline.load_image_part(url, "x").pixels.astype(np.float64)
-        levels = (ours.reshape(len(ours), 3, -1) * std + mean) * 255
+        ours = pipeline.load_image_part(url, "x").pixels
+        assert ours.dtype == theirs[name].dtype == np.uint8, (name, theirs[name].dtype)
         assert theirs[name].shape == ours.shape, name  # the same grid: EXIF, GIF frame, alpha alike
-        diff = np.rint(np.abs(levels - theirs[name].reshape(levels.shape)))
+        diff = np.abs(ours.astype(np.int16) - theirs[name].astype(np.int16))
         worst[name] = (int(diff.max()), round(float((diff >= 1).mean()), 5), round(float((diff >= 2).mean()), 6))
     print(f"\n{theirs['_processor']}: (largest difference in levels, share >= 1, share >= 2): {worst}")
     for name, (largest, _, two) in worst.items():

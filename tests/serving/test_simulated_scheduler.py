@@ -428,7 +428,7 @@ def test_max_running_queues_the_rest():
 
 def test_image_items_are_checked_against_their_frames(sched):
     """A generate carrying images: one pixel frame per item after the prompt, of the item's dtype and shape,
-    its placeholder inside the prompt; a valid one generates as usual."""
+    its placeholder inside the prompt; a valid one (float32 or the workers' uint8) generates as usual."""
     client = sched.client()
     prompt = [5, 9, 9, 9, 9, 6, 7]
     item = ImageItem("qwen2_vl", "float32", [16, 1176], [1, 4, 4], offset=1, length=4, content_hash="h")
@@ -443,6 +443,8 @@ def test_image_items_are_checked_against_their_frames(sched):
 
     send("ok", [item], pixels)
     assert client.collect(["ok"])["ok"][-1].finish_reason == "length"
+    send("u8", [msgspec.structs.replace(item, dtype="uint8")], bytes(16 * 1176))  # what the workers send
+    assert client.collect(["u8"])["u8"][-1].finish_reason == "length"
     for rid, items, frames in (
         ("missing", [item], ()),
         ("extra", [item], (pixels, pixels)),

@@ -58,6 +58,16 @@ def _oracle(image: Image.Image, config: dict):
     return np.asarray(out["pixel_values"]), [int(v) for v in out["image_grid_thw"][0]]
 
 
+def _normalised(pixels: np.ndarray, config: dict) -> np.ndarray:
+    """The workers' uint8 patches rescaled and normalised as transformers' Pillow backend does it (x / 255
+    in float64, then float32; then (x - mean) / std in float32), per channel of the patch layout."""
+    assert pixels.dtype == np.uint8
+    x = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32).reshape(len(pixels), 3, -1)
+    mean = np.array(config["image_mean"], dtype=np.float32)[None, :, None]
+    std = np.array(config["image_std"], dtype=np.float32)[None, :, None]
+    return ((x - mean) / std).reshape(pixels.shape)
+
+
 def _pipeline(config=SMALL_CONFIG, **kw) -> ImagePipeline:
     return ImagePipeline(Qwen2VLProcessor(config), **kw)
 
@@ -78,8 +88,9 @@ def test_pixels_equal_transformers(size, config, tokens):
     mine = _pipeline(config).load_image_part(_data_url(_encode(image, "PNG")), "messages[0].content[0]")
     pixels, grid = _oracle(image, config)
     assert list(mine.grid_thw) == grid and mine.tokens == grid[1] * grid[2] // 4 == tokens
-    assert mine.pixels.dtype == np.float32 and mine.pixels.shape == pixels.shape
-    assert np.array_equal(mine.pixels, pixels)  # the same resampling: exactly equal
+    assert mine.pixels.dtype == np.uint8 and mine.pixels.shape == pixels.shape
+    assert mine.nbytes == pixels.size  # one byte a value: a quarter of float32's
+    assert np.array_equal(_normalised(mine.pixels, config), pixels)  # the same resampling: exactly equal
 
 
 def test_exif_rotation_rgba_palette_and_animation_match_transformers_after_the_same_decoding():
@@ -105,7 +116,7 @@ def test_exif_rotation_rgba_palette_and_animation_match_transformers_after_the_s
         opened = prepare(Image.open(io.BytesIO(data)))
         pixels, grid = _oracle(opened, SMALL_CONFIG)
         assert list(mine.grid_thw) == grid, name
-        assert np.array_equal(mine.pixels, pixels), name
+        assert np.array_equal(_normalised(mine.pixels, SMALL_CONFIG), pixels), name
     upright = pipeline.load_image_part(_data_url(jpeg), "p")
     assert upright.grid_thw == (1, 6, 4)  # 64 x 40 turned upright is 40 wide, 64 high: 84 x 56 (min_pixels)
 

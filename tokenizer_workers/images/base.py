@@ -25,7 +25,7 @@ class ProcessedImage:
     """One image ready for the engine: its pixels, its grid and its share of the prompt."""
 
     family: str  # the processor family, e.g. "qwen2_vl" (how an engine reads pixels and grid)
-    pixels: np.ndarray  # C-contiguous; for qwen2_vl float32 (patches, 3 * 2 * 14 * 14)
+    pixels: np.ndarray  # C-contiguous; for qwen2_vl uint8 (patches, 3 * 2 * 14 * 14), not normalised
     grid_thw: tuple[int, int, int]
     tokens: int  # placeholder tokens this image expands to
     content_hash: str

@@ -2,10 +2,14 @@
 
 ``smart_resize`` rounds height and width to multiples of patch_size * merge_size (28), keeps the
 pixel count within [min_pixels, max_pixels] and refuses aspect ratios over 200. The image is
-resized with Pillow's bicubic filter, rescaled (x / 255 in float64, then float32), normalised
-with the CLIP mean and std, and cut into (grid_h * grid_w) patches of 3 x temporal_patch_size x
-14 x 14 values (a still image repeated temporal_patch_size times), ordered merge window by merge
-window: the exact array ``Qwen2VLImageProcessorPil`` returns as ``pixel_values``.
+resized with Pillow's bicubic filter and cut into (grid_h * grid_w) patches of 3 x
+temporal_patch_size x 14 x 14 values (a still image repeated temporal_patch_size times), ordered
+merge window by merge window: the layout ``Qwen2VLImageProcessorPil`` returns as ``pixel_values``.
+
+The values stay uint8 (0..255), not rescaled or normalised: a quarter of float32's bytes through the
+cache, the gateway and the engine's IPC. The engine rescales and normalises with the model's own
+``image_mean`` / ``image_std`` (vLLM's default ``mm_device_do_normalize`` path, which takes exactly
+this array: what its processor hands over with ``do_rescale`` and ``do_normalize`` off).
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ import numpy as np
 
 from tokenizer_workers.images.base import ImageProcessor, ProcessedImage
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 
@@ -53,11 +55,6 @@ class Qwen2VLProcessor(ImageProcessor):
         self.patch_size = int(config.get("patch_size", 14))
         self.temporal_patch_size = int(config.get("temporal_patch_size", 2))
         self.merge_size = int(config.get("merge_size", 2))
-        self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
-        self.do_rescale = bool(config.get("do_rescale", True))
-        self.do_normalize = bool(config.get("do_normalize", True))
-        self.mean = np.array(config.get("image_mean", CLIP_MEAN), dtype=np.float32)
-        self.std = np.array(config.get("image_std", CLIP_STD), dtype=np.float32)
         self.resample = int(config.get("resample", 3))  # PIL.Image.BICUBIC
         if self.min_pixels > self.max_pixels:
             raise ValueError("preprocessor_config.json: min_pixels is above max_pixels")
@@ -71,12 +68,8 @@ class Qwen2VLProcessor(ImageProcessor):
                 self.patch_size,
                 self.temporal_patch_size,
                 self.merge_size,
-                self.rescale_factor,
-                self.do_rescale,
-                self.do_normalize,
-                self.mean.tolist(),
-                self.std.tolist(),
                 self.resample,
+                "uint8",
             )
         )
 
@@ -88,13 +81,7 @@ class Qwen2VLProcessor(ImageProcessor):
         height, width = self.target_size(image.width, image.height)
         resized = image.resize((width, height), resample=self.resample)
         pixels = np.asarray(resized)  # (h, w, 3) uint8
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            pixels = (pixels - self.mean) / self.std
-        patches, grid_h, grid_w = self._patchify(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        patches, grid_h, grid_w = self._patchify(pixels.transpose(2, 0, 1))
         tokens = grid_h * grid_w // (self.merge_size**2)
         return ProcessedImage(self.family, patches, (1, grid_h, grid_w), tokens, content_hash)
 

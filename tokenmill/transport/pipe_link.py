@@ -198,12 +198,14 @@ class PipePeer:
         self.send_multipart([data])
 
     def send_multipart(self, frames: list, copy: bool = False) -> None:
-        parts = [pack_header(frames), *frames]
-        sent = self.sock.sendmsg(parts)
-        total = sum(map(len, parts))
-        if sent < total:  # a large message (a long prompt's tokens) or an interrupted call: send the rest
-            rest = memoryview(b"".join(parts))[sent:]
-            self.sock.sendall(rest)
+        parts = [memoryview(pack_header(frames)), *map(memoryview, frames)]
+        sendmsg = self.sock.sendmsg
+        while parts:  # a large message (a long prompt's tokens, pixel frames) goes in several calls
+            sent = sendmsg(parts)
+            while parts and sent >= parts[0].nbytes:  # the parts now sent whole; the rest, not copied
+                sent -= parts.pop(0).nbytes
+            if parts:
+                parts[0] = parts[0].cast("B")[sent:]
 
     def receive(self) -> list[list[memoryview]]:
         """Every whole message waiting now; raises EOFError when the gateway has gone."""
