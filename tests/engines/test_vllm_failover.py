@@ -8,6 +8,9 @@ detokenization moves to the other worker.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 from vllm_env import missing_reason
@@ -19,13 +22,14 @@ if _why:
 import vllm_stack  # noqa: E402
 from conftest import Server  # noqa: E402
 from faultutil import metric, state, wait_until  # noqa: E402
-from stream_replay import kill_busiest, run  # noqa: E402
+from stream_replay import run  # noqa: E402
 from vllm_stack import MAX_MODEL_LEN, NAME  # noqa: E402
 
 start_early = vllm_stack.start_early
 stack = vllm_stack.module_fixture()
 
-GREEDY = {"temperature": 0, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+MAX_TOKENS = 1000
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
 STREAMS = [
     ("chat", {"messages": [{"role": "user", "content": "Tell me about the river"}], **GREEDY}),
     ("chat", {"messages": [{"role": "user", "content": "Zürich 😀 東京 naïve"}], **GREEDY, "logprobs": True}),
@@ -46,6 +50,20 @@ def gateway(stack):
     assert srv.stop() == 0
 
 
+def kill_while_detokenizing(srv, timeout: float = 60) -> dict:
+    """kill -9 the worker detokenizing the most streams, as soon as one holds several. Judged by the gateway's
+    state, not by what the client has read: vLLM outruns a client starved of CPU (in a fresh-clone CI run
+    every stream had ended at the engine when each client had read 20 chunks)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        victim = max((w for w in state(srv)["workers"] if w["alive"]), key=lambda w: w["streams"])
+        if victim["streams"] >= 2:
+            os.kill(victim["pid"], signal.SIGKILL)
+            return victim
+        time.sleep(0.005)
+    raise AssertionError(f"no worker held two streams within {timeout} s: {state(srv)}")
+
+
 def test_greedy_streams_through_a_failover_equal_the_undisturbed(gateway):
     baseline = asyncio.run(run(gateway, STREAMS, model=NAME))
     for got in baseline:
@@ -54,12 +72,11 @@ def test_greedy_streams_through_a_failover_equal_the_undisturbed(gateway):
     killed = {}
 
     def kill(progress):
-        killed.update(kill_busiest(gateway, progress, wait_chunks=20))
+        killed.update(kill_while_detokenizing(gateway))
         killed["progress"] = [p[0] for p in progress]
 
     disturbed = asyncio.run(run(gateway, STREAMS, kill, model=NAME))
     print(f"killed worker {killed['index']} holding {killed['streams']} streams, chunks so far {killed['progress']}")
-    assert any(p < 400 for p in killed["progress"]), "every stream had ended before the kill"
     differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
     for i in differ:
         print(f"stream {i}:\n  undisturbed {baseline[i]}\n  with failover {disturbed[i]}")
