@@ -33,6 +33,7 @@ from tokenmill.bench.common import (
     add_common_options,
     add_long_prompt_options,
     add_server_options,
+    all_at_once,
     health_prober,
     long_bodies,
     pct,
@@ -172,13 +173,7 @@ def _send_chat_rounds(port: int, rounds: list[list[bytes]], out) -> None:
             conn.close()
 
     for bodies in rounds:
-        threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        walls.append(time.perf_counter() - t0)
+        walls.append(all_at_once(one, bodies))
     out.put(("long", {"walls": walls, "errors": errors}))
 
 

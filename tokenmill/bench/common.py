@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,18 @@ def long_bodies(count: int, tokens: int, model: str) -> list[bytes]:
 
 
 # ---- loopback HTTP ---------------------------------------------------------------------------
+
+
+def all_at_once(one, items) -> float:
+    """``one(item)`` for every item, each on its own thread, all started together; the seconds until the
+    last one returned."""
+    threads = [threading.Thread(target=one, args=(item,)) for item in items]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def free_port() -> int:

@@ -21,10 +21,18 @@ from __future__ import annotations
 import base64
 import json
 import multiprocessing as mp
-import threading
 import time
 
-from tokenmill.bench.common import cpu_seconds, health_prober, pct, process_role, process_tree, request, rnd
+from tokenmill.bench.common import (
+    all_at_once,
+    cpu_seconds,
+    health_prober,
+    pct,
+    process_role,
+    process_tree,
+    request,
+    rnd,
+)
 
 CHATS = 8
 IMAGES_PER_CHAT = 4
@@ -105,13 +113,7 @@ def _send_together(port: int, bodies: list[bytes]) -> tuple[float, list[float], 
         else:
             errors.append(f"{status}: {data[:300]!r}")
 
-    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, latencies, tokens, errors
+    return all_at_once(one, bodies), latencies, tokens, errors
 
 
 def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], list[bytes]]]) -> dict:

@@ -47,6 +47,7 @@ from tokenmill.bench.busy import add_busy_load_options, measure_busy
 from tokenmill.bench.common import (
     add_common_options,
     add_vllm_options,
+    all_at_once,
     corpus,
     free_port,
     health_prober,
@@ -270,13 +271,7 @@ def _send_rounds(port: int, rounds: list[list[bytes]], out) -> None:
             errors.append(f"{status}: {data[:200]!r}")
 
     for bodies in rounds:
-        threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        walls.append(time.perf_counter() - t0)
+        walls.append(all_at_once(one, bodies))
     out.put(("long", {"walls": walls, "tokens": tokens, "errors": errors}))
 
 
