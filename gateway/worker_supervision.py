@@ -128,6 +128,10 @@ class LocalWorkers:
                 *(arg for endpoint in self.attach for arg in ("--attach", endpoint)),
                 env=env,
                 pass_fds=(theirs.fileno(),),
+                # a session of its own, so a scheduling group of its own (Linux autogroups): the CPU it
+                # spends converting is not charged to the gateway's group, whose loop then gets a core
+                # the moment a request arrives (it dies with the gateway all the same: die_with_supervisor)
+                start_new_session=True,
             )
         task = asyncio.create_task(self._watch(worker, worker.process))
         self._tasks.add(task)

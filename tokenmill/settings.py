@@ -54,6 +54,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "gateway 0's pings before it is killed and replaced (0 = never; systemd's watchdog "
         "covers gateway 0).",
     ),
+    "loop_slice_us": (
+        int,
+        "CPU time slice in microseconds that each gateway's event-loop thread asks the kernel for "
+        "(Linux 6.12 and later; no privilege needed; 0 = the kernel's default). A short slice lets the "
+        "loop preempt an engine or a conversion thread the moment a request arrives, so /health and "
+        "streams stay prompt on cores the engine keeps busy; its CPU share is unchanged.",
+    ),
     "workers": (
         int,
         "Tokenizer worker processes (0 = CPU count minus one, at least one; with --remote-workers, "

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 from conftest import Server
 
 
@@ -116,6 +117,42 @@ def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_pro
     finally:
         niced.stop()
         plain.stop()
+
+
+def _slices(pid: int) -> dict[int, int]:
+    """Each thread's scheduler time slice in ns (se.slice of /proc/PID/task/TID/sched)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/sched") as f:
+            for line in f:
+                if line.startswith("se.slice"):
+                    out[int(tid)] = int(line.split(":")[1])
+    return out
+
+
+def _kernel_takes_slices() -> bool:
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 12) and os.path.exists("/proc/self/sched")
+
+
+def test_the_gateway_loop_asks_for_a_short_slice_and_the_workers_have_a_scheduling_group_of_their_own():
+    """The event-loop thread alone asks for --loop-slice-us (so it preempts an engine that keeps the cores
+    busy, the moment a request comes); its helper threads and the workers keep the kernel's default. The
+    workers run in sessions of their own (Linux autogroups): their conversions are not charged to the
+    gateway's scheduling group."""
+    server = Server("--loop-slice-us", "200")
+    try:
+        gateway = server.proc.pid
+        worker = _child(server, b"tokenizer_workers.worker")
+        assert os.getsid(worker) != os.getsid(gateway) and os.getsid(worker) == worker
+        if not _kernel_takes_slices():
+            pytest.skip("this kernel has no per-thread time slices (Linux 6.12+)")
+        slices = _slices(gateway)
+        assert slices.pop(gateway) == 200_000, slices
+        assert slices and 200_000 not in slices.values(), slices  # ZeroMQ's and the loop's helper threads
+        assert 200_000 not in _slices(worker).values()
+    finally:
+        server.stop()
 
 
 def test_conversion_nice_out_of_range_is_refused_at_start():

@@ -136,7 +136,13 @@ def probe_health(
 ) -> None:
     """GET /health every 10 ms until ``stop`` is set, appending each latency in ms to ``latencies``.
     A failed probe reconnects; with ``count_failures`` it counts as taking until it failed. ``started``
-    (an Event) is set once the first probe has been answered."""
+    (an Event) is set once the first probe has been answered. The prober's thread asks for a short
+    time slice (as tokenmill's gateway loop does): a health checker on another host does not wait for
+    this machine's cores, so what it measures should be the server's delay, not its own (the same
+    for every server measured)."""
+    from tokenmill.process.procutil import request_latency_slice
+
+    request_latency_slice(100)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     while not stop.is_set():
         t0 = time.perf_counter()
