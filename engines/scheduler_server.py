@@ -34,6 +34,8 @@ import msgspec
 import zmq
 
 from scheduler_client.protocol import (
+    ERR_IMAGE_MISSING,
+    FEATURE_IMAGES_BY_HASH,
     IMAGE_DTYPES,
     PROTOCOL_VERSION,
     STRUCTURED_KINDS,
@@ -235,6 +237,11 @@ class SchedulerServer:
 
     def check(self, gen: Generate) -> None:
         """Engine-specific validation after the generic checks; raise :class:`Rejected`."""
+
+    def holds_image(self, content_hash: str) -> bool:
+        """With ``images.by_hash``: whether an item sent with an empty pixel frame can be served from
+        what this engine keeps (else the request is refused with ``image_missing``)."""
+        return False
 
     def accept(
         self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes, pixels: Sequence[memoryview] = ()
@@ -504,11 +511,12 @@ class SchedulerServer:
                 raise Rejected(f"prompt token id {highest} is out of range for vocabulary size {vocab_size}{hint}")
         return prompt, bytes(buf)
 
-    @staticmethod
-    def _validate_images(gen: Generate, frames: list) -> None:
-        """Each image item's pixel frame matches its dtype and shape, and its placeholder lies inside
-        the prompt, after the previous image's."""
+    def _validate_images(self, gen: Generate, frames: list) -> None:
+        """Each image item's pixel frame matches its dtype and shape (or, with ``images.by_hash``, is
+        empty for an image this engine holds), and its placeholder lies inside the prompt, after the
+        previous image's."""
         end = 0
+        by_hash = FEATURE_IMAGES_BY_HASH in self.features
         for i, (item, frame) in enumerate(zip(gen.images, frames)):
             size = IMAGE_DTYPES.get(item.dtype)
             if size is None:
@@ -516,7 +524,14 @@ class SchedulerServer:
             expected = size
             for dim in item.shape:
                 expected *= dim
-            if any(d < 1 for d in item.shape) or len(frame.buffer) != expected:
+            if by_hash and not len(frame.buffer) and expected:
+                if not self.holds_image(item.content_hash):
+                    raise Rejected(
+                        f"images[{i}]: image {item.content_hash} is not held here (any more): send its pixels",
+                        ERR_IMAGE_MISSING,
+                        param="images",
+                    )
+            elif any(d < 1 for d in item.shape) or len(frame.buffer) != expected:
                 raise Rejected(
                     f"images[{i}]: the pixel frame has {len(frame.buffer)} bytes, expected {expected} "
                     f"for {item.dtype} {item.shape}",

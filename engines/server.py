@@ -316,6 +316,10 @@ class EngineServer(SchedulerServer):
             )
         self.backend.check(gen)
 
+    def holds_image(self, content_hash: str) -> bool:
+        holds = getattr(self.backend, "holds_image", None)
+        return holds is not None and holds(content_hash)
+
     def accept(
         self, session: Session, gen: Generate, prompt: array, prompt_bytes: bytes, pixels: Sequence[memoryview] = ()
     ) -> None:

@@ -84,6 +84,7 @@ import zmq
 
 from engines.busy_cores import BusyCores
 from engines.guided import Decoder, Guide, GuideError
+from engines.held_images import HeldImages
 from engines.scheduler_server import (
     ERR_BAD_REQUEST,
     ERR_DUPLICATE,
@@ -393,6 +394,7 @@ class SimulatedScheduler(SchedulerServer):
         prefix_cache_tokens: int = 0,
         busy_cores: int = 0,
         scheduling: str = "fcfs",
+        image_cache_bytes: int = 4 << 30,
     ) -> None:
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be at least 1")
@@ -449,6 +451,8 @@ class SimulatedScheduler(SchedulerServer):
             self._features -= {FEATURE_PRIORITY}
         self.max_logprobs = min(20, self._tokens.vocab_size)
         self.image_placeholder_tokens = 0  # 1.2 images: placeholder tokens of the prompts accepted
+        # 1.2 images.by_hash: the images it would hold (sizes only: it has no vision tower to feed them to)
+        self.held_images = HeldImages(image_cache_bytes)
         # distinct token IDs the top-N alternatives come from (the palette's, else the vocabulary)
         self._alternatives = list(dict.fromkeys(t for sentence in self._tokens.sentences for t in sentence))
 
@@ -519,6 +523,9 @@ class SimulatedScheduler(SchedulerServer):
             vocab_size=self.vocab_size,
         )
 
+    def holds_image(self, content_hash: str) -> bool:
+        return content_hash in self.held_images
+
     def check(self, gen: Generate) -> None:
         limit = self.max_model_len
         if limit is not None and gen.prompt_token_count >= limit:
@@ -578,6 +585,8 @@ class SimulatedScheduler(SchedulerServer):
     ) -> None:
         # 1.2 images: their placeholder tokens are prompt tokens like any other here (no vision tower)
         self.image_placeholder_tokens += sum(item.length for item in gen.images)
+        for item, frame in zip(gen.images, pixels):
+            self.held_images.use(item.content_hash, len(frame))
         max_new = gen.max_new_tokens
         if self.max_model_len is not None:
             max_new = min(max_new, self.max_model_len - len(prompt))  # the context ends it with "length"
@@ -1237,6 +1246,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep N cores busy while any request runs, as a GPU engine's CPU side spins (default %(default)s)",
     )
     parser.add_argument(
+        "--image-cache-bytes",
+        type=int,
+        default=4 << 30,
+        metavar="N",
+        help="images.by_hash: the bytes of images it holds by content hash, least recently used out first "
+        "(as vLLM's processor cache, 4 GiB by default); a request naming one it no longer holds gets image_missing",
+    )
+    parser.add_argument(
         "--curve-secret-key-file",
         metavar="FILE",
         default=None,
@@ -1272,6 +1289,7 @@ def scheduler_from_args(args: argparse.Namespace) -> SimulatedScheduler:
         busy_cores=args.busy_cores,
         max_model_len=args.max_model_len or None,
         scheduling=getattr(args, "scheduling", "fcfs"),
+        image_cache_bytes=getattr(args, "image_cache_bytes", 4 << 30),
     )
 
 

@@ -84,8 +84,10 @@ from typing import Any
 from engines import engine_kwargs, require
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
+    ERR_IMAGE_MISSING,
     FEATURE_DISABLE_ANY_WHITESPACE,
     FEATURE_IMAGES,
+    FEATURE_IMAGES_BY_HASH,
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_PRIORITY,
     FEATURE_WHITESPACE_PATTERN,
@@ -109,7 +111,7 @@ QWEN2_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_
 
 def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
     """The request as ``vllm.inputs.mm_input``: its token IDs, and its images' pixels (tensors over the
-    pixel frames, no copy), grids, placeholder ranges and content hashes."""
+    pixel frames, no copy; None for an item sent by hash alone), grids, placeholder ranges and content hashes."""
     import warnings
 
     import torch
@@ -130,6 +132,11 @@ def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
             raise EngineRejected(
                 f"images[{i}]: grid_thw {image.grid_thw} does not match shape {image.shape}", param="images"
             )
+        hashes.append(image.content_hash)
+        ranges.append(PlaceholderRange(offset=image.offset, length=image.length))
+        if not len(buffer):  # images.by_hash: the engine core holds it (checked by the caller)
+            items.append(None)
+            continue
         with warnings.catch_warnings():  # the frame is read-only; vLLM only reads it
             warnings.simplefilter("ignore", UserWarning)
             pixels = torch.frombuffer(buffer, dtype=torch.uint8).view(*image.shape)
@@ -139,8 +146,6 @@ def vllm_multimodal_prompt(request: EngineRequest) -> dict[str, Any]:
         }
         hf = {"pixel_values": pixels, "image_grid_thw": torch.tensor([image.grid_thw])}
         items.append(MultiModalKwargsItems.from_hf_inputs(hf, fields)["image"][0])
-        hashes.append(image.content_hash)
-        ranges.append(PlaceholderRange(offset=image.offset, length=image.length))
     return mm_input(
         request.prompt,
         MultiModalKwargsItems({"image": items}),
@@ -390,6 +395,8 @@ class VLLMBackend(Backend):
         features = set(FEATURES)
         if not self._reads_qwen2_vl(model_config):
             features.discard(FEATURE_IMAGES)
+        if FEATURE_IMAGES not in features or self._sender_cache() is None:
+            features.discard(FEATURE_IMAGES_BY_HASH)
         no_tokenizer = getattr(model_config, "skip_tokenizer_init", None)
         if no_tokenizer is None:
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))
@@ -501,16 +508,40 @@ class VLLMBackend(Backend):
             kwargs["extra_args"] = extra
         return self._make_params(**kwargs)
 
+    def _sender_cache(self) -> Any:
+        """vLLM's processor-cache sender (its API-server side), which mirrors what the engine core holds by
+        hash; None when vLLM runs without a processor cache (``mm_processor_cache_gb`` 0)."""
+        processor = getattr(self.engine, "input_processor", None)
+        return getattr(getattr(processor, "renderer", None), "mm_processor_cache", None)
+
+    def holds_image(self, content_hash: str) -> bool:
+        """images.by_hash: an item sent without pixels is served from vLLM's engine core, which holds it
+        when vLLM's sender cache says so (the two evict in the same order)."""
+        cache = self._sender_cache()
+        return cache is not None and cache.is_cached_item(content_hash)
+
     def prompt(self, request: EngineRequest) -> dict[str, Any]:
         """vLLM's TokensPrompt for the request: its token IDs, and its cache_salt (1.2) when set; with
         images, vLLM's prebuilt multimodal input, its items passed through vLLM's processor-cache sender
-        (an item the engine core holds goes as its hash alone)."""
+        (an item the engine core holds goes as its hash alone; one the front end sent by hash must be
+        held, else the request is refused with image_missing and the front end sends the pixels)."""
         if request.images:
             prompt = vllm_multimodal_prompt(request)
             inject = getattr(getattr(self.engine, "input_processor", None), "inject_into_mm_cache", None)
+            cache = self._sender_cache()
             if inject is not None:
                 items = list(prompt["mm_kwargs"]["image"])
-                inject({"image": prompt["mm_hashes"]["image"]}, {"image": items})
+                hashes = prompt["mm_hashes"]["image"]
+                by_hash = [i for i, item in enumerate(items) if item is None]
+                if by_hash and (cache is None or not all(cache.is_cached_item(hashes[i]) for i in by_hash)):
+                    raise EngineRejected(
+                        "an image sent by its hash is no longer held by vLLM's engine core: send its pixels",
+                        ERR_IMAGE_MISSING,
+                        param="images",
+                    )
+                for i in by_hash:  # used again: the most recent in the sender's LRU, as in the engine core's
+                    cache.get_and_update_item(None, hashes[i])
+                inject({"image": hashes}, {"image": items})
                 prompt["mm_kwargs"]["image"] = items
                 held = sum(item is None for item in items)
                 if held:
@@ -520,6 +551,8 @@ class VLLMBackend(Backend):
                         held,
                         len(items),
                     )
+            elif any(not len(buffer) for _, buffer in request.images):
+                raise EngineRejected("this vLLM keeps no images: send their pixels", ERR_IMAGE_MISSING, param="images")
             return prompt
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt}
         if request.cache_salt is not None:

@@ -352,7 +352,16 @@ class App:
             fields=done.fields,
             owner_deaths=result.owner_deaths,
             affinity=result.affinity,
+            image_hashes=done.images_by_hash,
         )
+        k = done.frames_per_choice
+        if k > 2:  # images: their pixel frames, or empty ones for those the engine holds (images.by_hash)
+            pixels = [len(result.frames[k * i + j]) for i in range(len(gen.choices)) for j in range(2, k)]
+            gw.metrics.images_sent_by_hash.inc(pixels.count(0))
+            gw.metrics.images_sent_pixels.inc(len(pixels) - pixels.count(0))
+        if done.images_by_hash:  # kept until the engine answers, in case it has lost an image (image_missing)
+            for i, choice in enumerate(gen.choices):
+                choice.sent = tuple(result.frames[k * i : k * i + 2])
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
         try:
@@ -361,7 +370,6 @@ class App:
             if gw.shares_placements and done.conversation is not None:
                 gw.conversion.placed(result.owner, done.conversation, rank.index)
             gw.generations.add(gen)
-            k = done.frames_per_choice
             for i in range(len(done.choices)) if gen in gw.generations.live else ():  # (failed: its owner died)
                 gw.scheduler.generate(rank, *result.frames[k * i : k * i + k])
         except SchedulerUnavailable:

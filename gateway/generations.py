@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler_client import protocol
+from scheduler_client.client import SchedulerUnavailable
 from tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
 
 
@@ -42,6 +43,10 @@ class Choice:
     history: bytearray | None = None
     chunks: array | None = None
     inflight: deque | None = None
+    # images sent by hash alone (protocol 1.2 images.by_hash): the frames as sent, kept until the engine's
+    # first output, to send again with the pixels if it answers image_missing (once)
+    sent: tuple | None = None
+    pixels_asked: bool = False
 
 
 @dataclass(eq=False)
@@ -62,6 +67,7 @@ class Generation:
     owner_deaths: int = 0  # the owner's deaths (WorkerPool.deaths) when it converted this request
     failovers: int = 0  # times its streams moved to another worker
     affinity: int | None = None  # its conversation's key for the workers' dispatch (moves with its streams)
+    image_hashes: list[str] = field(default_factory=list)  # ConvertDone.images_by_hash
 
     @property
     def finished(self) -> bool:
@@ -162,6 +168,7 @@ class Generations:
                     metrics.inter_token_latency.observe(now - gen.last_token_at)
                 gen.last_token_at = now
                 tokens += len(out.token_ids) // 4
+            choice.sent = None  # the engine has the request: nothing to send again
             choice.completion_tokens = out.completion_tokens or choice.completion_tokens
             choice.cached_tokens = out.cached_tokens
             if out.finish_reason is not None:
@@ -193,7 +200,13 @@ class Generations:
         entry = self.by_request.get(error.request_id or "")
         if entry is None:
             return
-        gen, _ = entry
+        gen, choice = entry
+        if error.code == protocol.ERR_IMAGE_MISSING and choice.sent is not None and not choice.pixels_asked:
+            choice.pixels_asked = True  # the engine evicted an image sent by hash: the pixels, then again
+            if self.metrics:
+                self.metrics.image_pixels_resent.inc()
+            self.conversion.want_pixels(gen.owner, choice.request_id, gen.image_hashes)
+            return
         self.fail(
             gen,
             ApiError(
@@ -203,6 +216,32 @@ class Generations:
                 _request_field(error.param, gen.fields),
                 error.code,
             ),
+        )
+
+    def on_pixels(self, request_id: str, frames: list | None) -> None:
+        """The pixels of a request's images (PixelsWanted), to send its Generate again with; None: the
+        worker no longer has them, and the request fails to be retried (its images are sent again then)."""
+        entry = self.by_request.get(request_id)
+        if entry is None:
+            return  # ended meanwhile (client gone)
+        gen, choice = entry
+        sent, choice.sent = choice.sent, None
+        if frames is not None and sent is not None:
+            try:
+                self.scheduler.ranks[gen.rank].client.generate(sent[0], sent[1], *frames)
+                return
+            except SchedulerUnavailable:
+                pass
+        self.fail(
+            gen,
+            ApiError(
+                503,
+                "The engine no longer holds an image of this request and its pixels are gone too; retry the request.",
+                "ServiceUnavailableError",
+                None,
+                "image_missing",
+            ),
+            abort=False,
         )
 
     def on_rank_lost(self, rank: int, why: str) -> None:

@@ -33,6 +33,7 @@ class InProcessConversion:
             "reasoning_parser": parsers.reasoning_name or None,
         }
         self.on_detok = on_detok
+        self.on_pixels = None  # Generations.on_pixels, set by the gateway
         self.threaded = threaded
         self.metrics = metrics
         self._ids = itertools.count(1)
@@ -75,6 +76,11 @@ class InProcessConversion:
 
     def ended(self, owner: int, request_id: str) -> None:
         pass  # the detokenizer forgets a stream at its last text
+
+    def want_pixels(self, owner: int, request_id: str, content_hashes: list[str]) -> None:
+        images = self.converter.images
+        frames = images.pixel_frames(content_hashes) if images is not None else None
+        self.on_pixels(request_id, frames)
 
     def release(self, owner: int, request_ids) -> None:
         self.detokenizer.release(request_ids)

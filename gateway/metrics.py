@@ -188,6 +188,15 @@ class Metrics:
             "tokenmill_tokenize_cache_enabled",
             "1 when the model passed the segment-separability self-test and the cache is on.",
         )
+        self.images_sent_pixels = c("tokenmill_images_sent_pixels", "Images sent to the engine with their pixels.")
+        self.images_sent_by_hash = c(
+            "tokenmill_images_sent_by_hash",
+            "Images sent to the engine as their content hash alone: it held them (protocol 1.2 images.by_hash).",
+        )
+        self.image_pixels_resent = c(
+            "tokenmill_image_pixels_resent",
+            "Requests whose images the engine no longer held when sent by hash: sent again with their pixels.",
+        )
         self.draining = g("tokenmill_draining", "1 while the server drains for shutdown (readiness fails).")
         self.queued_bytes = g("tokenmill_queued_request_bytes", "Request body bytes waiting for a tokenizer worker.")
         self.stream_errors = Counter(

@@ -225,6 +225,7 @@ class Gateway:
             policy=s.dp_policy,
         )
         g.conversion, g.scheduler = self.conversion, self.scheduler
+        self.conversion.on_pixels = g.on_pixels
         # several gateways in front of several ranks: each turn's rank goes to the conversation's worker,
         # which the other gateways also ask, so a turn finds its history whichever gateway takes it
         self.shares_placements = s.gateways > 1 and len(endpoints) > 1 and s.dp_policy == "affinity"

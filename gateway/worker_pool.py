@@ -88,6 +88,7 @@ class WorkerPool:
         self.settings = settings
         self.on_detok = on_detok
         self.on_owner_lost = on_owner_lost
+        self.on_pixels: Callable[[str, list | None], None] = lambda request_id, frames: None  # Generations'
         self.max_queued = max_queued
         self.max_queued_bytes = max_queued_bytes
         self.conversion_timeout = conversion_timeout
@@ -386,6 +387,12 @@ class WorkerPool:
         """Tell the worker that converted this turn where it went (shared with the node's other gateways)."""
         self.workers[owner].try_send([m.encoder.encode(m.Placed(conversation, rank))])
 
+    def want_pixels(self, owner: int, request_id: str, content_hashes: list[str]) -> None:
+        """The engine lost images a request sent by hash: their pixels from the worker that converted it
+        (answered through ``on_pixels``; a worker that is gone answers None at once)."""
+        if not self.workers[owner].try_send([m.encoder.encode(m.PixelsWanted(request_id, content_hashes))]):
+            self.on_pixels(request_id, None)
+
     def release(self, owner: int, request_ids: list[str]) -> None:
         worker = self.workers[owner]
         worker.owned.difference_update(request_ids)
@@ -419,6 +426,8 @@ class WorkerPool:
             self.on_detok(msg)
         elif isinstance(msg, m.ConvertDone):
             self._on_done(worker, msg, frames[1:])
+        elif isinstance(msg, m.Pixels):
+            self.on_pixels(msg.request_id, frames[1:] if msg.found else None)
         elif isinstance(msg, m.WorkerReady):
             if not self.remote.admit_ready(worker, msg):
                 return

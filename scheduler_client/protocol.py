@@ -79,6 +79,11 @@ FEATURE_WHITESPACE_PATTERN = "structured.whitespace_pattern"  # Structured.white
 STRUCTURED_OPTION_FEATURES = (FEATURE_DISABLE_ANY_WHITESPACE, FEATURE_WHITESPACE_PATTERN)
 # 1.2, continued: images (processed pixels as binary frames after the prompt frame)
 FEATURE_IMAGES = "images"  # Generate.images
+# 1.2, continued: the scheduler keeps the images it was sent, by content_hash, and takes an item whose pixel
+# frame is empty as the one it holds; an item it no longer holds gets Error code ERR_IMAGE_MISSING, and the
+# front end sends the same Generate again with the pixels
+FEATURE_IMAGES_BY_HASH = "images.by_hash"
+ERR_IMAGE_MISSING = "image_missing"
 FEATURES_12 = (
     FEATURE_PRIORITY,
     FEATURE_CACHE_SALT,
@@ -88,6 +93,7 @@ FEATURES_12 = (
     FEATURE_EXTRA_ARGS,
     *STRUCTURED_OPTION_FEATURES,
     FEATURE_IMAGES,
+    FEATURE_IMAGES_BY_HASH,
 )
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
@@ -109,7 +115,7 @@ class ImageItem(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False
     grid_thw: list[int]  # qwen2_vl: [1, height / 14, width / 14] (image_grid_thw)
     offset: int  # the first of the image's placeholder tokens in the prompt
     length: int  # how many placeholder tokens it occupies there
-    content_hash: str  # equal hashes: equal pixels (an engine may cache by it)
+    content_hash: str  # equal hashes: equal pixels (an engine may cache by it; with images.by_hash, must)
 
 
 IMAGE_DTYPES = {"float32": 4, "uint8": 1, "float16": 2, "bfloat16": 2}

@@ -192,6 +192,8 @@ class Converter:
         own = self.model.max_model_len
         self.max_model_len = min(own, limits.max_model_len) if limits.max_model_len else own
         self.engine = gp.Engine(limits.features, limits.max_logprobs)
+        if self.images is not None:
+            self.images.forget_sent()
 
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
@@ -656,6 +658,8 @@ class Converter:
         seed = params.sampling.seed
         keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
+        by_hash = bool(images) and protocol.FEATURE_IMAGES_BY_HASH in self.engine.features
+        sent_by_hash = False
         prompt_ids = [] if req.return_token_ids else None
         for p, ids in enumerate(id_lists):
             if keep is not None and len(ids) > keep:
@@ -701,7 +705,9 @@ class Converter:
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                frames.extend(memoryview(image.pixels).cast("B") for _, image in images)  # not copied
+                for _, image in images:  # the pixels not copied; empty for an image the engine holds
+                    frames.append(self.images.engine_frame(image, by_hash))
+                    sent_by_hash = sent_by_hash or not len(frames[-1])
                 detok.append(
                     DetokSpec(
                         rid,
@@ -737,6 +743,7 @@ class Converter:
             prompt_logprobs=params.prompt_logprobs is not None,
             kv_transfer_params=params.kv_transfer_params is not None,
             frames_per_choice=2 + len(images),
+            images_by_hash=[image.content_hash for _, image in images] if sent_by_hash else [],
         )
         return Conversion(done, frames, detok)
 

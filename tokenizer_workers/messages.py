@@ -99,7 +99,17 @@ class Resume(msgspec.Struct, tag="resume"):
     streams: list[ResumeStream]
 
 
-ToWorker = ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin | Placed | Resume
+class PixelsWanted(msgspec.Struct, tag="pixels_wanted"):
+    """The engine no longer holds an image this request sent by its hash alone (protocol 1.2
+    ``image_missing``): the pixel frames of these images, in this order, from the worker's image cache."""
+
+    request_id: str
+    content_hashes: list[str]
+
+
+ToWorker = (
+    ConvertJob | DetokBatch | Release | Shutdown | Limits | WorkerSettings | Rejoin | Placed | Resume | PixelsWanted
+)
 
 # ---- worker -> gateway ------------------------------------------------------------
 
@@ -212,6 +222,10 @@ class ConvertDone(msgspec.Struct, tag="done"):
     # per choice: its detokenizer spec as bytes the gateway keeps without reading, so that another worker
     # can take the stream over if this one dies (tokenizer_workers/resume.py); empty: not resumable
     resume: list[bytes] = []
+    # the content hashes of the request's images, in order, when at least one went by its hash alone (an
+    # empty pixel frame, protocol 1.2 images.by_hash): the gateway keeps the frames it sent until the
+    # engine answers, and asks for these pixels (PixelsWanted) if the engine says image_missing
+    images_by_hash: list[str] = []
 
 
 class OutPiece(msgspec.Struct, array_like=True):
@@ -258,7 +272,15 @@ class WorkerBusy(msgspec.Struct, tag="busy"):
     busy: bool
 
 
-FromWorker = WorkerReady | ConvertDone | DetokOut | WorkerHello | Heartbeat | WorkerBusy
+class Pixels(msgspec.Struct, tag="pixels"):
+    """The answer to PixelsWanted: with ``found``, one pixel frame per hash asked follows; without, the
+    worker no longer has them all (the gateway fails that request, to be retried)."""
+
+    request_id: str
+    found: bool
+
+
+FromWorker = WorkerReady | ConvertDone | DetokOut | WorkerHello | Heartbeat | WorkerBusy | Pixels
 
 encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)

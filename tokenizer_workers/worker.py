@@ -301,6 +301,11 @@ class Worker:
             link.streams.difference_update(msg.request_ids)
         elif isinstance(msg, m.Limits):
             self.converter.limit_context(msg)
+        elif isinstance(msg, m.PixelsWanted):
+            images = self.converter.images
+            frames = images.pixel_frames(msg.content_hashes) if images is not None else None
+            answer = m.encoder.encode(m.Pixels(msg.request_id, frames is not None))
+            link.sock.send_multipart([answer, *(frames or ())], copy=False)
         elif isinstance(msg, m.Shutdown):
             if msg.reason:
                 raise SystemExit(f"the gateway refused this worker: {msg.reason}")

@@ -727,8 +727,8 @@ RIVER = [671, 12334, 21928, 13257]  # "The river wound slowly"
 
 def test_engine_announces_every_feature_it_honours(stack):
     """Every 1.1 and 1.2 feature, but priority (vLLM schedules fcfs unless told otherwise, and then
-    ignores a priority), kv_transfer_params (nothing consumes them without a KV connector) and images
-    (a text-only model; tests/engines/test_vllm_images.py has the Qwen2-VL one)."""
+    ignores a priority), kv_transfer_params (nothing consumes them without a KV connector) and images,
+    by hash or not (a text-only model; tests/engines/test_vllm_images.py has the Qwen2-VL one)."""
     with engine_session(stack.engine.endpoint, "test-welcome") as front:
         welcome = next(m for m in front.messages(10) if isinstance(m, Welcome))
     assert welcome.features == sorted(
@@ -737,6 +737,7 @@ def test_engine_announces_every_feature_it_honours(stack):
             "priority",
             "kv_transfer_params",
             "images",
+            "images.by_hash",
             "structured.disable_any_whitespace",
             "structured.whitespace_pattern",
         }

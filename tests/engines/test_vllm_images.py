@@ -51,7 +51,14 @@ from protocol_client import ProtocolClient  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from vllm_stack import Proc, wait_all  # noqa: E402
 
-from scheduler_client.protocol import Error, Generate, ImageItem, Welcome, ids_to_frame  # noqa: E402
+from scheduler_client.protocol import (  # noqa: E402
+    Error,
+    Generate,
+    ImageItem,
+    SamplingParams,
+    Welcome,
+    ids_to_frame,
+)
 from tokenizer_workers.images import ImagePipeline, processor_for  # noqa: E402
 
 NAME = "Tiny-Qwen2-VL"
@@ -285,7 +292,7 @@ def test_engine_lists_images_and_refuses_another_family_or_dtype(stack):
     client = ProtocolClient(engine.endpoint, log=engine.log)
     try:
         welcome = client.handshake("test-images")
-        assert isinstance(welcome, Welcome) and "images" in welcome.features
+        assert isinstance(welcome, Welcome) and {"images", "images.by_hash"} <= set(welcome.features)
         prompt = [129282, *[129284] * 4, 129283, 9]
         item = ImageItem("gemma3", "float32", [16, 1176], [1, 4, 4], 1, 4, "0" * 64)
         pixels = np.zeros((16, 1176), np.float32).tobytes()
@@ -392,14 +399,66 @@ def test_pixels_equal_vllms_own_processing(stack, tmp_path):
             assert largest <= 2 and two < 0.001, (name, worst[name])
 
 
+def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image_missing(stack):
+    """Protocol 1.2 images.by_hash on the bridge: an empty pixel frame for an image vLLM's engine core
+    does not hold is image_missing (nothing starts); once the pixels have been sent, the same item by
+    hash alone gives the same greedy output."""
+    _, engine, _ = stack
+    client = ProtocolClient(engine.endpoint, log=engine.log)
+    try:
+        client.handshake("test-by-hash")
+        prompt = [129282, *[129284] * 4, 129283, 9]
+        content_hash = os.urandom(32).hex()  # never seen by this engine
+        item = ImageItem("qwen2_vl", "uint8", [16, 1176], [1, 4, 4], 1, 4, content_hash)
+        pixels = np.random.default_rng(7).integers(0, 256, (16, 1176), dtype=np.uint8).tobytes()
+
+        def run(request_id: str, frame: bytes):
+            gen = Generate(
+                request_id=request_id,
+                prompt_token_count=len(prompt),
+                max_new_tokens=4,
+                images=[item],
+                ignore_eos=True,
+                sampling=SamplingParams(temperature=0.0),
+            )
+            client.send(gen, ids_to_frame(prompt), frame)
+
+        run("missing", b"")
+        error = client.recv_not_stats()
+        assert isinstance(error, Error) and (error.request_id, error.code, error.param) == (
+            "missing",
+            "image_missing",
+            "images",
+        ), error
+        run("pixels", pixels)
+        with_pixels = b"".join(o.token_ids for o in client.collect(["pixels"])["pixels"])
+        run("hash", b"")
+        by_hash = b"".join(o.token_ids for o in client.collect(["hash"])["hash"])
+        assert by_hash == with_pixels and len(by_hash) == 16
+    finally:
+        client.close()
+
+
 def test_resent_image_goes_to_the_engine_core_as_its_hash(stack):
     """vLLM's processor cache keys on the items' mm_hash, which is the workers' content hash: the second
-    time an image comes, the bridge's sender cache knows vLLM's engine core holds it and sends no pixels;
-    the output is the same."""
+    time an image comes, the worker sends it by hash, the bridge's sender cache knows vLLM's engine core
+    holds it and sends no pixels; the output is the same."""
     _, engine, front = stack
     messages = CASES["768x1024"]
     seen = engine.log().count("held by vLLM's engine core")
+    by_hash = _by_hash(front)
     first = _greedy(front.url, messages)
     second = _greedy(front.url, messages)
     assert second == first
     assert engine.log().count("held by vLLM's engine core") > seen, engine.log()[-3000:]
+    assert _by_hash(front) > by_hash  # and the worker sent it so (images.by_hash): no pixels through the gateway
+
+
+def _by_hash(front) -> float:
+    _, _, text = http("GET", front.url + "/metrics")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tokenmill_images_sent_by_hash_total{")
+    )

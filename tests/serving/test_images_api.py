@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.server as http_server
 import io
+import re
 import subprocess
 import sys
 import threading
@@ -162,6 +163,85 @@ def test_an_engine_without_image_support_refuses_images_as_unsupported(tmp_path,
                 model=MODEL, messages=[{"role": "user", "content": "text still works"}], max_tokens=2
             )
             assert ok.choices[0].finish_reason in ("length", "stop")
+        finally:
+            srv.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+_SMALL_IMAGE_CACHE = """
+import asyncio, sys
+from engines.simulated import SimulatedScheduler
+
+async def main():
+    sched = SimulatedScheduler(model=sys.argv[2], inter_token_latency_s=0, image_cache_bytes=int(sys.argv[3]))
+    task = asyncio.create_task(sched.serve(sys.argv[1]))
+    await sched.wait_ready()
+    print("ready", flush=True)
+    await task
+
+asyncio.run(main())
+"""
+
+
+def _counter(srv, name: str) -> float:
+    _, _, text = http("GET", srv.url + "/metrics")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return sum(float(v) for v in re.findall(rf"^{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def test_a_resent_image_goes_by_its_hash_and_one_the_engine_evicted_goes_again_with_its_pixels(tmp_path, vl_dir):
+    """Protocol 1.2 images.by_hash against a simulated scheduler that holds one 56 x 56 image (18,816
+    bytes of uint8 pixels) at a time: an image resent goes as its hash alone; after another image has
+    pushed it out, the engine answers image_missing, the gateway gets the pixels from the worker and
+    sends the request again, and the client sees the same answer as on the first turn."""
+    endpoint = f"ipc://{tmp_path}/small.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SMALL_IMAGE_CACHE, endpoint, str(vl_dir), "20000"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        try:
+            client = srv.client()
+            a, b = _url(_png(56, 56, seed=3)), _url(_png(56, 56, seed=4))
+
+            def turn(url: str, stream: bool = False):
+                messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, _image_part(url)]}]
+                if stream:
+                    chunks = list(
+                        client.chat.completions.create(
+                            model=MODEL,
+                            messages=messages,
+                            max_tokens=3,
+                            stream=True,
+                            stream_options={"include_usage": True},
+                        )
+                    )
+                    return chunks[-1].usage.prompt_tokens
+                return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3).usage.prompt_tokens
+
+            def sent():
+                return [
+                    _counter(srv, n)
+                    for n in (
+                        "tokenmill_images_sent_pixels",
+                        "tokenmill_images_sent_by_hash",
+                        "tokenmill_image_pixels_resent",
+                    )
+                ]
+
+            first = turn(a)
+            assert sent() == [1, 0, 0]
+            assert turn(a) == first and sent() == [1, 1, 0]  # held: its hash alone
+            assert turn(b) == first and sent() == [2, 1, 0]  # b's pixels push a out of the engine
+            assert turn(a, stream=True) == first  # by hash, image_missing, then with its pixels
+            assert sent() == [2, 2, 1]
+            assert turn(a) == first and sent() == [2, 3, 1]  # held again
         finally:
             srv.stop()
     finally:

@@ -13,6 +13,8 @@ same hash, whatever URL it came from. The cache keys on it, and the engine gets 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from tokenizer_workers.images import decode as _decode
@@ -57,6 +59,42 @@ class ImagePipeline:
         self.max_pixels = max_pixels
         self.fetcher = ImageFetcher(fetch or ImageFetchSettings())
         self._key = hashlib.blake2b(processor.fingerprint().encode(), digest_size=16).digest()
+        # images this worker has sent the engine with their pixels, most recent last (protocol 1.2
+        # images.by_hash): sent again by hash alone. Only a belief: the engine may have evicted one since,
+        # then it answers image_missing and the pixels go after all (PixelsWanted)
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._sent_lock = threading.Lock()
+
+    SENT_REMEMBERED = 4096  # hashes: past this many, the oldest go with their pixels again
+
+    def engine_frame(self, image: ProcessedImage, by_hash: bool) -> memoryview:
+        """The pixel frame for the engine: empty (the engine holds it) when ``by_hash`` and this worker has
+        sent the image's pixels before, else the pixels (not copied), remembered as sent."""
+        with self._sent_lock:
+            sent = self._sent
+            # by hash only while the cache still has the pixels, to send them if the engine has lost them
+            if by_hash and image.content_hash in sent and self.cache.holds(image.content_hash):
+                sent.move_to_end(image.content_hash)
+                return memoryview(b"")
+            sent[image.content_hash] = None
+            if len(sent) > self.SENT_REMEMBERED:
+                sent.popitem(last=False)
+        return memoryview(image.pixels).cast("B")
+
+    def forget_sent(self) -> None:
+        """A new engine session (its Welcome again): it may hold none of them."""
+        with self._sent_lock:
+            self._sent.clear()
+
+    def pixel_frames(self, content_hashes: list[str]) -> list[memoryview] | None:
+        """The cached pixels of these images, for an engine that lost them; None if one is gone."""
+        frames = []
+        for content_hash in content_hashes:
+            image = self.cache.get(content_hash)
+            if image is None:
+                return None
+            frames.append(self.engine_frame(image, False))
+        return frames
 
     def load_image_part(self, source: str, field_path: str, media_type: str | None = None) -> ProcessedImage:
         """``media_type``: what the request declared for the bytes (Anthropic's base64 source), checked."""

@@ -30,6 +30,9 @@ class ImageCache:
             self.hits += 1
             return item
 
+    def holds(self, key: str) -> bool:
+        return key in self.items
+
     def put(self, key: str, item: ProcessedImage) -> None:
         if item.nbytes > self.budget:
             return
