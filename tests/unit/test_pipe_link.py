@@ -164,3 +164,28 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
 
     proc = uvloop.run(scenario())
     assert proc.wait(30) == 0  # the worker exits when the gateway's end closes (the loop has closed it now)
+
+
+def test_a_large_message_buffer_is_reused_once_its_frames_are_let_go():
+    """Messages of a MiB and more are read into anonymous mappings; one whose frames are all gone (sent
+    on, answered) is read into again, its pages already faulted in, and one still pointed into is not."""
+    import os
+
+    def receive(reader: FrameReader, payload: bytes) -> list[memoryview]:
+        data = pack_header([b"h", payload]) + b"h" + payload
+        (message,) = reader.feed(data[:100]) or [None]
+        assert message is None
+        buffer = reader.buffer()
+        buffer[: len(data) - 100] = data[100:]
+        (message,) = reader.filled(len(data) - 100)
+        assert bytes(message[1]) == payload
+        return message
+
+    reader = FrameReader()
+    first = receive(reader, os.urandom(3 << 20))
+    held = id(first[1].obj)  # (an id: a reference would keep it busy)
+    second = receive(reader, os.urandom(3 << 20))
+    assert id(second[1].obj) != held  # the first's frames are alive: its buffer is not touched
+    del first
+    third = receive(reader, os.urandom(3 << 20))
+    assert id(third[1].obj) == held  # let go: taken again

@@ -20,6 +20,7 @@ import errno
 import mmap
 import socket
 import struct
+import sys
 from typing import Callable
 
 _U32 = struct.Struct("<I")
@@ -107,15 +108,43 @@ class FrameReader:
         return messages
 
 
+class _Mappings:
+    """Buffers for large messages (``_in_place``), kept for reuse once nothing points into them.
+
+    ``bytearray(size)`` zero-fills a buffer at once: for a conversion carrying images' pixel frames
+    (~23 MB as float32) that memset and its page faults ran on the loop in one go, stalling /health by
+    0.1-1 s (``tokenmill bench vllm --images``). An anonymous mapping's pages are faulted in by the reads
+    that fill them, a socket buffer at a time, but each such fault has the kernel zero a fresh page: a
+    quarter of the gateway's CPU while pixels stream through it (perf: clear_page under
+    unix_stream_read). A mapping whose frames have all been let go (sent on, answered) is taken again,
+    its pages already there. Kept up to ``keep`` bytes per process; the loop's thread (or a worker's IO
+    thread) is the only user."""
+
+    def __init__(self, keep: int = 256 << 20) -> None:
+        self.keep = keep
+        self.kept: list[mmap.mmap] = []
+
+    def take(self, size: int) -> memoryview:
+        if size < _MAPPED:
+            return memoryview(bytearray(size))
+        getrefcount = sys.getrefcount
+        for mapping in self.kept:
+            # idle: referenced by the list, this loop and getrefcount's argument only (a frame's memoryview
+            # holds the mapping through its managed buffer, however many slices share it)
+            if size <= len(mapping) <= 2 * size and getrefcount(mapping) == 3:
+                return memoryview(mapping)[:size]
+        mapping = mmap.mmap(-1, -(-size // _MAPPED) * _MAPPED, flags=mmap.MAP_PRIVATE)
+        if sum(map(len, self.kept)) + len(mapping) <= self.keep:
+            self.kept.append(mapping)
+        return memoryview(mapping)[:size]
+
+
+_mappings = _Mappings()
+
+
 def _in_place(size: int) -> memoryview:
-    """A buffer for one large message. ``bytearray(size)`` zero-fills it at once: for a conversion
-    carrying images' pixel frames (~23 MB each as float32) that memset and its page faults ran on
-    the loop in one go, stalling /health by 0.1-1 s (``tokenmill bench vllm --images``). An anonymous
-    mapping's pages are zero already and are faulted in by the reads that fill them, a socket
-    buffer at a time. The frames (memoryviews) keep the mapping alive."""
-    if size >= _MAPPED:
-        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
-    return memoryview(bytearray(size))
+    """A buffer for one large message (the frames, memoryviews into it, keep it alive)."""
+    return _mappings.take(size)
 
 
 def _frames(view: memoryview, pos: int, count: int | None = None) -> tuple[list[memoryview], int]:
