@@ -120,7 +120,7 @@ class _Mappings:
     its pages already there. Kept up to ``keep`` bytes per process; the loop's thread (or a worker's IO
     thread) is the only user."""
 
-    def __init__(self, keep: int = 256 << 20) -> None:
+    def __init__(self, keep: int = 128 << 20) -> None:
         self.keep = keep
         self.kept: list[mmap.mmap] = []
 
