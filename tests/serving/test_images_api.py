@@ -5,6 +5,7 @@ of the prompt, bad input, an engine without image support, and URL fetching from
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server as http_server
 import io
 import re
@@ -127,16 +128,17 @@ def test_bad_images_are_400s_naming_the_part(vl_server, server):
     assert http("GET", vl_server.url + "/health")[0] == 200
 
 
-_NO_IMAGES = """
+_SCHEDULER = """
 import asyncio, sys
 from engines.simulated import SimulatedScheduler
 from scheduler_client import protocol
 
-class NoImages(SimulatedScheduler):
-    features = frozenset(protocol.FEATURES) - {protocol.FEATURE_IMAGES}
+class Scheduler(SimulatedScheduler):
+    if sys.argv[4] == "no-images":
+        features = frozenset(protocol.FEATURES) - {protocol.FEATURE_IMAGES}
 
 async def main():
-    sched = NoImages(model=sys.argv[2], inter_token_latency_s=0)
+    sched = Scheduler(model=sys.argv[2], inter_token_latency_s=0, image_cache_bytes=int(sys.argv[3]))
     task = asyncio.create_task(sched.serve(sys.argv[1]))
     await sched.wait_ready()
     print("ready", flush=True)
@@ -146,43 +148,19 @@ asyncio.run(main())
 """
 
 
-def test_an_engine_without_image_support_refuses_images_as_unsupported(tmp_path, vl_dir):
-    endpoint = f"ipc://{tmp_path}/noimg.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _NO_IMAGES, endpoint, str(vl_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+@contextlib.contextmanager
+def _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes: int = 4 << 30, images: bool = True):
+    """A simulated scheduler of its own (one that takes no images, or holds few), started by the test;
+    yields its endpoint."""
+    endpoint = f"ipc://{tmp_path}/scheduler.sock"
+    args = [endpoint, str(vl_dir), str(image_cache_bytes), "images" if images else "no-images"]
+    proc = subprocess.Popen([sys.executable, "-c", _SCHEDULER, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
-        try:
-            messages = [{"role": "user", "content": [_image_part(_url(_png(30, 30)))]}]
-            status, _, body = http("POST", srv.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
-            assert status == 400, body
-            assert body["error"]["code"] == "unsupported" and body["error"]["param"] == "messages[0].content[0]"
-            ok = srv.client().chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "text still works"}], max_tokens=2
-            )
-            assert ok.choices[0].finish_reason in ("length", "stop")
-        finally:
-            srv.stop()
+        yield endpoint
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-_SMALL_IMAGE_CACHE = """
-import asyncio, sys
-from engines.simulated import SimulatedScheduler
-
-async def main():
-    sched = SimulatedScheduler(model=sys.argv[2], inter_token_latency_s=0, image_cache_bytes=int(sys.argv[3]))
-    task = asyncio.create_task(sched.serve(sys.argv[1]))
-    await sched.wait_ready()
-    print("ready", flush=True)
-    await task
-
-asyncio.run(main())
-"""
 
 
 def _counter(srv, name: str) -> float:
@@ -196,34 +174,25 @@ def test_a_resent_image_goes_by_its_hash_and_one_the_engine_evicted_goes_again_w
     bytes of uint8 pixels) at a time: an image resent goes as its hash alone; after another image has
     pushed it out, the engine answers image_missing, the gateway gets the pixels from the worker and
     sends the request again, and the client sees the same answer as on the first turn."""
-    endpoint = f"ipc://{tmp_path}/small.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SMALL_IMAGE_CACHE, endpoint, str(vl_dir), "20000"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes=20000) as endpoint:
         srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
         try:
             client = srv.client()
             a, b = _url(_png(56, 56, seed=3)), _url(_png(56, 56, seed=4))
 
-            def turn(url: str, stream: bool = False):
+            def turn(url: str, stream: bool = False) -> tuple[int, str]:
+                """(prompt tokens, greedy text): the engine saw the same prompt and image either way."""
                 messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, _image_part(url)]}]
-                if stream:
-                    chunks = list(
-                        client.chat.completions.create(
-                            model=MODEL,
-                            messages=messages,
-                            max_tokens=3,
-                            stream=True,
-                            stream_options={"include_usage": True},
-                        )
-                    )
-                    return chunks[-1].usage.prompt_tokens
-                return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3).usage.prompt_tokens
+                args = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0}
+                if not stream:
+                    out = client.chat.completions.create(**args)
+                    return out.usage.prompt_tokens, out.choices[0].message.content
+                chunks = list(
+                    client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+                )
+                return chunks[-1].usage.prompt_tokens, "".join(
+                    c.choices[0].delta.content or "" for c in chunks if c.choices
+                )
 
             def sent():
                 return [
@@ -238,15 +207,28 @@ def test_a_resent_image_goes_by_its_hash_and_one_the_engine_evicted_goes_again_w
             first = turn(a)
             assert sent() == [1, 0, 0]
             assert turn(a) == first and sent() == [1, 1, 0]  # held: its hash alone
-            assert turn(b) == first and sent() == [2, 1, 0]  # b's pixels push a out of the engine
+            assert turn(b)[0] == first[0] and sent() == [2, 1, 0]  # b's pixels push a out of the engine
             assert turn(a, stream=True) == first  # by hash, image_missing, then with its pixels
             assert sent() == [2, 2, 1]
             assert turn(a) == first and sent() == [2, 3, 1]  # held again
         finally:
             srv.stop()
-    finally:
-        proc.terminate()
-        proc.wait(10)
+
+
+def test_an_engine_without_image_support_refuses_images_as_unsupported(tmp_path, vl_dir):
+    with _simulated_scheduler(tmp_path, vl_dir, images=False) as endpoint:
+        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        try:
+            messages = [{"role": "user", "content": [_image_part(_url(_png(30, 30)))]}]
+            status, _, body = http("POST", srv.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+            assert status == 400, body
+            assert body["error"]["code"] == "unsupported" and body["error"]["param"] == "messages[0].content[0]"
+            ok = srv.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "text still works"}], max_tokens=2
+            )
+            assert ok.choices[0].finish_reason in ("length", "stop")
+        finally:
+            srv.stop()
 
 
 class _ImageServer:
