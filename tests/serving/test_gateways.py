@@ -69,10 +69,11 @@ def chat(server: Server, content: str, system: str = "You are terse.") -> dict:
 def node():
     srv = Server("--gateways", "2", "--workers", "2", "--sim-inter-token-latency-ms", "1")
     deadline = time.monotonic() + 60
+    # /ready on the shared port may be answered by the gateway that connected to the scheduler first
     while len({s["pid"] for s in states(srv, 10)}) < 2 or not all(
-        sum(w["alive"] for w in s["workers"]) == 2 for s in states(srv, 10)
+        sum(w["alive"] for w in s["workers"]) == 2 and s["scheduler_connected"] for s in states(srv, 10)
     ):
-        assert time.monotonic() < deadline, "the second gateway did not come up with both workers"
+        assert time.monotonic() < deadline, "the second gateway did not come up with both workers and the scheduler"
         time.sleep(0.2)
     yield srv
     srv.stop()
