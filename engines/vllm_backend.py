@@ -528,19 +528,18 @@ class VLLMBackend(Backend):
         if request.images:
             prompt = vllm_multimodal_prompt(request)
             inject = getattr(getattr(self.engine, "input_processor", None), "inject_into_mm_cache", None)
-            cache = self._sender_cache()
             if inject is not None:
                 items = list(prompt["mm_kwargs"]["image"])
                 hashes = prompt["mm_hashes"]["image"]
                 by_hash = [i for i, item in enumerate(items) if item is None]
-                if by_hash and (cache is None or not all(cache.is_cached_item(hashes[i]) for i in by_hash)):
+                if not all(self.holds_image(hashes[i]) for i in by_hash):
                     raise EngineRejected(
                         "an image sent by its hash is no longer held by vLLM's engine core: send its pixels",
                         ERR_IMAGE_MISSING,
                         param="images",
                     )
                 for i in by_hash:  # used again: the most recent in the sender's LRU, as in the engine core's
-                    cache.get_and_update_item(None, hashes[i])
+                    self._sender_cache().get_and_update_item(None, hashes[i])
                 inject({"image": hashes}, {"image": items})
                 prompt["mm_kwargs"]["image"] = items
                 held = sum(item is None for item in items)

@@ -228,7 +228,7 @@ class Generations:
         sent, choice.sent = choice.sent, None
         if frames is not None and sent is not None:
             try:
-                self.scheduler.ranks[gen.rank].client.generate(sent[0], sent[1], *frames)
+                self.scheduler.resend(gen.rank, sent[0], sent[1], *frames)
                 return
             except SchedulerUnavailable:
                 pass

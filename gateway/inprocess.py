@@ -78,9 +78,7 @@ class InProcessConversion:
         pass  # the detokenizer forgets a stream at its last text
 
     def want_pixels(self, owner: int, request_id: str, content_hashes: list[str]) -> None:
-        images = self.converter.images
-        frames = images.pixel_frames(content_hashes) if images is not None else None
-        self.on_pixels(request_id, frames)
+        self.on_pixels(request_id, self.converter.pixel_frames(content_hashes))
 
     def release(self, owner: int, request_ids) -> None:
         self.detokenizer.release(request_ids)

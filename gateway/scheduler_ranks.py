@@ -156,6 +156,10 @@ class SchedulerRanks:
         rank.in_flight += 1
         rank.requests += 1
 
+    def resend(self, rank: int, header: bytes, prompt_frame: bytes, *image_frames) -> None:
+        """A Generate the rank refused (image_missing) sent again: already counted as in flight."""
+        self.ranks[rank].client.generate(header, prompt_frame, *image_frames)
+
     def abort(self, rank: int, request_ids: list[str]) -> None:
         self.ranks[rank].client.abort(request_ids)
 

@@ -195,6 +195,10 @@ class Converter:
         if self.images is not None:
             self.images.forget_sent()
 
+    def pixel_frames(self, content_hashes: list[str]) -> list | None:
+        """The cached pixels of these images, for an engine that lost them (PixelsWanted); None if gone."""
+        return self.images.pixel_frames(content_hashes) if self.images is not None else None
+
     def encode_chat(self, prompt: str) -> tuple:
         """A rendered chat prompt to token IDs (through the segment cache), with the cache's report."""
         segments = self.segments

@@ -302,8 +302,7 @@ class Worker:
         elif isinstance(msg, m.Limits):
             self.converter.limit_context(msg)
         elif isinstance(msg, m.PixelsWanted):
-            images = self.converter.images
-            frames = images.pixel_frames(msg.content_hashes) if images is not None else None
+            frames = self.converter.pixel_frames(msg.content_hashes)
             answer = m.encoder.encode(m.Pixels(msg.request_id, frames is not None))
             link.sock.send_multipart([answer, *(frames or ())], copy=False)
         elif isinstance(msg, m.Shutdown):
