@@ -33,11 +33,14 @@ from typing import Any
 import msgspec
 import zmq
 
+from engines import shared_pixels
 from scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_IMAGES_BY_HASH,
+    FEATURE_IMAGES_SHM,
     IMAGE_DTYPES,
     PROTOCOL_VERSION,
+    SHM_NAME,
     STRUCTURED_KINDS,
     Abort,
     Error,
@@ -453,14 +456,14 @@ class SchedulerServer:
 
     def _on_generate(self, session: Session, gen: Generate, extra: list) -> None:
         try:
-            prompt, prompt_bytes = self.validate(session, gen, extra)
+            prompt, prompt_bytes, pixels = self.validate(session, gen, extra)
             self.check(gen)
-            self.accept(session, gen, prompt, prompt_bytes, [frame.buffer for frame in extra[1:]])
+            self.accept(session, gen, prompt, prompt_bytes, pixels)
         except Rejected as exc:
             self.send_error(session.identity, exc.message, exc.code, gen.request_id, exc.param)
 
-    def validate(self, session: Session, gen: Generate, extra: list) -> tuple[array, bytes]:
-        """The generic checks of §6; returns the prompt as an array and as its raw bytes."""
+    def validate(self, session: Session, gen: Generate, extra: list) -> tuple[array, bytes, list[memoryview]]:
+        """The generic checks of §6; returns the prompt as an array and as its raw bytes, and its images' pixels."""
         if session.rejected:
             raise Rejected("the handshake failed: protocol version not supported", ERR_VERSION_MISMATCH)
         if not gen.request_id:
@@ -502,21 +505,24 @@ class SchedulerServer:
                 f"the prompt frame has {len(buf)} bytes, expected 4 * prompt_token_count = {4 * gen.prompt_token_count}"
             )
         prompt = frame_to_ids(buf)
-        self._validate_images(gen, extra[1:])
+        pixels = self._validate_images(gen, extra[1:])
         vocab_size = self.vocab_size
         if vocab_size is not None:
             highest = max(prompt)
             if highest >= vocab_size:
                 hint = f" {self.vocab_hint}" if self.vocab_hint else ""
                 raise Rejected(f"prompt token id {highest} is out of range for vocabulary size {vocab_size}{hint}")
-        return prompt, bytes(buf)
+        return prompt, bytes(buf), pixels
 
-    def _validate_images(self, gen: Generate, frames: list) -> None:
-        """Each image item's pixel frame matches its dtype and shape (or, with ``images.by_hash``, is
-        empty for an image this engine holds), and its placeholder lies inside the prompt, after the
-        previous image's."""
+    def _validate_images(self, gen: Generate, frames: list) -> list[memoryview]:
+        """Each image item's pixel frame matches its dtype and shape, or is empty for an image this
+        engine holds (``images.by_hash``) or one in a shared-memory file (``images.shm``, opened here:
+        a file it cannot read is ``image_missing``); its placeholder lies inside the prompt, after the
+        previous image's. Returns each image's pixels: its frame, or its file's mapping (empty: held)."""
         end = 0
         by_hash = FEATURE_IMAGES_BY_HASH in self.features
+        shm = FEATURE_IMAGES_SHM in self.features
+        pixels: list[memoryview] = []
         for i, (item, frame) in enumerate(zip(gen.images, frames)):
             size = IMAGE_DTYPES.get(item.dtype)
             if size is None:
@@ -524,19 +530,33 @@ class SchedulerServer:
             expected = size
             for dim in item.shape:
                 expected *= dim
-            if by_hash and not len(frame.buffer) and expected:
-                if not self.holds_image(item.content_hash):
-                    raise Rejected(
-                        f"images[{i}]: image {item.content_hash} is not held here (any more): send its pixels",
-                        ERR_IMAGE_MISSING,
-                        param="images",
-                    )
-            elif any(d < 1 for d in item.shape) or len(frame.buffer) != expected:
+            mapped = None
+            if any(d < 1 for d in item.shape) or (len(frame.buffer) and len(frame.buffer) != expected):
                 raise Rejected(
                     f"images[{i}]: the pixel frame has {len(frame.buffer)} bytes, expected {expected} "
                     f"for {item.dtype} {item.shape}",
                     param="images",
                 )
+            if not len(frame.buffer) and not (by_hash and self.holds_image(item.content_hash)):
+                if not by_hash and not (shm and item.shm is not None):
+                    raise Rejected(
+                        f"images[{i}]: the pixel frame has 0 bytes, expected {expected} for {item.dtype} {item.shape}",
+                        param="images",
+                    )
+                why = f"image {item.content_hash} is not held here (any more)"
+                if shm and item.shm is not None:
+                    if not SHM_NAME.fullmatch(item.shm):
+                        raise Rejected(
+                            f"images[{i}].shm: {item.shm!r} is not a tokenmill shared-memory name", param="images"
+                        )
+                    try:
+                        mapped = shared_pixels.open_pixels(item.shm, expected)
+                    except OSError as exc:
+                        self.log.warning("images[%d]: cannot map shared memory %s: %s", i, item.shm, exc)
+                        why = f"its shared memory {item.shm} cannot be read here ({exc})"
+                if mapped is None:
+                    raise Rejected(f"images[{i}]: {why}: send its pixels", ERR_IMAGE_MISSING, param="images")
+            pixels.append(mapped if mapped is not None else frame.buffer)
             if item.length < 1 or item.offset < end or item.offset + item.length > gen.prompt_token_count:
                 raise Rejected(
                     f"images[{i}]: placeholder offset {item.offset} length {item.length} must lie within the "
@@ -544,6 +564,7 @@ class SchedulerServer:
                     param="images",
                 )
             end = item.offset + item.length
+        return pixels
 
     def _validate_11(self, gen: Generate) -> None:
         """Ranges of the 1.1 fields (their use was checked against ``features`` already)."""

@@ -82,6 +82,7 @@ from pathlib import Path
 
 import zmq
 
+from engines import shared_pixels
 from engines.busy_cores import BusyCores
 from engines.guided import Decoder, Guide, GuideError
 from engines.held_images import HeldImages
@@ -98,6 +99,7 @@ from engines.scheduler_server import (
 )
 from scheduler_client import structured
 from scheduler_client.protocol import (
+    FEATURE_IMAGES_SHM,
     FEATURE_PRIORITY,
     FEATURES,
     FINISH_ABORT,
@@ -449,6 +451,8 @@ class SimulatedScheduler(SchedulerServer):
         self.scheduling = scheduling
         if scheduling != "priority":
             self._features -= {FEATURE_PRIORITY}
+        if not shared_pixels.available():
+            self._features -= {FEATURE_IMAGES_SHM}
         self.max_logprobs = min(20, self._tokens.vocab_size)
         self.image_placeholder_tokens = 0  # 1.2 images: placeholder tokens of the prompts accepted
         # 1.2 images.by_hash: the images it would hold (sizes only: it has no vision tower to feed them to)

@@ -81,13 +81,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines import engine_kwargs, require
+from engines import engine_kwargs, require, shared_pixels
 from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_DISABLE_ANY_WHITESPACE,
     FEATURE_IMAGES,
     FEATURE_IMAGES_BY_HASH,
+    FEATURE_IMAGES_SHM,
     FEATURE_KV_TRANSFER_PARAMS,
     FEATURE_PRIORITY,
     FEATURE_WHITESPACE_PATTERN,
@@ -397,6 +398,8 @@ class VLLMBackend(Backend):
             features.discard(FEATURE_IMAGES)
         if FEATURE_IMAGES not in features or self._sender_cache() is None:
             features.discard(FEATURE_IMAGES_BY_HASH)
+        if FEATURE_IMAGES not in features or not shared_pixels.available():
+            features.discard(FEATURE_IMAGES_SHM)
         no_tokenizer = getattr(model_config, "skip_tokenizer_init", None)
         if no_tokenizer is None:
             no_tokenizer = bool(self.engine_args.get("skip_tokenizer_init"))

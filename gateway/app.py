@@ -355,9 +355,10 @@ class App:
             image_hashes=done.images_by_hash,
         )
         k = done.frames_per_choice
-        if k > 2:  # images: their pixel frames, or empty ones for those the engine holds (images.by_hash)
+        if k > 2:  # images: their pixel frames, or empty ones (the engine holds them, or maps their files)
             pixels = [len(result.frames[k * i + j]) for i in range(len(gen.choices)) for j in range(2, k)]
-            gw.metrics.images_sent_by_hash.inc(pixels.count(0))
+            gw.metrics.images_sent_by_hash.inc(pixels.count(0) - done.images_shm)
+            gw.metrics.images_sent_shm.inc(done.images_shm)
             gw.metrics.images_sent_pixels.inc(len(pixels) - pixels.count(0))
         if done.images_by_hash:  # kept until the engine answers, in case it has lost an image (image_missing)
             for i, choice in enumerate(gen.choices):

@@ -55,7 +55,8 @@ class InProcessConversion:
         return True
 
     async def close(self) -> None:
-        pass
+        if self.converter.images is not None:  # its shared-memory image files (a scheduler's mappings stay)
+            self.converter.images.close()
 
     async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
         job = ConvertJob(next(self._ids), kind, request_id)

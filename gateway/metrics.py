@@ -193,9 +193,15 @@ class Metrics:
             "tokenmill_images_sent_by_hash",
             "Images sent to the engine as their content hash alone: it held them (protocol 1.2 images.by_hash).",
         )
+        self.images_sent_shm = c(
+            "tokenmill_images_sent_shared_memory",
+            "Images sent to the engine as a shared-memory file it maps: on this host, first sent "
+            "(protocol 1.2 images.shm).",
+        )
         self.image_pixels_resent = c(
             "tokenmill_image_pixels_resent",
-            "Requests whose images the engine no longer held when sent by hash: sent again with their pixels.",
+            "Requests whose images the engine no longer held when sent by hash, or could not map: sent again "
+            "with their pixels.",
         )
         self.draining = g("tokenmill_draining", "1 while the server drains for shutdown (readiness fails).")
         self.queued_bytes = g("tokenmill_queued_request_bytes", "Request body bytes waiting for a tokenizer worker.")

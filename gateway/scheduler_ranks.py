@@ -263,7 +263,10 @@ class SchedulerRanks:
             return Limits()
         features = None
         if all(w.features is not None for w in welcomes):
-            features = sorted(set.intersection(*(set(w.features) for w in welcomes)))
+            common = set.intersection(*(set(w.features) for w in welcomes))
+            if not all(on_this_host(r.endpoint) for r in self.ranks):  # a file here is no use to another host
+                common.discard(protocol.FEATURE_IMAGES_SHM)
+            features = sorted(common)
         lengths = [w.max_model_len for w in welcomes if w.max_model_len]
         logprobs = [w.max_logprobs for w in welcomes if w.max_logprobs is not None]
         return Limits(min(lengths) if lengths else None, features, min(logprobs) if logprobs else None)
@@ -271,3 +274,14 @@ class SchedulerRanks:
     def _lost(self, rank: Rank, why: str) -> None:
         rank.in_flight = 0
         self.on_rank_lost(rank.index, why)
+
+
+def on_this_host(endpoint: str) -> bool:
+    """Whether a scheduler endpoint is on this host (an ipc:// socket file, or TCP to a loopback
+    address), so that it can map the shared-memory files this host's workers write (images.shm)."""
+    if endpoint.startswith("ipc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")

@@ -35,6 +35,7 @@ from gateway.settings import ServeSettings
 from gateway.siblings import MetricsExchange, SiblingGateways
 from gateway.worker_pool import WorkerPool
 from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.images import shared_memory
 from tokenizer_workers.images.fetch import ImageFetchSettings
 from tokenizer_workers.messages import ApiError
 from tokenizer_workers.model import DEFAULT_MODEL_NAME
@@ -123,6 +124,7 @@ class Gateway:
             verify_tokenize_cache=s.verify_tokenize_cache,
             image_cache_bytes=s.image_cache_bytes,
             image_max_pixels=s.image_max_pixels,
+            image_shared_memory=s.image_shared_memory,
             image_fetch=ImageFetchSettings(
                 enabled=s.image_fetch,
                 timeout_s=s.image_fetch_timeout,
@@ -155,6 +157,10 @@ class Gateway:
         for endpoint in endpoints:
             require_secure(endpoint, "The scheduler", s.insecure_tcp, scheduler_keys is not None)
         self.runtime_dir = self._make_runtime_dir()
+        if not self.sibling and s.image_shared_memory:  # image files of workers killed with an earlier gateway
+            removed = shared_memory.remove_stale_files()
+            if removed:
+                log.info("removed %d image file(s) of exited processes from /dev/shm", removed)
         if self.sibling:
             endpoints = self.sibling["schedulers"]
         elif not endpoints:

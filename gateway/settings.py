@@ -56,6 +56,7 @@ class ServeSettings:
     verify_tokenize_cache: bool = False
     image_cache_bytes: int = 256 << 20
     image_max_pixels: int = 50_000_000
+    image_shared_memory: bool = True
     image_fetch: bool = False
     image_fetch_timeout: float = 10.0
     image_fetch_max_bytes: int = 20 << 20

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from tokenizer_workers.converter import ConverterSettings
+from tokenizer_workers.images import shared_memory
 from tokenizer_workers.worker import SETTINGS_ENV
 from tokenmill.process.procutil import child_env
 from tokenmill.transport.loop_socket import LoopSocket
@@ -139,6 +140,7 @@ class LocalWorkers:
 
     async def _watch(self, worker: Worker, process) -> None:
         code = await process.wait()
+        shared_memory.remove_files_of(process.pid)  # its images in /dev/shm, if it could not remove them
         if self.closing or worker.process is not process:
             return
         log.warning(
@@ -167,6 +169,7 @@ class LocalWorkers:
                 except asyncio.TimeoutError:
                     worker.process.kill()
                     await worker.process.wait()
+                shared_memory.remove_files_of(worker.process.pid)
 
     async def close(self) -> None:
         """After stop(): end the watchers and close the links."""

@@ -9,6 +9,7 @@ so neither side has to build per-token objects to move them.
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from typing import Any
@@ -84,6 +85,12 @@ FEATURE_IMAGES = "images"  # Generate.images
 # front end sends the same Generate again with the pixels
 FEATURE_IMAGES_BY_HASH = "images.by_hash"
 ERR_IMAGE_MISSING = "image_missing"
+# 1.2, continued: an item's pixels may wait in a shared-memory file (ImageItem.shm, its frame empty) that a
+# scheduler on the same host maps instead of reading them from the socket; one it cannot open gets
+# ERR_IMAGE_MISSING, and the front end sends the same Generate again with the pixels in the frames
+FEATURE_IMAGES_SHM = "images.shm"
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(r"tokenmill-img-[A-Za-z0-9_.-]{1,200}")  # the only names a scheduler opens there
 FEATURES_12 = (
     FEATURE_PRIORITY,
     FEATURE_CACHE_SALT,
@@ -94,6 +101,7 @@ FEATURES_12 = (
     *STRUCTURED_OPTION_FEATURES,
     FEATURE_IMAGES,
     FEATURE_IMAGES_BY_HASH,
+    FEATURE_IMAGES_SHM,
 )
 FEATURES = (FEATURE_LOGPROBS, *SAMPLING_FEATURES, *STRUCTURED_FEATURES, *FEATURES_12)
 
@@ -116,6 +124,8 @@ class ImageItem(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False
     offset: int  # the first of the image's placeholder tokens in the prompt
     length: int  # how many placeholder tokens it occupies there
     content_hash: str  # equal hashes: equal pixels (an engine may cache by it; with images.by_hash, must)
+    # 1.2 images.shm: the pixels are the file SHM_DIR/<shm> (a name matching SHM_NAME) when the frame is empty
+    shm: str | None = None
 
 
 IMAGE_DTYPES = {"float32": 4, "uint8": 1, "float16": 2, "bfloat16": 2}

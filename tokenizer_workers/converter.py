@@ -53,6 +53,8 @@ class ConverterSettings(msgspec.Struct):
     image_cache_bytes: int = 256 << 20  # processed images by content hash, per worker
     image_max_pixels: int = 50_000_000  # the largest image decoded (checked from its header)
     image_fetch: ImageFetchSettings = msgspec.field(default_factory=ImageFetchSettings)
+    # pixels to a scheduler on this host through /dev/shm (protocol 1.2 images.shm); off in a remote worker
+    image_shared_memory: bool = True
     tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
     reasoning_parser: str = ""
     max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
@@ -194,6 +196,11 @@ class Converter:
         self.engine = gp.Engine(limits.features, limits.max_logprobs)
         if self.images is not None:
             self.images.forget_sent()
+            # shared-memory pixels: only a scheduler on this host lists the feature to the workers (the
+            # gateway drops it for a remote one), and only a worker on this host writes them
+            self.images.use_shared_memory(
+                self.settings.image_shared_memory and protocol.FEATURE_IMAGES_SHM in (limits.features or ())
+            )
 
     def pixel_frames(self, content_hashes: list[str]) -> list | None:
         """The cached pixels of these images, for an engine that lost them (PixelsWanted); None if gone."""
@@ -663,7 +670,12 @@ class Converter:
         keep, left = self._truncation(req)
         choices, frames, detok = [], [], []
         by_hash = bool(images) and protocol.FEATURE_IMAGES_BY_HASH in self.engine.features
-        sent_by_hash = False
+        # each image's frame: its pixels, or empty for one the engine holds or maps from shared memory
+        pixel_frames, ways = [], []
+        for item, image in images:
+            frame, item.shm, way = self.images.engine_frame(image, by_hash)
+            pixel_frames.append(frame)
+            ways.append(way)
         prompt_ids = [] if req.return_token_ids else None
         for p, ids in enumerate(id_lists):
             if keep is not None and len(ids) > keep:
@@ -709,9 +721,7 @@ class Converter:
                 choices.append(ChoicePlan(rid, n, i == 0))
                 frames.append(protocol.encode(header))
                 frames.append(prompt_frame)
-                for _, image in images:  # the pixels not copied; empty for an image the engine holds
-                    frames.append(self.images.engine_frame(image, by_hash))
-                    sent_by_hash = sent_by_hash or not len(frames[-1])
+                frames += pixel_frames
                 detok.append(
                     DetokSpec(
                         rid,
@@ -747,7 +757,8 @@ class Converter:
             prompt_logprobs=params.prompt_logprobs is not None,
             kv_transfer_params=params.kv_transfer_params is not None,
             frames_per_choice=2 + len(images),
-            images_by_hash=[image.content_hash for _, image in images] if sent_by_hash else [],
+            images_by_hash=[image.content_hash for _, image in images] if any(w != "pixels" for w in ways) else [],
+            images_shm=ways.count("shm") * len(choices),
         )
         return Conversion(done, frames, detok)
 
@@ -832,7 +843,32 @@ def _conversation_key(messages: list[dict]) -> int:
     """What identifies a conversation on every turn: its messages up to the first user message (a
     system prompt alone is shared by many), for the scheduler rank holding its history."""
     end = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1) + 1
-    return zlib.crc32(_json.encode(messages[:end]))
+    return _crc_of(messages[:end], 0)
+
+
+_WHOLE = 65536  # characters: a longer string (a data: URL's megabytes of base64) is hashed by its ends
+
+
+def _crc_of(value, crc: int) -> int:
+    """CRC-32 of a JSON value's structure and contents, without encoding it: a first turn carrying
+    four screenshots is megabytes of base64 that every turn would otherwise encode and checksum
+    (~14% of a worker's CPU for a resent image); a string past 64K characters counts by its length and
+    its first and last 4K, plenty to tell conversations apart (the key only picks a scheduler rank)."""
+    if isinstance(value, str):
+        if len(value) > _WHOLE:
+            value = f"{len(value)}:{value[:4096]}{value[-4096:]}"
+        return zlib.crc32(value.encode("utf-8", "surrogatepass"), zlib.crc32(b"s", crc))
+    if isinstance(value, dict):
+        crc = zlib.crc32(b"{", crc)
+        for key, item in value.items():
+            crc = _crc_of(item, _crc_of(key, crc))
+        return crc
+    if isinstance(value, list):
+        crc = zlib.crc32(b"[", crc)
+        for item in value:
+            crc = _crc_of(item, crc)
+        return zlib.crc32(b"]", crc)
+    return zlib.crc32(repr(value).encode(), crc)
 
 
 def _template_kwargs(req) -> dict | None:

@@ -222,10 +222,12 @@ class ConvertDone(msgspec.Struct, tag="done"):
     # per choice: its detokenizer spec as bytes the gateway keeps without reading, so that another worker
     # can take the stream over if this one dies (tokenizer_workers/resume.py); empty: not resumable
     resume: list[bytes] = []
-    # the content hashes of the request's images, in order, when at least one went by its hash alone (an
-    # empty pixel frame, protocol 1.2 images.by_hash): the gateway keeps the frames it sent until the
+    # the content hashes of the request's images, in order, when at least one went without its pixels (an
+    # empty pixel frame: protocol 1.2 images.by_hash, or images.shm): the gateway keeps the frames it sent until the
     # engine answers, and asks for these pixels (PixelsWanted) if the engine says image_missing
     images_by_hash: list[str] = []
+    # of those, how many went as a shared-memory file the engine maps (images.shm), over all choices
+    images_shm: int = 0
 
 
 class OutPiece(msgspec.Struct, array_like=True):

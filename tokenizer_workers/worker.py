@@ -49,6 +49,7 @@ from scheduler_client.protocol import frame_to_ids
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
+from tokenizer_workers.images import shared_memory
 from tokenizer_workers.remote_link import RemoteWorkerLink
 from tokenizer_workers.resume import decode_spec, encode_spec
 from tokenmill.process.procutil import die_with_supervisor, limit_memory, set_process_name
@@ -241,6 +242,8 @@ class Worker:
         """A joined gateway's settings: the first ones this worker loads; later ones must be the same."""
         if self.remote is not None and self.remote.model_dir:
             settings.model_dir = self.remote.model_dir  # the same model, where this host keeps it
+        if self.remote is not None:
+            settings.image_shared_memory = False  # the scheduler is on the gateway's host, not this one
         if self.settings is None:
             self.settings = settings
         elif msgspec.structs.replace(settings, fingerprint=self.settings.fingerprint) != self.settings:
@@ -453,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s"
     )
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: _exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the gateway decides
     # Hand the GIL between the conversion thread and the IO thread every millisecond (not 5):
     # detokenization of running streams waits at most that long behind a conversion.
@@ -479,7 +482,14 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     logging.shutdown()
     sys.stderr.flush()
-    os._exit(code)  # at once: a normal exit would wait for ZeroMQ sockets the conversion thread holds
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Remove this process's shared-memory image files (a scheduler's mappings of them stay valid), then
+    exit at once: a normal exit would wait for ZeroMQ sockets the conversion thread holds."""
+    shared_memory.remove_files_of(os.getpid())
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,11 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Largest image (width x height) a worker decodes; checked from the header before decoding "
         "(decompression bombs).",
     ),
+    "image_shared_memory": (
+        _bool,
+        "Hand processed images to a scheduler on this host as files in /dev/shm that it maps (protocol "
+        "images.shm), not in frames through the gateway; used only where the scheduler lists the feature.",
+    ),
     "image_fetch": (_bool, "Fetch http(s) image URLs (off: only base64 data: URLs are taken; docs/security.md)."),
     "image_fetch_timeout": (float, "Seconds one image fetch may take in all, redirects included."),
     "image_fetch_max_bytes": (int, "Largest image body fetched from a URL."),

@@ -508,7 +508,14 @@ STRUCTURED = {
 # what the vLLM bridge does not list by default: priority under FCFS, kv_transfer_params without a KV
 # connector, disable_any_whitespace without the engine-wide option, whitespace_pattern ever, images (by hash
 # or not) for a text model
-VLLM_UNLISTED = {"priority", "kv_transfer_params", "images", "images.by_hash", *STRUCTURED_OPTION_FEATURES}
+VLLM_UNLISTED = {
+    "priority",
+    "kv_transfer_params",
+    "images",
+    "images.by_hash",
+    "images.shm",
+    *STRUCTURED_OPTION_FEATURES,
+}
 
 
 def test_sglang_protocol_1_1_params_and_features():

@@ -728,7 +728,7 @@ RIVER = [671, 12334, 21928, 13257]  # "The river wound slowly"
 def test_engine_announces_every_feature_it_honours(stack):
     """Every 1.1 and 1.2 feature, but priority (vLLM schedules fcfs unless told otherwise, and then
     ignores a priority), kv_transfer_params (nothing consumes them without a KV connector) and images,
-    by hash or not (a text-only model; tests/engines/test_vllm_images.py has the Qwen2-VL one)."""
+    by hash, by shared memory or not (a text-only model; tests/engines/test_vllm_images.py has the Qwen2-VL one)."""
     with engine_session(stack.engine.endpoint, "test-welcome") as front:
         welcome = next(m for m in front.messages(10) if isinstance(m, Welcome))
     assert welcome.features == sorted(
@@ -738,6 +738,7 @@ def test_engine_announces_every_feature_it_honours(stack):
             "kv_transfer_params",
             "images",
             "images.by_hash",
+            "images.shm",
             "structured.disable_any_whitespace",
             "structured.whitespace_pattern",
         }

@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from vllm_env import VLLM_PYTHON, VLLM_VISION, vision_missing_reason
@@ -292,7 +293,7 @@ def test_engine_lists_images_and_refuses_another_family_or_dtype(stack):
     client = ProtocolClient(engine.endpoint, log=engine.log)
     try:
         welcome = client.handshake("test-images")
-        assert isinstance(welcome, Welcome) and {"images", "images.by_hash"} <= set(welcome.features)
+        assert isinstance(welcome, Welcome) and {"images", "images.by_hash", "images.shm"} <= set(welcome.features)
         prompt = [129282, *[129284] * 4, 129283, 9]
         item = ImageItem("gemma3", "float32", [16, 1176], [1, 4, 4], 1, 4, "0" * 64)
         pixels = np.zeros((16, 1176), np.float32).tobytes()
@@ -320,6 +321,7 @@ def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
     vllm, _, front = stack
     tokenizer = Tokenizer.from_file(str(EARLY.root / NAME / "tokenizer.json"))
     outputs = {}
+    framed = _sent(front, "pixels")
     for name, messages in CASES.items():
         theirs, ours = _greedy(vllm.url, messages), _greedy(front.url, messages)
         assert ours[0] == theirs[0], f"{name}: prompt token IDs differ"
@@ -328,6 +330,8 @@ def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
         assert ours[2] == theirs[2] or (ours[2].endswith("\ufffd") and ours[2].startswith(theirs[2])), name
         outputs[name] = tuple(ours[1])
     assert len(set(outputs.values())) > len(outputs) // 2, f"the images hardly change the outputs: {outputs}"
+    # the engine is on this host: it mapped every new image from the worker's shared-memory file
+    assert _sent(front, "shared_memory") > 0 and _sent(front, "pixels") == framed
 
 
 def test_aspect_ratio_over_200_is_a_400_on_both(stack):
@@ -402,7 +406,8 @@ def test_pixels_equal_vllms_own_processing(stack, tmp_path):
 def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image_missing(stack):
     """Protocol 1.2 images.by_hash on the bridge: an empty pixel frame for an image vLLM's engine core
     does not hold is image_missing (nothing starts); once the pixels have been sent, the same item by
-    hash alone gives the same greedy output."""
+    hash alone gives the same greedy output, and so does an item naming a shared-memory file with
+    the same pixels (images.shm)."""
     _, engine, _ = stack
     client = ProtocolClient(engine.endpoint, log=engine.log)
     try:
@@ -412,12 +417,12 @@ def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image
         item = ImageItem("qwen2_vl", "uint8", [16, 1176], [1, 4, 4], 1, 4, content_hash)
         pixels = np.random.default_rng(7).integers(0, 256, (16, 1176), dtype=np.uint8).tobytes()
 
-        def run(request_id: str, frame: bytes):
+        def run(request_id: str, frame: bytes, image: ImageItem = item):
             gen = Generate(
                 request_id=request_id,
                 prompt_token_count=len(prompt),
                 max_new_tokens=4,
-                images=[item],
+                images=[image],
                 ignore_eos=True,
                 sampling=SamplingParams(temperature=0.0),
             )
@@ -435,6 +440,14 @@ def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image
         run("hash", b"")
         by_hash = b"".join(o.token_ids for o in client.collect(["hash"])["hash"])
         assert by_hash == with_pixels and len(by_hash) == 16
+        name = f"tokenmill-img-{os.getpid()}-0-bridge-test"
+        with open(os.path.join("/dev/shm", name), "wb") as f:
+            f.write(pixels)
+        try:  # the same pixels under a hash vLLM has not seen, from a file
+            run("file", b"", msgspec.structs.replace(item, content_hash=os.urandom(32).hex(), shm=name))
+            assert b"".join(o.token_ids for o in client.collect(["file"])["file"]) == with_pixels
+        finally:
+            os.unlink(os.path.join("/dev/shm", name))
     finally:
         client.close()
 
@@ -446,19 +459,22 @@ def test_resent_image_goes_to_the_engine_core_as_its_hash(stack):
     _, engine, front = stack
     messages = CASES["768x1024"]
     seen = engine.log().count("held by vLLM's engine core")
-    by_hash = _by_hash(front)
+    by_hash = _sent(front, "by_hash")
     first = _greedy(front.url, messages)
     second = _greedy(front.url, messages)
     assert second == first
     assert engine.log().count("held by vLLM's engine core") > seen, engine.log()[-3000:]
-    assert _by_hash(front) > by_hash  # and the worker sent it so (images.by_hash): no pixels through the gateway
+    assert (
+        _sent(front, "by_hash") > by_hash
+    )  # and the worker sent it so (images.by_hash): no pixels through the gateway
 
 
-def _by_hash(front) -> float:
+def _sent(front, how: str) -> float:
+    """tokenmill_images_sent_<how>_total: pixels, by_hash or shared_memory."""
     _, _, text = http("GET", front.url + "/metrics")
     text = text.decode() if isinstance(text, bytes) else str(text)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("tokenmill_images_sent_by_hash_total{")
+        if line.startswith(f"tokenmill_images_sent_{how}_total{{")
     )

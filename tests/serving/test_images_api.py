@@ -8,6 +8,7 @@ import base64
 import contextlib
 import http.server as http_server
 import io
+import os
 import re
 import subprocess
 import sys
@@ -149,12 +150,14 @@ asyncio.run(main())
 
 
 @contextlib.contextmanager
-def _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes: int = 4 << 30, images: bool = True):
-    """A simulated scheduler of its own (one that takes no images, or holds few), started by the test;
-    yields its endpoint."""
+def _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes: int = 4 << 30, images: bool = True, wrap: list[str] = ()):
+    """A simulated scheduler of its own (one that takes no images, or holds few; ``wrap``: the command
+    it runs under), started by the test; yields its endpoint."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     endpoint = f"ipc://{tmp_path}/scheduler.sock"
     args = [endpoint, str(vl_dir), str(image_cache_bytes), "images" if images else "no-images"]
-    proc = subprocess.Popen([sys.executable, "-c", _SCHEDULER, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    command = [*wrap, sys.executable, "-c", _SCHEDULER, *args]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         yield endpoint
@@ -171,11 +174,14 @@ def _counter(srv, name: str) -> float:
 
 def test_a_resent_image_goes_by_its_hash_and_one_the_engine_evicted_goes_again_with_its_pixels(tmp_path, vl_dir):
     """Protocol 1.2 images.by_hash against a simulated scheduler that holds one 56 x 56 image (18,816
-    bytes of uint8 pixels) at a time: an image resent goes as its hash alone; after another image has
-    pushed it out, the engine answers image_missing, the gateway gets the pixels from the worker and
-    sends the request again, and the client sees the same answer as on the first turn."""
+    bytes of uint8 pixels) at a time, pixels in frames (shared memory off): an image resent goes as its
+    hash alone; after another image has pushed it out, the engine answers image_missing, the gateway
+    gets the pixels from the worker and sends the request again, and the client sees the same answer
+    as on the first turn."""
     with _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes=20000) as endpoint:
-        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        srv = Server(
+            "--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint, "--image-shared-memory", "false"
+        )
         try:
             client = srv.client()
             a, b = _url(_png(56, 56, seed=3)), _url(_png(56, 56, seed=4))
@@ -211,6 +217,91 @@ def test_a_resent_image_goes_by_its_hash_and_one_the_engine_evicted_goes_again_w
             assert turn(a, stream=True) == first  # by hash, image_missing, then with its pixels
             assert sent() == [2, 2, 1]
             assert turn(a) == first and sent() == [2, 3, 1]  # held again
+        finally:
+            srv.stop()
+
+
+def _turn(client, url: str, stream: bool = False) -> tuple[int, str]:
+    """One chat turn with one image: (prompt tokens, greedy text)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, _image_part(url)]}]
+    args = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0}
+    if not stream:
+        out = client.chat.completions.create(**args)
+        return out.usage.prompt_tokens, out.choices[0].message.content
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    return chunks[-1].usage.prompt_tokens, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _image_files(pids) -> dict[str, bytes]:
+    """The shared-memory image files these processes wrote (protocol 1.2 images.shm), by name."""
+    from tokenizer_workers.images.shared_memory import PREFIX
+
+    out = {}
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(PREFIX) and int(name[len(PREFIX) :].split("-")[0]) in pids:
+            with open(os.path.join("/dev/shm", name), "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+_SENT = ("tokenmill_images_sent_pixels", "tokenmill_images_sent_shared_memory", "tokenmill_images_sent_by_hash")
+
+
+def test_images_reach_an_engine_on_this_host_as_shared_memory_files(tmp_path, vl_dir):
+    """Protocol 1.2 images.shm: the worker writes an image's pixels once to /dev/shm and the engine (a
+    simulated scheduler on an ipc:// socket) maps the file, so no pixel frame crosses the gateway. The
+    file holds exactly the pixels the worker's pipeline makes; an image the engine has let go (it
+    holds one at a time here) is mapped again from its file, with no image_missing round trip; the
+    worker's files go with it."""
+    a, b = _png(56, 56, seed=5), _png(56, 56, seed=6)
+    with _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes=20000) as endpoint:
+        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        try:
+            client = srv.client()
+            pids = set(srv.children())
+            first = _turn(client, _url(a))
+            assert [_counter(srv, n) for n in _SENT] == [0, 1, 0]
+            files = _image_files(pids)
+            pipeline = ImagePipeline(Qwen2VLProcessor(PREPROCESSOR))
+            assert list(files.values()) == [pipeline.load_image_part(_url(a), "image").pixels.tobytes()]
+            assert _turn(client, _url(a)) == first and [_counter(srv, n) for n in _SENT] == [0, 1, 1]
+            assert _turn(client, _url(b))[0] == first[0]  # b pushes a out of the engine
+            assert _turn(client, _url(a), stream=True) == first  # by hash: not held, so mapped from its file
+            assert [_counter(srv, n) for n in _SENT] == [0, 2, 2]
+            assert _counter(srv, "tokenmill_image_pixels_resent") == 0
+            assert len(_image_files(pids)) == 2
+        finally:
+            srv.stop()
+        assert _image_files(pids) == {}  # removed with the worker
+
+
+_PRIVATE_SHM = 'mount -t tmpfs tokenmill-test /dev/shm && exec "$@"'
+
+
+def test_an_engine_that_cannot_see_the_files_gets_the_pixels_in_frames(tmp_path, vl_dir):
+    """A scheduler on this host in a mount namespace of its own (a container's /dev/shm) lists
+    images.shm but cannot open the worker's files: it answers image_missing, the gateway sends the
+    same request again with the pixels, the client sees the same answer as from a scheduler that
+    can, and after three such misses the worker sends pixels in frames from the start."""
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", "mount -t tmpfs t /dev/shm"])
+    if probe.returncode != 0:
+        pytest.skip("no private mount namespace here (unshare --mount --map-root-user)")
+    images = [_url(_png(56, 56, seed=10 + i)) for i in range(5)]
+    with _simulated_scheduler(tmp_path / "seeing", vl_dir) as endpoint:
+        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        try:
+            expected = [_turn(srv.client(), url) for url in images]
+        finally:
+            srv.stop()
+    wrap = ["unshare", "--mount", "--map-root-user", "sh", "-c", _PRIVATE_SHM, "sh"]
+    with _simulated_scheduler(tmp_path / "blind", vl_dir, wrap=wrap) as endpoint:
+        srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
+        try:
+            answers = [_turn(srv.client(), url) for url in images]
+            assert answers == expected
+            # three by file, each refused and sent again with its pixels; then frames from the start
+            assert [_counter(srv, n) for n in _SENT] == [2, 3, 0]
+            assert _counter(srv, "tokenmill_image_pixels_resent") == 3
         finally:
             srv.stop()
 

@@ -459,6 +459,50 @@ def test_image_items_are_checked_against_their_frames(sched):
         assert error.param == (None if rid in ("missing", "extra") else "images"), (rid, error)
 
 
+def test_image_items_may_name_a_shared_memory_file_instead(sched):
+    """Protocol 1.2 images.shm: an item with an empty frame naming a file in /dev/shm is read from the
+    file; a file that is not there (or holds another size) is image_missing, so the front end sends
+    the pixels; a name outside tokenmill's pattern (a path) is refused; a filled frame wins over a name."""
+    client = sched.client()
+    prompt = [5, 9, 9, 9, 9, 6, 7]
+    name = f"tokenmill-img-{os.getpid()}-0-test"
+    item = ImageItem("qwen2_vl", "uint8", [16, 1176], [1, 4, 4], 1, 4, "0" * 64, shm=name)
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * (16 * 1176 // 256) + bytes(16 * 1176 % 256))
+    try:
+        assert "images.shm" in client.handshake().features
+        for rid, items, frame, code in (
+            ("mapped", [item], b"", None),
+            ("framed", [msgspec.structs.replace(item, shm="tokenmill-img-gone")], bytes(16 * 1176), None),
+            (
+                "gone",
+                [msgspec.structs.replace(item, shm="tokenmill-img-gone", content_hash="1" * 64)],
+                b"",
+                "image_missing",
+            ),
+            (
+                "size",
+                [msgspec.structs.replace(item, shape=[4, 1176], grid_thw=[1, 2, 2], content_hash="2" * 64)],
+                b"",
+                "image_missing",
+            ),
+            ("path", [msgspec.structs.replace(item, shm="../" + name, content_hash="3" * 64)], b"", "bad_request"),
+        ):
+            client.send(
+                Generate(request_id=rid, prompt_token_count=len(prompt), max_new_tokens=3, images=items),
+                ids_to_frame(prompt),
+                frame,
+            )
+            if code is None:
+                assert client.collect([rid])[rid][-1].finish_reason == "length", rid
+            else:
+                error = client.recv_not_stats()
+                assert isinstance(error, Error) and (error.request_id, error.code, error.param) == (rid, code, "images")
+    finally:
+        os.unlink(path)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

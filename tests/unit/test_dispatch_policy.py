@@ -376,3 +376,36 @@ def test_a_conversation_whose_stream_moved_goes_to_its_new_worker_converted_afre
     policy, _ = _policy(affinity=False)
     policy.rehome(key, 1)
     assert not policy.homes  # no affinity: nothing to repoint
+
+
+def test_the_workers_conversation_key_follows_an_image_chat_without_encoding_its_images():
+    """The scheduler-rank key a worker gives a chat (its messages up to the first user turn): every
+    turn of one conversation gets one key, another first turn another, also when the first turns
+    differ only in a multi-megabyte data: URL that the key reads by its ends."""
+    import base64
+    import os
+
+    from tokenizer_workers.converter import _conversation_key
+
+    def url(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    def chat(image: str, turns: int) -> list[dict]:
+        parts = [{"type": "text", "text": "Compare."}, {"type": "image_url", "image_url": {"url": image}}]
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+        for t in range(turns):
+            messages += [{"role": "assistant", "content": f"step {t}"}, {"role": "user", "content": f"more {t}"}]
+        return messages
+
+    one, two = os.urandom(3_000_000), os.urandom(3_000_000)
+    keys = {_conversation_key(chat(url(one), t)) for t in range(3)}
+    assert len(keys) == 1
+    assert _conversation_key(chat(url(two), 0)) not in keys
+    same_ends = one[:1_000_000] + two[1_000_000:2_000_000] + one[2_000_000:]
+    assert _conversation_key(chat(url(same_ends), 0)) in keys  # only the ends of a long string count
+    assert _conversation_key([{"role": "user", "content": "a"}]) != _conversation_key(
+        [{"role": "user", "content": "b"}]
+    )
+    assert _conversation_key([{"role": "user", "content": ["a"]}]) != _conversation_key(
+        [{"role": "user", "content": "a"}]
+    )

@@ -29,6 +29,7 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]
     tokens: int  # placeholder tokens this image expands to
     content_hash: str
+    shm: str | None = None  # the shared-memory file holding ``pixels`` (protocol 1.2 images.shm), if any
 
     @property
     def nbytes(self) -> int:

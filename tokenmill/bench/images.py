@@ -32,6 +32,7 @@ from tokenmill.bench.common import (
     process_tree,
     request,
     rnd,
+    try_get,
 )
 
 CHATS = 8
@@ -128,6 +129,7 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
     cpu = {"first": 0.0, "resend": 0.0}
     gateway_cpu = 0.0  # tokenmill's gateway alone (vLLM's front is one process: all of it)
     images = 0
+    resent0 = _metric_total(port, "tokenmill_image_pixels_resent_total") if side == "tokenmill" else None
     try:
         for first, resend in rounds:
             for kind, bodies in (("first", first), ("resend", resend)):
@@ -149,6 +151,9 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
         health = out.get(timeout=120)[1]
         prober.join(30)
     first_p50, resend_p50 = pct(first_ms, 0.5), pct(resend_ms, 0.5)
+    resent = None  # tokenmill only: requests sent again with their pixels after the engine said image_missing
+    if side == "tokenmill" and resent0 is not None:
+        resent = _metric_total(port, "tokenmill_image_pixels_resent_total") - resent0
     sent = IMAGES_PER_CHAT * sum(len(first) for first, _ in rounds)
     return {
         "health_p50_ms": rnd(pct(health, 0.5), 2),
@@ -162,6 +167,7 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
         "resend_front_cpu_ms_per_image": rnd(cpu["resend"] * 1000 / sent, 2),
         "resend_cpu_vs_first": rnd(cpu["resend"] / cpu["first"], 3) if cpu["first"] else None,
         "gateway_cpu_ms_per_image": rnd(gateway_cpu * 1000 / (2 * sent), 2),
+        "pixels_resent": resent,
         "prompt_tokens": max(tokens, default=0),
         "errors": errors[:3],
     }
@@ -179,5 +185,14 @@ FIGURES = [
     "resend_front_cpu_ms_per_image",
     "resend_cpu_vs_first",
     "gateway_cpu_ms_per_image",
+    "pixels_resent",
     "prompt_tokens",
 ]
+
+
+def _metric_total(port: int, name: str) -> float | None:
+    """The sum of a counter's samples on ``/metrics`` (all its labels), None if it could not be read."""
+    status, data = try_get(port, "/metrics")
+    if status != 200:
+        return None
+    return sum(float(line.rsplit(" ", 1)[1]) for line in data.decode().splitlines() if line.startswith(name + "{"))
