@@ -468,15 +468,18 @@ class Gateway:
 def run(settings: ServeSettings, on_ready=None, sibling: dict | None = None) -> int:
     import uvloop
 
-    from tokenmill.process.procutil import keep_freed_memory, request_latency_slice, set_process_name
+    from tokenmill.process.procutil import keep_freed_memory, request_latency_slice, request_realtime, set_process_name
 
     name = f"gateway {sibling['index']}" if sibling else "gateway"
     set_process_name(f"tm-gateway-{sibling['index']}" if sibling else "tm-gateway")
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     keep_freed_memory()  # request bodies of megabytes reuse heap pages instead of faulting in fresh ones
     # this thread only: the workers, the scheduler and the loop's helper threads keep the default
-    if settings.loop_slice_us and not request_latency_slice(settings.loop_slice_us):
-        logging.getLogger(__name__).info("this kernel keeps its default time slice for the event loop")
+    log = logging.getLogger(__name__)
+    if request_realtime(settings.loop_rt_priority):
+        log.info("the event loop runs real-time (SCHED_FIFO priority %d)", settings.loop_rt_priority)
+    elif settings.loop_slice_us and not request_latency_slice(settings.loop_slice_us):
+        log.info("this kernel keeps its default time slice for the event loop")
     return uvloop.run(Gateway(settings, sibling).serve(on_ready))
 
 

@@ -22,6 +22,7 @@ class ServeSettings:
     gateways: int = 1
     gateway_stall_timeout: float = 30.0
     loop_slice_us: int = 100  # the CPU time slice each gateway's event-loop thread asks the kernel for (0: default)
+    loop_rt_priority: int = 1  # SCHED_FIFO for each event-loop thread where permitted (0: never); else the slice
     workers: int = 0  # 0: CPU count minus one, at least one
     conversion_threads: int = 2  # per worker
     conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
@@ -91,6 +92,8 @@ class ServeSettings:
             raise SystemExit("conversion_threads: at least 1")
         if not 0 <= self.conversion_nice <= 19:
             raise SystemExit("conversion_nice: 0 to 19")
+        if not 0 <= self.loop_rt_priority <= 99:
+            raise SystemExit("loop_rt_priority: 0 (never real-time) or a SCHED_FIFO priority 1 to 99")
         if self.loop_slice_us and not 100 <= self.loop_slice_us <= 100_000:
             raise SystemExit("loop_slice_us: 0 (the kernel's default) or 100 to 100000")
         if self.stream_history_bytes < 0:

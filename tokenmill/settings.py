@@ -54,6 +54,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "gateway 0's pings before it is killed and replaced (0 = never; systemd's watchdog "
         "covers gateway 0).",
     ),
+    "loop_rt_priority": (
+        int,
+        "SCHED_FIFO priority for each gateway's event-loop thread where the process may use it (root, "
+        "CAP_SYS_NICE, or systemd's LimitRTPRIO=); elsewhere the loop_slice_us slice applies (0 = never "
+        "real-time). The loop then preempts an engine's CPU threads the moment a request arrives; it does "
+        "no conversion, so it takes little CPU.",
+    ),
     "loop_slice_us": (
         int,
         "CPU time slice in microseconds that each gateway's event-loop thread asks the kernel for "

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Server, http
 
+from gateway.settings import ServeSettings
 from tokenmill import settings as settings_mod
 from tokenmill.process import systemd_notify
 
@@ -212,6 +213,9 @@ def test_gateway_unit_settings():
     assert seconds(service["RestartSec"]) > 0
     assert 2 <= seconds(service["WatchdogSec"]) <= 120
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    # the event loop may run real-time at its default priority (gateway/settings.py loop_rt_priority)
+    assert int(service["LimitRTPRIO"]) >= ServeSettings().loop_rt_priority >= 1
+    assert service.get("RestrictRealtime", "no") == "no"
     # libzmq aborts if sched_setscheduler() fails, so @resources must stay allowed
     assert not any("@resources" in f and f.startswith("~") for f in unit["Service"].get("SystemCallFilter", []))
 

@@ -138,16 +138,17 @@ def probe_health(
     A failed probe reconnects; with ``count_failures`` it counts as taking until it failed. ``started``
     (an Event) is set once the first probe has been answered. A health checker on another host does
     not wait for this machine's cores, so what it measures should be the server's delay, not its own
-    (the same for every server measured): the prober's thread asks for a short time slice (as
-    tokenmill's gateway loop does), and its process leaves the bench's session, so that the load
-    threads' CPU (sending megabytes of bodies) is not charged to its scheduling group (autogroups)."""
-    from tokenmill.process.procutil import request_latency_slice
+    (the same for every server measured): the prober's thread runs real-time where the bench may (as
+    root), else asks for a short time slice, and its process leaves the bench's session, so that the
+    load threads' CPU (sending megabytes of bodies) is not charged to its scheduling group (autogroups)."""
+    from tokenmill.process.procutil import request_latency_slice, request_realtime
 
     try:
         os.setsid()
     except OSError:  # already a session or group leader: stays where it is
         pass
-    request_latency_slice(100)
+    if not request_realtime(1):
+        request_latency_slice(100)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     while not stop.is_set():
         t0 = time.perf_counter()
