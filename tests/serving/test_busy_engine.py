@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from conftest import Server
+from conftest import ROOT, Server, http
 
 
 def _cpu_s(pid: int) -> float:
@@ -136,11 +137,11 @@ def _kernel_takes_slices() -> bool:
 
 
 def test_the_gateway_loop_asks_for_a_short_slice_and_the_workers_have_a_scheduling_group_of_their_own():
-    """The event-loop thread alone asks for --loop-slice-us (so it preempts an engine that keeps the cores
-    busy, the moment a request comes); its helper threads and the workers keep the kernel's default. The
-    workers run in sessions of their own (Linux autogroups): their conversions are not charged to the
-    gateway's scheduling group."""
-    server = Server("--loop-slice-us", "200")
+    """Not real-time (--loop-rt-priority 0), the event-loop thread alone asks for --loop-slice-us (so it
+    preempts an engine that keeps the cores busy, the moment a request comes); its helper threads and the
+    workers keep the kernel's default. The workers run in sessions of their own (Linux autogroups): their
+    conversions are not charged to the gateway's scheduling group."""
+    server = Server("--loop-slice-us", "200", "--loop-rt-priority", "0")
     try:
         gateway = server.proc.pid
         worker = _child(server, b"tokenizer_workers.worker")
@@ -151,6 +152,45 @@ def test_the_gateway_loop_asks_for_a_short_slice_and_the_workers_have_a_scheduli
         assert slices.pop(gateway) == 200_000, slices
         assert slices and 200_000 not in slices.values(), slices  # ZeroMQ's and the loop's helper threads
         assert 200_000 not in _slices(worker).values()
+    finally:
+        server.stop()
+
+
+def _policies(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's scheduling policy and real-time priority."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = (os.sched_getscheduler(int(tid)), os.sched_getparam(int(tid)).sched_priority)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def test_the_gateway_loop_runs_real_time_where_permitted_and_nothing_else_does():
+    """By default the event-loop thread runs SCHED_FIFO at priority 1 where the gateway may (root or
+    CAP_SYS_NICE here; the systemd unit's LimitRTPRIO=1), so it preempts an engine's threads at once;
+    its helper threads (ZeroMQ's, started after it) and the workers stay SCHED_OTHER. Where it may not,
+    the loop falls back to the short slice (the test above)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "from tokenmill.process.procutil import request_realtime as r; print(r(1))"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    server = Server("--loop-rt-priority", "1")
+    try:
+        gateway = server.proc.pid
+        policies = _policies(gateway)
+        loop = policies.pop(gateway)
+        if probe.stdout.strip() != "True":
+            assert loop[0] & ~os.SCHED_RESET_ON_FORK == os.SCHED_OTHER
+            pytest.skip("this process may not use SCHED_FIFO (no CAP_SYS_NICE, RLIMIT_RTPRIO 0)")
+        assert loop == (os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, 1)  # what it starts runs SCHED_OTHER
+        assert policies and all(policy == (os.SCHED_OTHER, 0) for policy in policies.values()), policies
+        worker = _child(server, b"tokenizer_workers.worker")
+        assert set(_policies(worker).values()) == {(os.SCHED_OTHER, 0)}
+        assert http("GET", server.url + "/health")[0] == 200
     finally:
         server.stop()
 
