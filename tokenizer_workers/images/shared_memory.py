@@ -29,6 +29,7 @@ from scheduler_client.protocol import SHM_DIR
 log = logging.getLogger("tokenmill.worker")
 
 PREFIX = "tokenmill-img-"
+_WRITE_PIECE = 256 << 10
 GRACE_S = 30.0  # a removed image's file outlives it this long (a generate naming it may be in flight)
 
 
@@ -61,7 +62,9 @@ class SharedPixels:
             os.fchmod(fd, 0o640)
             written = 0
             while written < len(data):  # write(), not a writable mapping: a full tmpfs is ENOSPC here, not SIGBUS
-                written += os.write(fd, data[written:])
+                # in pieces: one 5.8 MB write is milliseconds inside the kernel, where a kernel without
+                # preemption would keep the gateway's loop from the core until it returns
+                written += os.write(fd, data[written : written + _WRITE_PIECE])
             mapped = mmap.mmap(fd, len(data), access=mmap.ACCESS_READ)
         except OSError as exc:
             os.close(fd)

@@ -104,7 +104,7 @@ def _send_together(port: int, bodies: list[bytes]) -> tuple[float, list[float], 
     def one(body: bytes) -> None:
         t0 = time.perf_counter()
         try:
-            status, data = request(port, "POST", "/v1/chat/completions", body, timeout=600)
+            status, data = request(port, "POST", "/v1/chat/completions", body, timeout=600, piece_bytes=256 << 10)
         except OSError as exc:
             errors.append(repr(exc))
             return

@@ -240,7 +240,9 @@ class PipePeer:
         """Every whole message waiting now; raises EOFError when the gateway has gone."""
         messages, reader, recv_into = [], self._reader, self.sock.recv_into
         while True:
-            buffer = reader.buffer()
+            # at most _READ per call: megabytes copied in one call are milliseconds inside the
+            # kernel, where a kernel without preemption keeps the gateway's loop from this core
+            buffer = reader.buffer()[:_READ]
             try:
                 nbytes = recv_into(buffer, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
