@@ -107,8 +107,10 @@ class LocalWorkers:
         if isinstance(worker.link, PipeLink):
             worker.link.close()  # its last process's link: what is still in it is for a process that is gone
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (ours, theirs):  # a long prompt's body (MBs) in one write, not one per 208 KiB of default buffer
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        # a long prompt's body (MBs) in a few writes, not one per 208 KiB of default buffer; but not one
+        # 5 MB write either: that is a millisecond inside the kernel on the loop, which /health waits out
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         with theirs:
             worker.link = await PipeLink.open(ours, lambda link, frames: self.on_message(link, worker.identity, frames))
             worker.process = await asyncio.create_subprocess_exec(
