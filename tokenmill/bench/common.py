@@ -151,8 +151,9 @@ def probe_health(
     (the same for every server measured): the prober's thread runs real-time where the bench may (as
     root), else asks for a short time slice, and its process leaves the bench's session, so that the
     load threads' CPU (sending megabytes of bodies) is not charged to its scheduling group (autogroups)."""
-    from tokenmill.process.procutil import request_latency_slice, request_realtime
+    from tokenmill.process.procutil import request_latency_slice, request_realtime, set_process_name
 
+    set_process_name("bench-prober")  # its thread, by name in ps, top and perf sched
     try:
         os.setsid()
     except OSError:  # already a session or group leader: stays where it is
