@@ -8,6 +8,11 @@ their base64 data as a ``data:`` URL, or their URL): it returns a ``ProcessedIma
 The content hash is keyed BLAKE3 (32 bytes, hex) of the image's raw file bytes (after base64 decoding
 or fetching), the key derived from the processor's settings: the same file processed the same way has the
 same hash, whatever URL it came from. The cache keys on it, and the engine gets it.
+
+How the engine gets an image (``engine_frame``): by hash alone once this worker has sent it to the
+engine session (protocol 1.2 ``images.by_hash``); else, to an engine on this host, as the
+shared-memory file its pixels were written to when processed (``images.shm``, shared_memory.py);
+else as its pixels in a frame.
 """
 
 from __future__ import annotations
