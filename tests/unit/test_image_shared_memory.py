@@ -63,3 +63,14 @@ def test_files_of_exited_processes_are_swept_and_live_ones_kept(tmp_path):
 def test_a_directory_that_cannot_take_the_pixels_means_frames(tmp_path):
     shared = SharedPixels(str(tmp_path / "missing"))
     assert shared.write("00" * 32, _pixels(0)) is None and shared.failed
+
+
+def test_only_a_scheduler_on_this_host_is_offered_the_files():
+    """The gateway hands images.shm on to its workers only where every scheduler endpoint is on this
+    host: an ipc:// socket, or TCP to a loopback address."""
+    from gateway.scheduler_ranks import on_this_host
+
+    local = ["ipc:///run/tokenmill/engine.sock", "tcp://127.0.0.1:5555", "tcp://127.0.0.2:5555", "tcp://[::1]:5555"]
+    remote = ["tcp://10.0.0.7:5555", "tcp://[fe80::1]:5555", "tcp://engine-3.internal:5555", "inproc://x"]
+    assert all(on_this_host(e) for e in local + ["tcp://localhost:5555"])
+    assert not any(on_this_host(e) for e in remote)
