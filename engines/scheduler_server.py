@@ -40,7 +40,6 @@ from scheduler_client.protocol import (
     FEATURE_IMAGES_SHM,
     IMAGE_DTYPES,
     PROTOCOL_VERSION,
-    SHM_NAME,
     STRUCTURED_KINDS,
     Abort,
     Error,
@@ -530,33 +529,27 @@ class SchedulerServer:
             expected = size
             for dim in item.shape:
                 expected *= dim
-            mapped = None
-            if any(d < 1 for d in item.shape) or (len(frame.buffer) and len(frame.buffer) != expected):
+            have = len(frame.buffer)
+            if any(d < 1 for d in item.shape) or (have and have != expected):
                 raise Rejected(
-                    f"images[{i}]: the pixel frame has {len(frame.buffer)} bytes, expected {expected} "
-                    f"for {item.dtype} {item.shape}",
+                    f"images[{i}]: the pixel frame has {have} bytes, expected {expected} for {item.dtype} {item.shape}",
                     param="images",
                 )
-            if not len(frame.buffer) and not (by_hash and self.holds_image(item.content_hash)):
-                if not by_hash and not (shm and item.shm is not None):
-                    raise Rejected(
-                        f"images[{i}]: the pixel frame has 0 bytes, expected {expected} for {item.dtype} {item.shape}",
-                        param="images",
-                    )
-                why = f"image {item.content_hash} is not held here (any more)"
-                if shm and item.shm is not None:
-                    if not SHM_NAME.fullmatch(item.shm):
-                        raise Rejected(
-                            f"images[{i}].shm: {item.shm!r} is not a tokenmill shared-memory name", param="images"
-                        )
-                    try:
-                        mapped = shared_pixels.open_pixels(item.shm, expected)
-                    except OSError as exc:
-                        self.log.warning("images[%d]: cannot map shared memory %s: %s", i, item.shm, exc)
-                        why = f"its shared memory {item.shm} cannot be read here ({exc})"
-                if mapped is None:
-                    raise Rejected(f"images[{i}]: {why}: send its pixels", ERR_IMAGE_MISSING, param="images")
-            pixels.append(mapped if mapped is not None else frame.buffer)
+            if have or (by_hash and self.holds_image(item.content_hash)):
+                pixels.append(frame.buffer)  # its pixels, or empty for an image held here
+            elif shm and item.shm is not None:
+                pixels.append(self._map_pixels(i, item.shm, expected))
+            elif by_hash:
+                raise Rejected(
+                    f"images[{i}]: image {item.content_hash} is not held here (any more): send its pixels",
+                    ERR_IMAGE_MISSING,
+                    param="images",
+                )
+            else:
+                raise Rejected(
+                    f"images[{i}]: the pixel frame has 0 bytes, expected {expected} for {item.dtype} {item.shape}",
+                    param="images",
+                )
             if item.length < 1 or item.offset < end or item.offset + item.length > gen.prompt_token_count:
                 raise Rejected(
                     f"images[{i}]: placeholder offset {item.offset} length {item.length} must lie within the "
@@ -565,6 +558,21 @@ class SchedulerServer:
                 )
             end = item.offset + item.length
         return pixels
+
+    def _map_pixels(self, i: int, name: str, size: int) -> memoryview:
+        """images.shm: the item's file mapped; a name outside the protocol's pattern is refused, a file
+        that cannot be read here is image_missing (the front end sends the pixels)."""
+        try:
+            return shared_pixels.open_pixels(name, size)
+        except ValueError as exc:
+            raise Rejected(f"images[{i}].shm: {exc}", param="images") from None
+        except OSError as exc:
+            self.log.warning("images[%d]: cannot map shared memory %s: %s", i, name, exc)
+            raise Rejected(
+                f"images[{i}]: its shared memory {name} cannot be read here ({exc}): send its pixels",
+                ERR_IMAGE_MISSING,
+                param="images",
+            ) from None
 
     def _validate_11(self, gen: Generate) -> None:
         """Ranges of the 1.1 fields (their use was checked against ``features`` already)."""
