@@ -34,6 +34,7 @@ def health_answers_during_slow_request(srv: Server) -> tuple[int, str | None]:
         }
     )
     sent = threading.Event()
+    answered_head = threading.Event()  # the chat's answer has begun: the conversion is over
     result: dict = {}
 
     def slow_request():
@@ -42,12 +43,14 @@ def health_answers_during_slow_request(srv: Server) -> tuple[int, str | None]:
             conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
             sent.set()  # the whole request is on the wire: from here on the gateway is converting it
             resp = conn.getresponse()
+            answered_head.set()
             result["status"] = resp.status
             resp.read()
         except Exception as exc:  # reported by the caller
             result["error"] = repr(exc)
         finally:
             sent.set()
+            answered_head.set()
             conn.close()
 
     thread = threading.Thread(target=slow_request)
@@ -55,11 +58,11 @@ def health_answers_during_slow_request(srv: Server) -> tuple[int, str | None]:
     sent.wait(30)
     answered = 0
     for _ in range(5000):  # bounded; ends as soon as the slow request is answered
-        if not thread.is_alive():
+        if answered_head.is_set():  # not the thread's end: reading the rest and closing come after
             break
         try:
             with urllib.request.urlopen(srv.url + "/health", timeout=60) as resp:
-                if resp.status == 200 and thread.is_alive():
+                if resp.status == 200 and not answered_head.is_set():
                     answered += 1
         except OSError:
             pass
