@@ -22,7 +22,7 @@ import zmq
 from tokenizer_workers.converter import ConverterSettings
 from tokenizer_workers.images import shared_memory
 from tokenizer_workers.worker import SETTINGS_ENV
-from tokenmill.process.procutil import child_env
+from tokenmill.process.procutil import ONE_BLAS_THREAD, child_env
 from tokenmill.transport.loop_socket import LoopSocket
 from tokenmill.transport.pipe_link import LinkDown, PipeLink
 
@@ -100,7 +100,7 @@ class LocalWorkers:
         """Start (or restart) this worker's process on a new socket pair."""
         if worker not in self.workers:
             self.workers.append(worker)
-        env = child_env()
+        env = child_env() | ONE_BLAS_THREAD
         env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
         self.on_spawn(worker)
         worker.started = time.monotonic()

@@ -140,12 +140,15 @@ def test_the_gateway_loop_asks_for_a_short_slice_and_the_workers_have_a_scheduli
     """Not real-time (--loop-rt-priority 0), the event-loop thread alone asks for --loop-slice-us (so it
     preempts an engine that keeps the cores busy, the moment a request comes); its helper threads and the
     workers keep the kernel's default. The workers run in sessions of their own (Linux autogroups): their
-    conversions are not charged to the gateway's scheduling group."""
+    conversions are not charged to the gateway's scheduling group; and their BLAS (image resizing) runs on
+    the calling thread, with no pool of BLAS threads per worker to take cores from the engine."""
     server = Server("--loop-slice-us", "200", "--loop-rt-priority", "0")
     try:
         gateway = server.proc.pid
         worker = _child(server, b"tokenizer_workers.worker")
         assert os.getsid(worker) != os.getsid(gateway) and os.getsid(worker) == worker
+        with open(f"/proc/{worker}/environ", "rb") as f:
+            assert b"OPENBLAS_NUM_THREADS=1" in f.read().split(b"\0")
         if not _kernel_takes_slices():
             pytest.skip("this kernel has no per-thread time slices (Linux 6.12+)")
         slices = _slices(gateway)

@@ -1,5 +1,8 @@
-"""Images in the workers: decoding, Qwen2-VL preprocessing against transformers' own processor (the
-oracle: Qwen2VLImageProcessorPil, which runs without torch), hostile input, and the cache."""
+"""Images in the workers: decoding, Qwen2-VL preprocessing against transformers' own processor
+(Qwen2VLImageProcessorPil here, which runs without torch: the same grid, the same patch layout, the
+same values where nothing is resampled, within two levels where Pillow's filter and torch's rounding
+part; tests/unit/test_resample_against_torch.py holds the pixels to torch's, value for value),
+hostile input, and the cache."""
 
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def _data_url(data: bytes, media: str = "image/png") -> str:
     return f"data:{media};base64,{base64.b64encode(data).decode()}"
 
 
-def _oracle(image: Image.Image, config: dict):
+def _oracle(image: Image.Image, config: dict, normalise: bool = False):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     proc = Qwen2VLImageProcessorPil(
@@ -54,7 +57,7 @@ def _oracle(image: Image.Image, config: dict):
         image_mean=config["image_mean"],
         image_std=config["image_std"],
     )
-    out = proc(images=[image], return_tensors="np")
+    out = proc(images=[image], do_rescale=normalise, do_normalize=normalise, return_tensors="np")
     return np.asarray(out["pixel_values"]), [int(v) for v in out["image_grid_thw"][0]]
 
 
@@ -66,6 +69,12 @@ def _normalised(pixels: np.ndarray, config: dict) -> np.ndarray:
     mean = np.array(config["image_mean"], dtype=np.float32)[None, :, None]
     std = np.array(config["image_std"], dtype=np.float32)[None, :, None]
     return ((x - mean) / std).reshape(pixels.shape)
+
+
+def _levels_apart(mine: np.ndarray, pillow: np.ndarray) -> tuple[int, float]:
+    """Largest difference in intensity levels, and the share of values off by two."""
+    diff = np.abs(mine.astype(np.int16) - pillow.astype(np.int16))
+    return int(diff.max()), float((diff >= 2).mean())
 
 
 def _pipeline(config=SMALL_CONFIG, **kw) -> ImagePipeline:
@@ -81,16 +90,22 @@ def _pipeline(config=SMALL_CONFIG, **kw) -> ImagePipeline:
         ((1024, 1024), HUB_CONFIG, 1369),
         ((768, 1024), HUB_CONFIG, 999),
         ((28, 5000), SMALL_CONFIG, 179),
+        ((224, 168), SMALL_CONFIG, 48),  # multiples of 28: nothing resampled
     ],
 )
-def test_pixels_equal_transformers(size, config, tokens):
+def test_pixels_match_transformers(size, config, tokens):
     image = _photo(*size)
     mine = _pipeline(config).load_image_part(_data_url(_encode(image, "PNG")), "messages[0].content[0]")
     pixels, grid = _oracle(image, config)
     assert list(mine.grid_thw) == grid and mine.tokens == grid[1] * grid[2] // 4 == tokens
     assert mine.pixels.dtype == np.uint8 and mine.pixels.shape == pixels.shape
     assert mine.nbytes == pixels.size  # one byte a value: a quarter of float32's
-    assert np.array_equal(_normalised(mine.pixels, config), pixels)  # the same resampling: exactly equal
+    largest, twos = _levels_apart(mine.pixels, pixels)
+    if size in ((1, 1), (224, 168)):  # one colour, or no resampling: the same values, in the same places
+        assert largest == 0
+        assert np.array_equal(_normalised(mine.pixels, config), _oracle(image, config, normalise=True)[0])
+    else:  # torch's int16 weights against Pillow's 22-bit ones; a layout slip would be far off
+        assert largest <= 2 and twos < 0.001, (largest, twos)
 
 
 def test_exif_rotation_rgba_palette_and_animation_match_transformers_after_the_same_decoding():
@@ -116,7 +131,8 @@ def test_exif_rotation_rgba_palette_and_animation_match_transformers_after_the_s
         opened = prepare(Image.open(io.BytesIO(data)))
         pixels, grid = _oracle(opened, SMALL_CONFIG)
         assert list(mine.grid_thw) == grid, name
-        assert np.array_equal(_normalised(mine.pixels, SMALL_CONFIG), pixels), name
+        largest, twos = _levels_apart(mine.pixels, pixels)
+        assert largest <= 2 and twos < 0.001, (name, largest, twos)
     upright = pipeline.load_image_part(_data_url(jpeg), "p")
     assert upright.grid_thw == (1, 6, 4)  # 64 x 40 turned upright is 40 wide, 64 high: 84 x 56 (min_pixels)
 

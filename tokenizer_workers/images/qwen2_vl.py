@@ -2,9 +2,10 @@
 
 ``smart_resize`` rounds height and width to multiples of patch_size * merge_size (28), keeps the
 pixel count within [min_pixels, max_pixels] and refuses aspect ratios over 200. The image is
-resized with Pillow's bicubic filter and cut into (grid_h * grid_w) patches of 3 x
+resized value for value as torch resizes it (``resample.py``: transformers' default torchvision
+backend, which is what vLLM's own server runs) and cut into (grid_h * grid_w) patches of 3 x
 temporal_patch_size x 14 x 14 values (a still image repeated temporal_patch_size times), ordered
-merge window by merge window: the layout ``Qwen2VLImageProcessorPil`` returns as ``pixel_values``.
+merge window by merge window: the layout transformers' Qwen2-VL processors return as ``pixel_values``.
 
 The values stay uint8 (0..255), not rescaled or normalised: a quarter of float32's bytes through the
 cache, the gateway and the engine's IPC. The engine rescales and normalises with the model's own
@@ -18,6 +19,7 @@ import math
 
 import numpy as np
 
+from tokenizer_workers.images import resample
 from tokenizer_workers.images.base import ImageProcessor, ProcessedImage
 
 MAX_ASPECT_RATIO = 200
@@ -55,9 +57,13 @@ class Qwen2VLProcessor(ImageProcessor):
         self.patch_size = int(config.get("patch_size", 14))
         self.temporal_patch_size = int(config.get("temporal_patch_size", 2))
         self.merge_size = int(config.get("merge_size", 2))
-        self.resample = int(config.get("resample", 3))  # PIL.Image.BICUBIC
+        self.resample = int(config.get("resample", resample.BICUBIC))  # PIL's numbering, as transformers reads it
         if self.min_pixels > self.max_pixels:
             raise ValueError("preprocessor_config.json: min_pixels is above max_pixels")
+        if self.resample not in resample.SUPPORTED:
+            raise ValueError(
+                f"preprocessor_config.json: resample {self.resample} is not supported (2, bilinear, and 3, bicubic, are)"
+            )
 
     def fingerprint(self) -> str:
         return repr(
@@ -70,6 +76,7 @@ class Qwen2VLProcessor(ImageProcessor):
                 self.merge_size,
                 self.resample,
                 "uint8",
+                "torch-int16",  # the resampling arithmetic (resample.py): other pixels, other hashes
             )
         )
 
@@ -79,9 +86,8 @@ class Qwen2VLProcessor(ImageProcessor):
 
     def process(self, image, content_hash: str) -> ProcessedImage:
         height, width = self.target_size(image.width, image.height)
-        resized = image.resize((width, height), resample=self.resample)
-        pixels = np.asarray(resized)  # (h, w, 3) uint8
-        patches, grid_h, grid_w = self._patchify(pixels.transpose(2, 0, 1))
+        planes = resample.resize(np.asarray(image), height, width, self.resample)  # (3, h, w) uint8
+        patches, grid_h, grid_w = self._patchify(planes)
         tokens = grid_h * grid_w // (self.merge_size**2)
         return ProcessedImage(self.family, patches, (1, grid_h, grid_w), tokens, content_hash)
 

@@ -50,6 +50,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from tokenmill.process.procutil import ONE_BLAS_THREAD
+
+    os.environ.update(ONE_BLAS_THREAD)  # before the worker's modules import numpy
     from tokenizer_workers.remote_link import RemoteWorkerLink
     from tokenizer_workers.worker import Worker
     from tokenmill.process.procutil import limit_memory, set_process_name

@@ -35,6 +35,10 @@ def set_process_name(name: str) -> None:
 
 
 PARENT_ENV = "TOKENMILL_PARENT_PID"
+# a tokenizer worker's matrix products (image resizing) run on the thread that asks: the pool of
+# workers is the parallelism, and BLAS's own threads (one per core, at numpy's import) would only
+# take cores from the engine. Read when BLAS loads, so set before numpy is imported.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def child_env(environ=None) -> dict:
