@@ -15,6 +15,7 @@ import hashlib
 
 import msgspec
 
+from gateway.request_body import HEAD_BYTES, RequestBody
 from tokenizer_workers.messages import ApiError
 
 _json = msgspec.json.Encoder()
@@ -194,11 +195,16 @@ class MessagesFramer:
         return _json.encode(self._message(content, reason, sequence, usage(usage_obj)))
 
 
-def wants_stream(body: bytes) -> bool:
-    """Whether a Messages body asks for a stream, read from the bytes (no JSON parsing on the loop):
-    a ``"stream": true`` pair cannot occur inside a JSON string (its quotes would be escaped), so
-    only a nested object with a "stream" key of true (a tool input) could mislead it."""
-    return b'"stream":true' in body or b'"stream": true' in body
+def wants_stream(body: RequestBody) -> bool:
+    """Whether a Messages body asks for a stream, read from its bytes (no JSON parsing on the loop), at
+    its ends: a top-level key sits before or after the messages, and the middle of a 7 MB body is its
+    images (missed, a stream only goes without keep-alive pings while it converts). A ``"stream": true``
+    pair cannot occur inside a JSON string (its quotes would be escaped), so only a nested object with
+    a "stream" key of true (a tool input) could mislead it."""
+    for text in (body.head(), body.tail(1 << 16)) if len(body) > HEAD_BYTES else (body.head(),):
+        if b'"stream":true' in text or b'"stream": true' in text:
+            return True
+    return False
 
 
 class Pinger:

@@ -31,6 +31,7 @@ import math
 import time
 import zlib
 from collections import deque
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ class Job:
     job_id: int
     kind: str
     request_id: str
-    body: bytes
+    body: Sized  # the request's body (a RequestBody); the policy reads only its length
     enqueued: float  # when it was submitted, on the Dispatcher's clock
     affinity: int | None = None  # hash of the conversation's beginning
     future: Any = None  # the caller's answer (anything with done()): a waiting job whose future is done is dropped

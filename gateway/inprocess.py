@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import time
 
+from gateway.request_body import RequestBody
 from gateway.worker_pool import ConvertResult
 from tokenizer_workers.converter import Converter, ConverterSettings
 from tokenizer_workers.detokenizer import Detokenizer
@@ -58,8 +59,11 @@ class InProcessConversion:
         if self.converter.images is not None:  # its shared-memory image files (a scheduler's mappings stay)
             self.converter.images.close()
 
-    async def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> ConvertResult:
+    async def convert(
+        self, kind: str, request_id: str, body: RequestBody, affinity: int | None = None
+    ) -> ConvertResult:
         job = ConvertJob(next(self._ids), kind, request_id)
+        body = body.joined()
         if self.threaded:
             conversion = await asyncio.get_running_loop().run_in_executor(None, self.converter.convert, job, body)
         else:

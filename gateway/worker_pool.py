@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from gateway.dispatch import Dispatcher, Job
 from gateway.remote_workers import RemoteWorkers
+from gateway.request_body import RequestBody
 from gateway.worker_supervision import LocalWorkers, Worker
 from tokenizer_workers import messages as m
 from tokenizer_workers.converter import ConverterSettings
@@ -253,7 +254,7 @@ class WorkerPool:
                 retry_after=1,
             )
 
-    def convert(self, kind: str, request_id: str, body: bytes, affinity: int | None = None) -> asyncio.Future:
+    def convert(self, kind: str, request_id: str, body: RequestBody, affinity: int | None = None) -> asyncio.Future:
         """A future of the conversion (ConvertResult, or ConversionRejected). A plain future, not a
         coroutine: the worker's answer resolves it directly, one loop iteration sooner than a task
         would wake its caller. Cancelling it gives the job up (dropped if still queued)."""
@@ -273,7 +274,7 @@ class WorkerPool:
         """The policy's hand-out: send the job to the worker, and start its conversion deadline."""
         worker = self.workers[index]
         header = m.encoder.encode(m.ConvertJob(job.job_id, job.kind, job.request_id, job.quick))
-        if not worker.try_send([header, job.body]):
+        if not worker.try_send([header, job.body.pieces]):  # the body as it arrived: one frame, never joined
             return False
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - job.enqueued)

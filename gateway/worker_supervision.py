@@ -48,8 +48,8 @@ class Worker:
 
     def send(self, frames: list) -> None:
         """One message to this worker; raises zmq.ZMQError or LinkDown when it cannot take it."""
-        if isinstance(self.link, LoopSocket):  # a joined worker, on the shared ROUTER socket
-            self.link.send([self.identity, *frames])
+        if isinstance(self.link, LoopSocket):  # a joined worker, on the shared ROUTER socket: whole frames
+            self.link.send([self.identity, *(b"".join(f) if type(f) is list else f for f in frames)])
         else:
             self.link.send(frames)
 

@@ -37,8 +37,8 @@ def _head(count: int) -> struct.Struct:
 
 
 def pack_header(frames) -> bytes:
-    """The prefix of one message: its frame count and each frame's length."""
-    return _head(len(frames)).pack(len(frames), *map(len, frames))
+    """The prefix of one message: its frame count and each frame's length (a list: one frame in pieces)."""
+    return _head(len(frames)).pack(len(frames), *(sum(map(len, f)) if type(f) is list else len(f) for f in frames))
 
 
 class FrameReader:
@@ -204,7 +204,13 @@ class PipeLink(asyncio.BufferedProtocol):
             raise LinkDown("the worker's link is closed")
         if transport.get_write_buffer_size() > self.MAX_BACKLOG:
             raise LinkDown("the worker has stopped reading its link")
-        transport.writelines([pack_header(frames), *frames])
+        parts = [pack_header(frames)]
+        for frame in frames:  # a list is one frame in pieces (a request body as it arrived): never joined here
+            if type(frame) is list:
+                parts.extend(frame)
+            else:
+                parts.append(frame)
+        transport.writelines(parts)
 
     def close(self) -> None:
         if self.transport is not None:
