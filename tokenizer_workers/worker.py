@@ -52,7 +52,7 @@ from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.images import shared_memory
 from tokenizer_workers.remote_link import RemoteWorkerLink
 from tokenizer_workers.resume import decode_spec, encode_spec
-from tokenmill.process.procutil import die_with_supervisor, limit_memory, set_process_name
+from tokenmill.process.procutil import die_with_supervisor, keep_freed_memory, limit_memory, set_process_name
 from tokenmill.transport.pipe_link import PipePeer
 
 log = logging.getLogger("tokenmill.worker")
@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     die_with_supervisor()
     limit_memory(args.memory_limit_mb)
+    keep_freed_memory()  # an image's decoded, resized and patched arrays (megabytes each) reuse heap pages
     set_process_name(f"tm-worker-{args.index}")
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s"
