@@ -9,7 +9,8 @@ Per round, 8 chats are sent together, each with 4 images of 1024 x 1024 never se
 like: smooth colour fields with grain; two JPEG, two PNG, as base64 ``data:`` URLs), one output
 token each: the front end fetches nothing, but decodes, resizes, patches and expands 32 images. Then
 the same 8 chats one turn later (an assistant answer and a new question added), resending the same
-images: what an agent does every turn. A prober in its own process GETs ``/health`` every 10 ms
+images: what an agent does every turn (each side has had one chat of its own first: ``warm_up``).
+A prober in its own process GETs ``/health`` every 10 ms
 through all of it. Figures: the prober's percentiles, images per second over the first turns (wall
 time, the engine's vision tower and prefill included: the same engine on both sides), each turn's
 latency, and the front end's CPU per image (vLLM: its API-server process; tokenmill: the gateway and
@@ -82,6 +83,15 @@ def chat_bodies(model: str, tag: str, images: list[tuple[str, bytes]]) -> tuple[
         ]
         resend.append(json.dumps(body).encode())
     return first, resend
+
+
+def warm_up(port: int, model: str) -> None:
+    """One chat of 4 images of its own, before any measured run (each side alike): a front end's first
+    requests load code paths and grow its processes' heaps, and the runs measure it warm."""
+    body = chat_bodies(model, f"warm-up {time.time_ns()}", photo_images(IMAGES_PER_CHAT, 999_999))[0][0]
+    status, data = request(port, "POST", "/v1/chat/completions", body, timeout=600, piece_bytes=256 << 10)
+    if status != 200:
+        raise RuntimeError(f"the warm-up chat failed: {status} {data[:300]!r}")
 
 
 def front_cpu_s(side: str, pid: int) -> dict[str, float]:

@@ -607,6 +607,8 @@ def run_images(args, python: Path) -> int:
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
+        for port in ports.values():
+            img.warm_up(port, NAME)
         results: dict[str, list] = {side: [] for side in ports}
         for k in range(repeat):
             for side in list(ports)[:: 1 if k % 2 == 0 else -1]:  # the order alternates between runs
