@@ -67,11 +67,15 @@ def test_resize_equals_torch_value_for_value(source, target):
 
 def test_float32_sums_only_where_they_stay_exact():
     """The exactness argument the module rests on, checked on its own numbers: float32 where every
-    partial sum of centred values stays below 2**24, float64 past it."""
+    partial sum stays below 2**24 units (values as they are where 255 times the weights' magnitude fits,
+    centred on 128 where only 128 times it does), float64 past it."""
     for n_in, n_out in ((1024, 980), (1024, 1036), (2560, 896), (5000, 1008), (2400, 336)):
         _, weights, precision = resample.int16_weights(n_in, n_out, resample.BICUBIC)
+        magnitude = int(np.abs(weights).sum(axis=1).max())
         axis = resample._axis(n_in, n_out, resample.BICUBIC)
-        fits = 128 * int(np.abs(weights).sum(axis=1).max()) < (1 << 24) and precision <= 16
-        assert (axis.dtype is np.float32) == fits, (n_in, n_out)
+        assert (axis.dtype is np.float32) == (128 * magnitude < (1 << 24) and precision <= 16), (n_in, n_out)
+        assert (axis.centre == 0) == (255 * magnitude < (1 << 24) and precision <= 16), (n_in, n_out)
+    assert resample._axis(1024, 980, resample.BICUBIC).centre == 0  # the usual case: no centring pass
     assert resample._axis(2560, 896, resample.BICUBIC).dtype is np.float32
+    assert resample._axis(2560, 896, resample.BICUBIC).centre == 128
     assert resample._axis(5000, 1008, resample.BICUBIC).dtype is np.float64

@@ -7,9 +7,9 @@ first, then height, with a uint8 image in between. Pillow runs the same filter w
 which lands one or two levels away on a few values in a thousand. Here the weights are made as
 torch makes them (aten/src/ATen/native/cpu/UpSampleKernel.cpp: ``_compute_indices_min_size_weights_aa``
 and ``_compute_index_ranges_int16_weights``), and each axis is one banded matrix product in floating
-point that stays exact: pixel values are centred on 128, so every partial sum is an integer below
-2**24 (float32; float64 past that, for steep downscales), and the shift is a multiplication by a power
-of two and a floor. The products go through BLAS one band of outputs at a time, which is about
+point that stays exact: the weights carry the shift as a power of two, every partial sum stays an
+exact multiple of it below 2**24 units (float32; values centred on 128 where that needs it; float64
+for steep downscales), and a clamp and a truncation make the floor. The products go through BLAS one band of outputs at a time, which is about
 Pillow's own speed at Qwen2-VL's usual scales; memory stays bounded by going through the rows in
 stripes.
 """
@@ -49,11 +49,12 @@ _FILTERS = {BILINEAR: (_triangle, 1.0), BICUBIC: (_cubic, 2.0)}
 
 @dataclass(frozen=True)
 class _Axis:
-    """One axis's resampling: bands of outputs, each a dense (outputs x inputs) block of int16 weights."""
+    """One axis's resampling: bands of outputs, each a dense (outputs x inputs) block of the int16
+    weights times 2**-precision (exact in binary floating point: the shift is folded in)."""
 
     bands: tuple[tuple[int, int, int, int, np.ndarray], ...]  # (first out, end out, first in, end in, weights)
-    offsets: np.ndarray  # per output: 128 * (its weights' sum) + half a unit, added back after the centred sum
-    scale: float  # 2 ** -precision
+    offsets: np.ndarray  # per output: (centre * its weights' sum + half a unit) * 2**-precision
+    centre: int  # subtracted from every value before the products (0 or 128), added back by the offsets
     dtype: type
 
 
@@ -84,10 +85,17 @@ def int16_weights(n_in: int, n_out: int, resample: int) -> tuple[np.ndarray, np.
 def _axis(n_in: int, n_out: int, resample: int) -> _Axis:
     first, weights, precision = int16_weights(n_in, n_out, resample)
     magnitude = int(np.abs(weights).sum(axis=1).max())
-    # centred values are -128..127: every partial sum is an integer of at most 128 * magnitude; float32
-    # holds integers exactly to 2**24, and a sum past 256 << precision clips to 255 whatever its rounding
-    exact32 = 128 * magnitude < (1 << 24) and precision <= 16
-    dtype = np.float32 if exact32 else np.float64
+    # Exactness: a product of a value (8 bits) and a weight (16) is exact in float32, and so is every
+    # partial sum while its integer (in units of 2**-precision) stays below 2**24. Values of 0..255 keep
+    # it there up to Qwen2-VL's usual scales; centred on 128 (-128..127) they do up to ~3x downscales;
+    # past that, float64. A sum past 256 << precision clips to 255 whatever its rounding (precision <= 16).
+    if precision <= 16 and 255 * magnitude < (1 << 24):
+        centre, dtype = 0, np.float32
+    elif precision <= 16 and 128 * magnitude < (1 << 24):
+        centre, dtype = 128, np.float32
+    else:
+        centre, dtype = 128, np.float64
+    unit = 2.0**-precision
     per_band = max(4, round((_SPAN - weights.shape[1]) / max(n_in / n_out, 1.0)))
     bands = []
     columns = first[:, None] + np.arange(weights.shape[1])
@@ -100,16 +108,23 @@ def _axis(n_in: int, n_out: int, resample: int) -> _Axis:
         lo, hi = int(columns[start:end][used].min()), int(columns[start:end][used].max()) + 1
         dense = np.zeros((end - start, hi - lo), dtype)
         rows = np.broadcast_to(np.arange(end - start)[:, None], used.shape)
-        dense[rows[used], columns[start:end][used] - lo] = weights[start:end][used]
+        dense[rows[used], columns[start:end][used] - lo] = weights[start:end][used] * unit
         bands.append((start, end, lo, hi, dense))
-    offsets = (128 * weights.sum(axis=1) + (1 << precision >> 1)).astype(dtype)
-    return _Axis(tuple(bands), offsets, 2.0**-precision, dtype)
+    offsets = ((centre * weights.sum(axis=1) + (1 << precision >> 1)) * unit).astype(dtype)
+    return _Axis(tuple(bands), offsets, centre, dtype)
 
 
-def _to_uint8(sums: np.ndarray, axis: _Axis, out: np.ndarray) -> None:
-    """Sums (offsets added) shifted down by the precision and clamped to 0..255, into ``out`` (same shape)."""
-    sums *= axis.scale
-    np.floor(sums, out=sums)
+def _load(values: np.ndarray, axis: _Axis, out: np.ndarray) -> np.ndarray:
+    """uint8 values into ``out`` (the axis's float type), less its centre: one pass either way."""
+    if axis.centre:
+        return np.subtract(values, axis.centre, out=out, dtype=axis.dtype)
+    np.copyto(out, values, casting="unsafe")
+    return out
+
+
+def _to_uint8(sums: np.ndarray, out: np.ndarray) -> None:
+    """Shifted sums (offsets added) to uint8 in ``out`` (same shape): clamped to 0..255, then truncated,
+    which for values of 0 and up is the floor torch's arithmetic shift takes."""
     np.clip(sums, 0, 255, out=sums)
     np.copyto(out, sums, casting="unsafe")
 
@@ -121,14 +136,15 @@ def _width_pass(image: np.ndarray, axis: _Axis, width: int) -> np.ndarray:
     rows = max(1, _STRIPE_VALUES // (channels * in_width))
     for top in range(0, height, rows):
         bottom = min(top + rows, height)
-        stripe = np.empty((channels, bottom - top, in_width), axis.dtype)
-        np.subtract(image[top:bottom].transpose(2, 0, 1), 128, out=stripe, dtype=axis.dtype)
+        stripe = _load(
+            image[top:bottom].transpose(2, 0, 1), axis, np.empty((channels, bottom - top, in_width), axis.dtype)
+        )
         flat = stripe.reshape(-1, in_width)
         sums = np.empty((flat.shape[0], width), axis.dtype)
         for start, end, lo, hi, dense in axis.bands:
             np.matmul(flat[:, lo:hi], dense.T, out=sums[:, start:end])
         sums += axis.offsets
-        _to_uint8(sums.reshape(channels, bottom - top, width), axis, out[:, top:bottom])
+        _to_uint8(sums.reshape(channels, bottom - top, width), out[:, top:bottom])
     return out
 
 
@@ -137,10 +153,10 @@ def _height_pass(planes: np.ndarray, axis: _Axis, height: int) -> np.ndarray:
     channels, _, width = planes.shape
     out = np.empty((channels, height, width), np.uint8)
     for start, end, lo, hi, dense in axis.bands:
-        centred = np.subtract(planes[:, lo:hi], 128, dtype=axis.dtype)
-        sums = np.matmul(dense, centred)  # (end - start, span) @ (3, span, W)
+        values = _load(planes[:, lo:hi], axis, np.empty((channels, hi - lo, width), axis.dtype))
+        sums = np.matmul(dense, values)  # (end - start, span) @ (3, span, W)
         sums += axis.offsets[start:end, None]
-        _to_uint8(sums, axis, out[:, start:end])
+        _to_uint8(sums, out[:, start:end])
     return out
 
 
