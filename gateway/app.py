@@ -35,9 +35,9 @@ class BodyTooLarge(Exception):
 
 
 def conversation_key(body: bytes, system_field: bool = False, field: bytes = b'"messages"') -> int | None:
-    """A hash of the conversation's beginning, from the raw body's head (RequestBody.head): the start of "messages" and of
-    its first user message, which repeat across the turns of one conversation (conversations that
-    open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
+    """A hash of the conversation's beginning, from the raw body's head (RequestBody.head): the start
+    of "messages" and of its first user message, which repeat across the turns of one conversation
+    (conversations that open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
     a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
     only a hint. ``field``: where the conversation's items start ("input" for a Responses body).
     ``system_field``: Anthropic's Messages body, whose system prompt is its own field ("system"),
@@ -214,7 +214,7 @@ class App:
                 if not message.get("more_body"):
                     return body
 
-    async def _body_or_error(self, scope, receive, send, endpoint) -> bytes | None:
+    async def _body_or_error(self, scope, receive, send, endpoint) -> RequestBody | None:
         metrics = self.gw.metrics
         header_bytes = sum(len(k) + len(v) for k, v in scope["headers"])
         if header_bytes > self.gw.settings.max_header_bytes:

@@ -9,19 +9,20 @@ Responses' ``prompt_cache_key`` and Anthropic's ``stream`` at either end.
 
 from __future__ import annotations
 
-HEAD_BYTES = 1 << 18  # what conversation_key reads: "messages" within 64 KiB, its user message within 64 KiB more
+HEAD_BYTES = 132 << 10  # what conversation_key reads: "messages" within 64 KiB, its user message within 64 KiB more
 
 
 class RequestBody:
     """One request's body: its pieces, their total, and how much came since the app last looked
     (http_protocol sets ``unread``; the app's ``receive()`` loop clears it)."""
 
-    __slots__ = ("pieces", "size", "unread")
+    __slots__ = ("pieces", "size", "unread", "_head")
 
     def __init__(self, pieces: list | None = None) -> None:
         self.pieces: list[bytes] = pieces if pieces is not None else []
         self.size = sum(map(len, self.pieces))
         self.unread = 0
+        self._head: bytes | None = None  # head(), once the body is whole: the key and the stream flag both read it
 
     def append(self, piece: bytes) -> None:
         self.pieces.append(piece)
@@ -31,7 +32,13 @@ class RequestBody:
     def __len__(self) -> int:
         return self.size
 
-    def head(self, limit: int = HEAD_BYTES) -> bytes:
+    def head(self) -> bytes:
+        """The first HEAD_BYTES (all of a shorter body), joined once; read only once the body is whole."""
+        if self._head is None:
+            self._head = self.first(HEAD_BYTES)
+        return self._head
+
+    def first(self, limit: int) -> bytes:
         """The first ``limit`` bytes (all of a shorter body); the first piece itself when it holds them."""
         pieces = self.pieces
         if not pieces:

@@ -30,7 +30,7 @@ def test_ends_and_search_are_those_of_the_joined_body_however_it_was_cut():
         body = _cut(data, seed)
         assert len(body) == len(data) and body.joined() == data
         for limit in (1, 7, 4096, 59_999, 60_000, 70_000):
-            assert body.head(limit) == data[:limit] and body.tail(limit) == data[-limit:], limit
+            assert body.first(limit) == data[:limit] and body.tail(limit) == data[-limit:], limit
         for start in (0, 1, 4999, 30_000, 59_990):
             needle = data[start : start + 10]
             assert needle in body, (seed, start)
@@ -38,10 +38,10 @@ def test_ends_and_search_are_those_of_the_joined_body_however_it_was_cut():
     assert RequestBody().head() == b"" and RequestBody().tail(10) == b"" and b"x" not in RequestBody()
 
 
-def test_the_first_piece_itself_is_the_head_when_it_holds_it():
+def test_the_first_piece_itself_is_the_start_when_it_holds_it():
     first = b"x" * 100
     body = RequestBody([first, b"y" * 10])
-    assert body.head(100) is first and body.head(50) == first[:50]
+    assert body.first(100) is first and body.first(50) == first[:50]
     assert RequestBody([first]).head() is first and RequestBody([first]).joined() is first
 
 

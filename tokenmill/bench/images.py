@@ -131,23 +131,31 @@ def _send_together(port: int, bodies: list[bytes]) -> tuple[float, list[float], 
 IDLE_PROBE_S = 10.0
 
 
+class _Prober:
+    """health_prober in a process of its own, from start() until finish() returns its latencies."""
+
+    def __init__(self, ctx, port: int):
+        self.out, self.stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
+        self.process = ctx.Process(target=health_prober, args=(port, self.stop, self.out, started))
+        self.process.start()
+        started.wait(60)
+
+    def finish(self) -> list[float]:
+        self.stop.set()
+        latencies = self.out.get(timeout=120)[1]
+        self.process.join(30)
+        return latencies
+
+
 def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], list[bytes]]]) -> dict:
     """``rounds``: (first turns, resent turns) of 8 chats each, every round's images new. The prober
     first runs IDLE_PROBE_S with no chats: the server's idle latency, which on a VM is mostly the
     time a halted core takes to wake (the floor under the loaded figures)."""
     ctx = mp.get_context("spawn")
-    out, stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
-    prober = ctx.Process(target=health_prober, args=(port, stop, out, started))
-    prober.start()
-    started.wait(60)
+    prober = _Prober(ctx, port)
     time.sleep(IDLE_PROBE_S)
-    stop.set()
-    idle = out.get(timeout=120)[1]
-    prober.join(30)
-    stop, started = ctx.Event(), ctx.Event()
-    prober = ctx.Process(target=health_prober, args=(port, stop, out, started))
-    prober.start()
-    started.wait(60)
+    idle = prober.finish()
+    prober = _Prober(ctx, port)
     time.sleep(0.5)
     walls, first_ms, resend_ms, tokens, errors = [], [], [], [], []
     cpu = {"first": 0.0, "resend": 0.0}
@@ -171,9 +179,7 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
                 else:
                     resend_ms += latencies
     finally:
-        stop.set()
-        health = out.get(timeout=120)[1]
-        prober.join(30)
+        health = prober.finish()
     first_p50, resend_p50 = pct(first_ms, 0.5), pct(resend_ms, 0.5)
     resent = None  # tokenmill only: requests sent again with their pixels after the engine said image_missing
     if side == "tokenmill" and resent0 is not None:
