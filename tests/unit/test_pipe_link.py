@@ -121,6 +121,64 @@ def test_a_worker_process_gets_and_answers_small_and_large_messages():
     assert proc.returncode == 0 and out.strip() == "eof"  # the worker sees the gateway's end close
 
 
+def test_a_large_message_goes_out_in_slices_with_the_loop_turning_between_them():
+    """A request body of megabytes is handed to the kernel at most _WRITE_SLICE at a time, one slice
+    per loop turn: one writev of it all lasted as long as the worker took to read it, and the loop
+    (/health with it) waited that long. Messages sent after it still arrive after it, whole."""
+    import os
+
+    from tokenmill.transport.pipe_link import _WRITE_SLICE
+
+    big = os.urandom(6 << 20)
+    body_in_pieces = [big[i : i + 100_000] for i in range(0, len(big), 100_000)]  # as a request body arrives
+
+    async def scenario():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),), cwd=ROOT
+        )
+        theirs.close()
+        answers: asyncio.Queue = asyncio.Queue()
+        link = await PipeLink.open(ours, lambda _link, frames: answers.put_nowait([bytes(f) for f in frames]))
+        real, writes, turns = link.transport, [], [0]
+
+        class Recording:  # the real transport, each write's size and loop turn noted
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def writelines(self, parts):
+                writes.append((sum(map(len, parts)), turns[0]))
+                real.writelines(parts)
+
+        link.transport = Recording()
+        loop = asyncio.get_running_loop()
+
+        def turn():  # counts loop turns until the answers are in (bounded)
+            turns[0] += 1
+            if turns[0] < 1_000_000 and not done.is_set():
+                loop.call_soon(turn)
+
+        done = asyncio.Event()
+        loop.call_soon(turn)
+        link.send([b"job", body_in_pieces])
+        link.send([b"small, after the big one"])
+        got = [await asyncio.wait_for(answers.get(), 60) for _ in range(2)]
+        done.set()
+        link.close()
+        return proc, got, writes
+
+    proc, got, writes = uvloop.run(scenario())
+    proc.wait(30)
+    assert got == [[big, b"job"], [b"small, after the big one"]]
+    assert sum(size for size, _ in writes) == len(pack_header([b"job", big])) + 3 + len(big) + len(
+        pack_header([b"x"])
+    ) + len(b"small, after the big one")
+    assert max(size for size, _ in writes) <= _WRITE_SLICE
+    assert len(writes) >= len(big) // _WRITE_SLICE
+    turns_seen = [turn for _, turn in writes]
+    assert turns_seen == sorted(turns_seen) and len(set(turns_seen)) >= len(writes) // 2  # one slice a turn, or so
+
+
 def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it():
     """A worker's IO thread converts small requests itself (a few hundred microseconds each): a
     detokenization batch that arrives in the same read as a conversion job is answered first, so a
