@@ -52,7 +52,7 @@ def test_the_prober_counts_only_whole_200_answers_and_reconnects():
         while _Flaky.served < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
         stop.set()
-        kind, latencies = out.get(timeout=30)
+        kind, latencies, starts = out.get(timeout=30)
         prober.join(30)
     finally:
         server.shutdown()
@@ -61,7 +61,8 @@ def test_the_prober_counts_only_whole_200_answers_and_reconnects():
     assert kind == "health" and served >= 40
     # the answered 200s only (give or take the one in flight when it stopped): 503s and closes are not latencies
     assert served - failed - 1 <= len(latencies) <= served - failed
-    assert all(latency > 0 for latency in latencies)
+    assert all(latency > 0 for latency in latencies) and len(starts) == len(latencies)
+    assert starts == sorted(starts)
 
 
 def test_with_count_failures_a_refused_connection_is_a_probe_too():
@@ -85,3 +86,40 @@ def test_with_count_failures_a_refused_connection_is_a_probe_too():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 3, "refused connections count as probes that failed"
+
+
+def test_machine_stalls_are_the_spans_every_cpu_was_held_off_together():
+    """Stopping every watcher at once (SIGSTOP: to them, as a paused VM) is a machine stall of about
+    that length; stopping one CPU's alone is none."""
+    import os
+    import signal
+
+    from tokenmill.bench.common import MachineStalls, outside
+
+    ctx = mp.get_context("spawn")
+
+    def run(stopped) -> list | None:
+        stalls = MachineStalls(ctx)
+        time.sleep(1.0)  # started and real-time
+        targets = stopped(stalls.processes)
+        for p in targets:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        for p in targets:
+            os.kill(p.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        return stalls.finish()
+
+    together = run(lambda processes: processes)
+    if together is None:  # no real-time privilege here: the bench reports no figure, and says so
+        assert os.geteuid() != 0
+        return
+    assert len(together) == 1, together
+    a, b = together[0]
+    assert 0.2 <= b - a <= 1.0
+    if len(os.sched_getaffinity(0)) > 1:
+        assert run(lambda processes: processes[:1]) == []
+    # a probe that overlaps the span is left out of the clear figures, one before or after it is not
+    starts, latencies = [a - 0.05, a + 0.01, b + 0.01], [10.0, 5.0, 1.0]
+    assert outside(starts, latencies, together) == [10.0, 1.0]
+    assert outside([a - 0.05], [60.0], together) == []

@@ -175,9 +175,17 @@ def _ask_health(sock) -> None:
 
 
 def probe_health(
-    port: int, stop, latencies: list, *, count_failures: bool = False, timeout: float = 60.0, started=None
+    port: int,
+    stop,
+    latencies: list,
+    *,
+    count_failures: bool = False,
+    timeout: float = 60.0,
+    started=None,
+    starts: list | None = None,
 ) -> None:
-    """GET /health every 10 ms until ``stop`` is set, appending each latency in ms to ``latencies``.
+    """GET /health every 10 ms until ``stop`` is set, appending each latency in ms to ``latencies``
+    (and, given ``starts``, when each probe began: ``time.perf_counter()``, the system's monotonic clock).
     A failed probe reconnects; with ``count_failures`` it counts as taking until it failed. ``started``
     (an Event) is set once the first probe has been answered. A health checker on another host does
     not wait for this machine's cores, so what it measures should be the server's delay, not its own
@@ -206,11 +214,15 @@ def probe_health(
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _ask_health(sock)
             latencies.append((time.perf_counter() - t0) * 1000)
+            if starts is not None:
+                starts.append(t0)
             if started is not None and not started.is_set():
                 started.set()
         except OSError:
             if count_failures:
                 latencies.append((time.perf_counter() - t0) * 1000)
+                if starts is not None:
+                    starts.append(t0)
             if sock is not None:
                 sock.close()
             sock = None
@@ -220,11 +232,69 @@ def probe_health(
 
 
 def health_prober(port: int, stop, out, started=None) -> None:
-    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies) on ``out``;
-    ``started`` is set once it has a first answer."""
+    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies, starts) on
+    ``out``; ``started`` is set once it has a first answer."""
     latencies: list[float] = []
-    probe_health(port, stop, latencies, started=started)
-    out.put(("health", latencies))
+    starts: list[float] = []
+    probe_health(port, stop, latencies, started=started, starts=starts)
+    out.put(("health", latencies, starts))
+
+
+def stall_watcher(cpu: int, period: float, stop, out) -> None:
+    """A process pinned to ``cpu`` at SCHED_FIFO 99, waking every ``period`` s until ``stop``; puts
+    (cpu, gaps) on ``out``: (start, end) on the monotonic clock of each wake-up more than a period late.
+    Without the privilege, (cpu, None): a fair-scheduled watcher would measure the load, not the machine."""
+    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
+    except OSError:
+        out.put((cpu, None))
+        return
+    gaps, last = [], time.perf_counter()
+    while not stop.is_set():
+        time.sleep(period)
+        now = time.perf_counter()
+        if now - last > 2 * period:
+            gaps.append((last + period, now))
+        last = now
+    out.put((cpu, gaps))
+
+
+class MachineStalls:
+    """When the whole machine stood still: one :func:`stall_watcher` per CPU. Nothing on the machine
+    holds off a real-time priority 99 thread on its own core but the kernel or, on a VM, the host; a
+    span in which every CPU's watcher was held off at once is a stall no server measured in it can
+    answer through (this 2-core VM: 58-62 ms, twice in eight minutes of a benchmark). The watchers
+    wake every 20 ms, so they see stalls of more than ~20 ms and barely load the machine."""
+
+    def __init__(self, ctx, period: float = 0.02):
+        cpus = sorted(os.sched_getaffinity(0))
+        self.stop, self.out = ctx.Event(), ctx.Queue()
+        self.processes = [ctx.Process(target=stall_watcher, args=(c, period, self.stop, self.out)) for c in cpus]
+        for p in self.processes:
+            p.start()
+
+    def finish(self) -> list[tuple[float, float]] | None:
+        """The spans during which every CPU stalled (None where the watchers could not run real-time)."""
+        self.stop.set()
+        per_cpu = [self.out.get(timeout=60)[1] for _ in self.processes]
+        for p in self.processes:
+            p.join(30)
+        if any(gaps is None for gaps in per_cpu):
+            return None
+        common = per_cpu[0]
+        for gaps in per_cpu[1:]:
+            common = [(max(a, c), min(b, d)) for a, b in common for c, d in gaps if max(a, c) < min(b, d)]
+        return common
+
+
+def outside(starts: list[float], latencies: list[float], spans: list[tuple[float, float]]) -> list[float]:
+    """The latencies (ms) of the probes that overlap none of ``spans`` (monotonic seconds)."""
+    return [
+        latency
+        for t0, latency in zip(starts, latencies)
+        if not any(a < t0 + latency / 1000 and t0 < b for a, b in spans)
+    ]
 
 
 def stream_gaps(port: int, body: str, started, stop, out) -> None:
