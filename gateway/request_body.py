@@ -2,8 +2,8 @@
 
 An agent's turn with four screenshots is a 7 MB body. Joining it allocates fresh memory and faults
 in ~1,700 pages: about 5 ms with the loop doing nothing else, where /health answers in 0.1 ms. So
-the pieces go to a tokenizer worker as they came (one frame, one ``writev``: a list in a PipeLink
-message), and the gateway looks only at the body's ends: the conversation key at its head,
+the pieces go to a tokenizer worker as they came (one frame: a list in a PipeLink message, written
+256 KiB per loop turn), and the gateway looks only at the body's ends: the conversation key at its head,
 Responses' ``prompt_cache_key`` and Anthropic's ``stream`` at either end.
 """
 

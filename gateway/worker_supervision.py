@@ -107,8 +107,8 @@ class LocalWorkers:
         if isinstance(worker.link, PipeLink):
             worker.link.close()  # its last process's link: what is still in it is for a process that is gone
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # a long prompt's body (MBs) in a few writes, not one per 208 KiB of default buffer; but not one
-        # 5 MB write either: that is a millisecond inside the kernel on the loop, which /health waits out
+        # room for a few of PipeLink's 256 KiB slices of a long body before the loop waits for the worker
+        # (a send buffer does not bound one write: the kernel copies on while the worker reads)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         with theirs:

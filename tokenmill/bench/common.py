@@ -260,14 +260,15 @@ def stall_watcher(cpu: int, period: float, stop, out) -> None:
     out.put((cpu, gaps))
 
 
-class MachineStalls:
-    """When the whole machine stood still: one :func:`stall_watcher` per CPU. Nothing on the machine
-    holds off a real-time priority 99 thread on its own core but the kernel or, on a VM, the host; a
-    span in which every CPU's watcher was held off at once is a stall no server measured in it can
-    answer through (this 2-core VM: 58-62 ms, twice in eight minutes of a benchmark). The watchers
-    wake every 20 ms, so they see stalls of more than ~20 ms and barely load the machine."""
+class CpuStalls:
+    """When a CPU ran nothing of anyone's: one :func:`stall_watcher` per CPU. Nothing on the machine
+    holds off a real-time priority 99 thread on its own core but the kernel or, on a VM, the host
+    taking the virtual CPU away (steal): a late watcher marks a span in which whatever that CPU was to
+    run, a server's loop or the prober, could not. On this 2-core VM: one CPU gone for 100 ms (100 ms of
+    steal in /proc/stat), and both at once for 58-62 ms, each a few times in a ten-minute benchmark.
+    The watchers wake every 10 ms, as often as the prober."""
 
-    def __init__(self, ctx, period: float = 0.02):
+    def __init__(self, ctx, period: float = 0.01):
         cpus = sorted(os.sched_getaffinity(0))
         self.stop, self.out = ctx.Event(), ctx.Queue()
         self.processes = [ctx.Process(target=stall_watcher, args=(c, period, self.stop, self.out)) for c in cpus]
@@ -275,17 +276,24 @@ class MachineStalls:
             p.start()
 
     def finish(self) -> list[tuple[float, float]] | None:
-        """The spans during which every CPU stalled (None where the watchers could not run real-time)."""
+        """Every CPU's stalls, in time order (None where the watchers could not run real-time)."""
         self.stop.set()
         per_cpu = [self.out.get(timeout=60)[1] for _ in self.processes]
         for p in self.processes:
             p.join(30)
         if any(gaps is None for gaps in per_cpu):
             return None
-        common = per_cpu[0]
-        for gaps in per_cpu[1:]:
-            common = [(max(a, c), min(b, d)) for a, b in common for c, d in gaps if max(a, c) < min(b, d)]
-        return common
+        return sorted(span for gaps in per_cpu for span in gaps)
+
+
+def steal_seconds() -> float:
+    """CPU time the host has taken from this VM's CPUs since boot (/proc/stat), 0 where not told."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def outside(starts: list[float], latencies: list[float], spans: list[tuple[float, float]]) -> list[float]:

@@ -12,10 +12,10 @@ the same 8 chats one turn later (an assistant answer and a new question added), 
 images: what an agent does every turn (each side has had one chat of its own first: ``warm_up``).
 A prober in its own process GETs ``/health`` every 10 ms through all of it, and for 10 s before it
 with no chats (``health_idle_p99_ms``: on a VM mostly the time a halted core takes to wake, a floor
-no server goes below). Beside it, a real-time watcher per CPU (``MachineStalls``) notes when the
-whole machine stood still (a VM paused by its host): ``machine_stall_max_ms`` is the longest such span
-in the run and ``health_max_clear_ms`` the slowest probe that overlapped none (``health_max_ms`` is
-every probe's). Figures: the prober's percentiles, images per second over the first turns (wall
+no server goes below). Beside it, a real-time watcher per CPU (``CpuStalls``) notes when a CPU
+ran nothing of anyone's (on a VM, the host took it): ``cpu_stall_max_ms`` is the longest such span in
+the run, ``health_max_clear_ms`` the slowest probe that overlapped none (``health_max_ms`` is every
+probe's), ``steal_ms`` the CPU time the host reports taking meanwhile. Figures: the prober's percentiles, images per second over the first turns (wall
 time, the engine's vision tower and prefill included: the same engine on both sides), each turn's
 latency, and the front end's CPU per image (vLLM: its API-server process; tokenmill: the gateway and
 the workers), first turn against resend, and of that the gateway's alone over both turns.
@@ -29,7 +29,7 @@ import multiprocessing as mp
 import time
 
 from tokenmill.bench.common import (
-    MachineStalls,
+    CpuStalls,
     all_at_once,
     cpu_seconds,
     health_prober,
@@ -39,6 +39,7 @@ from tokenmill.bench.common import (
     process_tree,
     request,
     rnd,
+    steal_seconds,
     try_get,
 )
 
@@ -161,7 +162,8 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
     prober = _Prober(ctx, port)
     time.sleep(IDLE_PROBE_S)
     idle, _ = prober.finish()
-    stalls = MachineStalls(ctx)
+    stalls = CpuStalls(ctx)
+    steal0 = steal_seconds()
     prober = _Prober(ctx, port)
     time.sleep(0.5)
     walls, first_ms, resend_ms, tokens, errors = [], [], [], [], []
@@ -187,7 +189,8 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
                     resend_ms += latencies
     finally:
         health, starts = prober.finish()
-        machine = stalls.finish()
+        stalled = stalls.finish()
+        steal = steal_seconds() - steal0
     first_p50, resend_p50 = pct(first_ms, 0.5), pct(resend_ms, 0.5)
     resent = None  # tokenmill only: requests sent again with their pixels after the engine said image_missing
     if side == "tokenmill" and resent0 is not None:
@@ -198,11 +201,10 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
         "health_p50_ms": rnd(pct(health, 0.5), 2),
         "health_p99_ms": rnd(pct(health, 0.99), 2),
         "health_max_ms": rnd(max(health, default=None), 2),
-        # the whole machine held still (every CPU's real-time watcher late at once): no server answers then
-        "machine_stall_max_ms": None
-        if machine is None
-        else rnd(max(((b - a) * 1000 for a, b in machine), default=0), 1),
-        "health_max_clear_ms": None if machine is None else rnd(max(outside(starts, health, machine), default=None), 2),
+        # a CPU that ran nothing of anyone's (its real-time watcher late): the host or the kernel had it
+        "cpu_stall_max_ms": None if stalled is None else rnd(max(((b - a) * 1000 for a, b in stalled), default=0), 1),
+        "health_max_clear_ms": None if stalled is None else rnd(max(outside(starts, health, stalled), default=None), 2),
+        "steal_ms": rnd(steal * 1000, 0),
         "images_per_s": rnd(images / sum(walls), 2) if images else None,
         "first_turn_p50_ms": rnd(first_p50),
         "resend_turn_p50_ms": rnd(resend_p50),
@@ -222,8 +224,9 @@ FIGURES = [
     "health_p50_ms",
     "health_p99_ms",
     "health_max_ms",
-    "machine_stall_max_ms",
+    "cpu_stall_max_ms",
     "health_max_clear_ms",
+    "steal_ms",
     "images_per_s",
     "first_turn_p50_ms",
     "resend_turn_p50_ms",
