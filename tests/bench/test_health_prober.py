@@ -8,7 +8,7 @@ import multiprocessing as mp
 import threading
 import time
 
-from tokenmill.bench.common import health_prober
+from tokenmill.bench.common import timed_health_prober
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
@@ -45,7 +45,7 @@ def test_the_prober_counts_only_whole_200_answers_and_reconnects():
     try:
         ctx = mp.get_context("spawn")  # as the benches run it: a process of its own (it leaves the session)
         stop, out, started = ctx.Event(), ctx.Queue(), ctx.Event()
-        prober = ctx.Process(target=health_prober, args=(server.server_address[1], stop, out, started))
+        prober = ctx.Process(target=timed_health_prober, args=(server.server_address[1], stop, out, started))
         prober.start()
         assert started.wait(60)
         deadline = time.monotonic() + 30

@@ -232,8 +232,15 @@ def probe_health(
 
 
 def health_prober(port: int, stop, out, started=None) -> None:
-    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies, starts) on
-    ``out``; ``started`` is set once it has a first answer."""
+    """A client process: :func:`probe_health` until ``stop``, then ("health", latencies) on ``out``;
+    ``started`` is set once it has a first answer."""
+    latencies: list[float] = []
+    probe_health(port, stop, latencies, started=started)
+    out.put(("health", latencies))
+
+
+def timed_health_prober(port: int, stop, out, started=None) -> None:
+    """:func:`health_prober` that also says when each probe began: ("health", latencies, starts)."""
     latencies: list[float] = []
     starts: list[float] = []
     probe_health(port, stop, latencies, started=started, starts=starts)

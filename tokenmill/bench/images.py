@@ -32,7 +32,6 @@ from tokenmill.bench.common import (
     CpuStalls,
     all_at_once,
     cpu_seconds,
-    health_prober,
     outside,
     pct,
     process_role,
@@ -40,6 +39,7 @@ from tokenmill.bench.common import (
     request,
     rnd,
     steal_seconds,
+    timed_health_prober,
     try_get,
 )
 
@@ -138,11 +138,11 @@ IDLE_PROBE_S = 10.0
 
 
 class _Prober:
-    """health_prober in a process of its own, from start() until finish() returns its latencies."""
+    """timed_health_prober in a process of its own, from start() until finish() returns its latencies."""
 
     def __init__(self, ctx, port: int):
         self.out, self.stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
-        self.process = ctx.Process(target=health_prober, args=(port, self.stop, self.out, started))
+        self.process = ctx.Process(target=timed_health_prober, args=(port, self.stop, self.out, started))
         self.process.start()
         started.wait(60)
 
