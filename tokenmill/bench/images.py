@@ -15,10 +15,11 @@ with no chats (``health_idle_p99_ms``: on a VM mostly the time a halted core tak
 no server goes below). Beside it, a real-time watcher per CPU (``CpuStalls``) notes when a CPU
 ran nothing of anyone's (on a VM, the host took it): ``cpu_stall_max_ms`` is the longest such span in
 the run, ``health_max_clear_ms`` the slowest probe that overlapped none (``health_max_ms`` is every
-probe's), ``steal_ms`` the CPU time the host reports taking meanwhile. Figures: the prober's percentiles, images per second over the first turns (wall
-time, the engine's vision tower and prefill included: the same engine on both sides), each turn's
-latency, and the front end's CPU per image (vLLM: its API-server process; tokenmill: the gateway and
-the workers), first turn against resend, and of that the gateway's alone over both turns.
+probe's), ``steal_ms`` the CPU time the host reports taking meanwhile. Figures: the prober's
+percentiles, images per second over the first turns (wall time, the engine's vision tower and
+prefill included: the same engine on both sides), each turn's latency, and the front end's CPU per
+image (vLLM: its API-server process; tokenmill: the gateway and the workers), first turn against
+resend, and of that the gateway's alone over both turns.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ IDLE_PROBE_S = 10.0
 
 
 class _Prober:
-    """timed_health_prober in a process of its own, from start() until finish() returns its latencies."""
+    """timed_health_prober in a process of its own, from start() until finish() returns its probes."""
 
     def __init__(self, ctx, port: int):
         self.out, self.stop, started = ctx.Queue(), ctx.Event(), ctx.Event()
