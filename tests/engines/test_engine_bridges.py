@@ -875,6 +875,32 @@ def test_vllm_protocol_1_1_params_and_features():
     assert whole_vocab.info().max_logprobs == 6000
 
 
+def test_vllm_images_go_through_shared_memory_where_dev_shm_has_room(tmp_path, caplog):
+    """The bridge asks vLLM for its shared-memory processor cache (no multi-megabyte socket write per
+    image) unless the operator chose a cache type, turned the cache off, or /dev/shm cannot hold it."""
+    import os
+
+    from engines.vllm_backend import images_in_shared_memory
+
+    fs = os.statvfs(tmp_path)
+    room_gb = fs.f_bavail * fs.f_frsize / 2**30
+    assert images_in_shared_memory({"model": "m"}, room_gb / 2, str(tmp_path)) == {
+        "model": "m",
+        "mm_processor_cache_type": "shm",
+    }
+    chosen = {"model": "m", "mm_processor_cache_type": "lru"}
+    assert images_in_shared_memory(chosen, room_gb / 2, str(tmp_path)) == chosen
+    assert images_in_shared_memory({"model": "m", "mm_processor_cache_gb": 0}, 4, str(tmp_path)) == {
+        "model": "m",
+        "mm_processor_cache_gb": 0,
+    }
+    with caplog.at_level("WARNING", logger="tokenmill.engine.vllm"):
+        too_big = {"model": "m", "mm_processor_cache_gb": room_gb * 2 + 1}
+        assert images_in_shared_memory(too_big, 4, str(tmp_path)) == too_big
+    assert "mm_processor_cache_type lru" in caplog.text
+    assert images_in_shared_memory({"model": "m"}, 4, str(tmp_path / "absent")) == {"model": "m"}
+
+
 def test_vllm_protocol_1_2_params_and_features():
     """priority -> generate(priority=), cache_salt -> the TokensPrompt's cache_salt, allowed_token_ids ->
     SamplingParams.allowed_token_ids, bad_words' token sequences -> the ones vLLM bans. The priority

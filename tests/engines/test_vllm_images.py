@@ -16,7 +16,7 @@ prompt token IDs (``return_token_ids``) and the greedy outputs are vLLM's; an as
 is a 400 on both; the workers' uint8 pixels equal vLLM's own uint8 processing (decode as vLLM
 does, then transformers' image processor in vLLM's venv, as vLLM calls it) value for value,
 resized or not; the bridge lists ``images``; and an image the engine core already holds goes to it
-as its content hash (vLLM's processor cache), not as pixels.
+as its content hash (vLLM's processor cache, which the bridge keeps in shared memory), not as pixels.
 
 Both vLLMs start in the background as soon as pytest has collected this module (as tests/vllm_stack.py
 does for the text stack), at a lower CPU priority. Skipped, saying why, without vLLM's CPU build or
@@ -449,15 +449,17 @@ def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image
 def test_resent_image_goes_to_the_engine_core_as_its_hash(stack):
     """vLLM's processor cache keys on the items' mm_hash, which is the workers' content hash: the second
     time an image comes, the worker sends it by hash, the bridge's sender cache knows vLLM's engine core
-    holds it and sends no pixels; the output is the same."""
+    holds it and sends no pixels; the output is the same. The bridge runs vLLM's cache in shared memory
+    (its default where /dev/shm has room): what vLLM holds is its ring buffer there."""
     _, engine, front = stack
+    assert "mm_processor_cache_type shm" in engine.log()
     messages = CASES["768x1024"]
-    seen = engine.log().count("held by vLLM's engine core")
+    seen = engine.log().count("already in vLLM's processor cache")
     by_hash = _sent(front, "by_hash")
     first = _greedy(front.url, messages)
     second = _greedy(front.url, messages)
     assert second == first
-    assert engine.log().count("held by vLLM's engine core") > seen, engine.log()[-3000:]
+    assert engine.log().count("already in vLLM's processor cache") > seen, engine.log()[-3000:]
     assert (
         _sent(front, "by_hash") > by_hash
     )  # and the worker sent it so (images.by_hash): no pixels through the gateway
