@@ -161,24 +161,30 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
     time a halted core takes to wake (the floor under the loaded figures)."""
     ctx = mp.get_context("spawn")
     prober = _Prober(ctx, port)
+    idle_cpu0, idle_t0 = front_cpu_s(side, pid), time.monotonic()
     time.sleep(IDLE_PROBE_S)
+    idle_cpu1, idle_t1 = front_cpu_s(side, pid), time.monotonic()
     idle, _ = prober.finish()
+    # what the front end spends per second with no chats: answering the prober, its own timers
+    idle_rate = (sum(idle_cpu1.values()) - sum(idle_cpu0.values())) / (idle_t1 - idle_t0)
     stalls = CpuStalls(ctx)
     steal0 = steal_seconds()
     prober = _Prober(ctx, port)
     time.sleep(0.5)
     walls, first_ms, resend_ms, tokens, errors = [], [], [], [], []
     cpu = {"first": 0.0, "resend": 0.0}
+    busy_s = {"first": 0.0, "resend": 0.0}  # the turns' wall time, for the idle rate's share
     gateway_cpu = 0.0  # tokenmill's gateway alone (vLLM's front is one process: all of it)
     images = 0
     resent0 = _metric_total(port, "tokenmill_image_pixels_resent_total") if side == "tokenmill" else None
     try:
         for first, resend in rounds:
             for kind, bodies in (("first", first), ("resend", resend)):
-                cpu0 = front_cpu_s(side, pid)
+                cpu0, t0 = front_cpu_s(side, pid), time.monotonic()
                 wall, latencies, counted, failed = _send_together(port, bodies)
-                cpu1 = front_cpu_s(side, pid)
+                cpu1, t1 = front_cpu_s(side, pid), time.monotonic()
                 cpu[kind] += sum(cpu1.values()) - sum(cpu0.values())
+                busy_s[kind] += t1 - t0
                 gateway_cpu += cpu1["gateway"] - cpu0["gateway"]
                 errors += failed
                 if kind == "first":
@@ -213,6 +219,10 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
         "front_cpu_ms_per_image": rnd(cpu["first"] * 1000 / sent, 2),
         "resend_front_cpu_ms_per_image": rnd(cpu["resend"] * 1000 / sent, 2),
         "resend_cpu_vs_first": rnd(cpu["resend"] / cpu["first"], 3) if cpu["first"] else None,
+        "idle_front_cpu_ms_per_s": rnd(idle_rate * 1000, 2),
+        # the same ratio for what the turns themselves cost: each turn's CPU less the idle rate over its wall
+        # time (the prober's /health every 10 ms runs through the turns, and weighs most on the short resend)
+        "resend_cpu_vs_first_net": _net_ratio(cpu, busy_s, idle_rate),
         "gateway_cpu_ms_per_image": rnd(gateway_cpu * 1000 / (2 * sent), 2),
         "pixels_resent": resent,
         "prompt_tokens": max(tokens, default=0),
@@ -235,10 +245,19 @@ FIGURES = [
     "front_cpu_ms_per_image",
     "resend_front_cpu_ms_per_image",
     "resend_cpu_vs_first",
+    "idle_front_cpu_ms_per_s",
+    "resend_cpu_vs_first_net",
     "gateway_cpu_ms_per_image",
     "pixels_resent",
     "prompt_tokens",
 ]
+
+
+def _net_ratio(cpu: dict[str, float], busy_s: dict[str, float], idle_rate: float) -> float | None:
+    """Resent turns' CPU over first turns', each less ``idle_rate`` (CPU s per s) over its wall time."""
+    first = cpu["first"] - idle_rate * busy_s["first"]
+    resend = cpu["resend"] - idle_rate * busy_s["resend"]
+    return rnd(max(resend, 0.0) / first, 3) if first > 0 else None
 
 
 def _metric_total(port: int, name: str) -> float | None:
