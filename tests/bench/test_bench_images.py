@@ -29,6 +29,7 @@ def test_one_round_of_image_chats_reports_every_figure(tmp_path, monkeypatch):
         figures["resend_front_cpu_ms_per_image"] < figures["front_cpu_ms_per_image"]
     )  # resent images are not processed again
     assert figures["pixels_resent"] == 0
+    assert figures["loop_lag_max_ms"] >= 0
     assert figures["idle_front_cpu_ms_per_s"] >= 0 and figures["resend_cpu_vs_first_net"] >= 0
     assert figures["health_p50_ms"] <= figures["health_p99_ms"] <= figures["health_max_ms"]
     if figures["cpu_stall_max_ms"] is not None:  # real-time watchers ran (root): the clear maximum is one of the probes
