@@ -142,7 +142,7 @@ class LocalWorkers:
 
     async def _watch(self, worker: Worker, process) -> None:
         code = await process.wait()
-        shared_memory.remove_files_of(process.pid)  # its images in /dev/shm, if it could not remove them
+        shared_memory.remove_stale_files()  # its images in /dev/shm, if it could not remove them
         if self.closing or worker.process is not process:
             return
         log.warning(
@@ -171,7 +171,7 @@ class LocalWorkers:
                 except asyncio.TimeoutError:
                     worker.process.kill()
                     await worker.process.wait()
-                shared_memory.remove_files_of(worker.process.pid)
+        shared_memory.remove_stale_files()  # the images of any that could not remove their own
 
     async def close(self) -> None:
         """After stop(): end the watchers and close the links."""

@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit(code: int) -> None:
     """Remove this process's shared-memory image files (a scheduler's mappings of them stay valid), then
     exit at once: a normal exit would wait for ZeroMQ sockets the conversion thread holds."""
-    shared_memory.remove_files_of(os.getpid())
+    shared_memory.remove_own_files()
     os._exit(code)
 
 

@@ -61,6 +61,7 @@ from scheduler_client.protocol import (  # noqa: E402
     ids_to_frame,
 )
 from tokenizer_workers.images import ImagePipeline, processor_for  # noqa: E402
+from tokenizer_workers.images.shared_memory import SharedPixels  # noqa: E402
 
 NAME = "Tiny-Qwen2-VL"
 MAX_MODEL_LEN = 4096
@@ -434,14 +435,13 @@ def test_an_item_sent_by_hash_is_served_from_the_engine_core_or_refused_as_image
         run("hash", b"")
         by_hash = b"".join(o.token_ids for o in client.collect(["hash"])["hash"])
         assert by_hash == with_pixels and len(by_hash) == 16
-        name = f"tokenmill-img-{os.getpid()}-0-bridge-test"
-        with open(os.path.join("/dev/shm", name), "wb") as f:
-            f.write(pixels)
+        shared = SharedPixels()  # a file written as a worker writes one
+        name, _ = shared.write("1" * 64, np.frombuffer(pixels, np.uint8).reshape(16, 1176))
         try:  # the same pixels under a hash vLLM has not seen, from a file
             run("file", b"", msgspec.structs.replace(item, content_hash=os.urandom(32).hex(), shm=name))
             assert b"".join(o.token_ids for o in client.collect(["file"])["file"]) == with_pixels
         finally:
-            os.unlink(os.path.join("/dev/shm", name))
+            shared.close()
     finally:
         client.close()
 

@@ -10,9 +10,11 @@ import http.server as http_server
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import openai
@@ -232,13 +234,18 @@ def _turn(client, url: str, stream: bool = False) -> tuple[int, str]:
     return chunks[-1].usage.prompt_tokens, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def _image_files(pids) -> dict[str, bytes]:
-    """The shared-memory image files these processes wrote (protocol 1.2 images.shm), by name."""
+def _shm_files(pids) -> list[str]:
+    """The names of the files in /dev/shm these processes own (protocol 1.2 images.shm: images, owner files)."""
     from tokenizer_workers.images.shared_memory import PREFIX
 
+    return [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX) and int(n[len(PREFIX) :].split(".")[0]) in pids]
+
+
+def _image_files(pids) -> dict[str, bytes]:
+    """The shared-memory image files these processes wrote, by name."""
     out = {}
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(PREFIX) and int(name[len(PREFIX) :].split("-")[0]) in pids:
+    for name in _shm_files(pids):
+        if not name.endswith("-owner"):
             with open(os.path.join("/dev/shm", name), "rb") as f:
                 out[name] = f.read()
     return out
@@ -252,7 +259,7 @@ def test_images_reach_an_engine_on_this_host_as_shared_memory_files(tmp_path, vl
     simulated scheduler on an ipc:// socket) maps the file, so no pixel frame crosses the gateway. The
     file holds exactly the pixels the worker's pipeline makes; an image the engine has let go (it
     holds one at a time here) is mapped again from its file, with no image_missing round trip; the
-    worker's files go with it."""
+    worker's files go with it, and a killed worker's are swept by its gateway."""
     a, b = _png(56, 56, seed=5), _png(56, 56, seed=6)
     with _simulated_scheduler(tmp_path, vl_dir, image_cache_bytes=20000) as endpoint:
         srv = Server("--workers", "1", "--model", str(vl_dir), "--scheduler", endpoint)
@@ -270,9 +277,18 @@ def test_images_reach_an_engine_on_this_host_as_shared_memory_files(tmp_path, vl
             assert [_counter(srv, n) for n in _SENT] == [0, 2, 2]
             assert _counter(srv, "tokenmill_image_pixels_resent") == 0
             assert len(_image_files(pids)) == 2
+            (worker,) = pids  # killed, it removes nothing itself: its gateway sweeps the files it owned
+            os.kill(worker, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while (_shm_files(pids) or not set(srv.children()) - pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _shm_files(pids) == [] and set(srv.children()) - pids  # gone, and a replacement runs
+            assert _turn(client, _url(a)) == first  # which writes the image again
+            pids = set(srv.children())
+            assert len(_image_files(pids)) == 1
         finally:
             srv.stop()
-        assert _image_files(pids) == {}  # removed with the worker
+        assert _shm_files(pids) == []  # removed with the worker, its owner file too
 
 
 _PRIVATE_SHM = 'mount -t tmpfs tokenmill-test /dev/shm && exec "$@"'

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from protocol_client import AsyncProtocolClient, ProtocolClient
@@ -44,6 +45,7 @@ from scheduler_client.protocol import (
     frame_to_ids,
     ids_to_frame,
 )
+from tokenizer_workers.images.shared_memory import SharedPixels
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 30.0  # a cold interpreter on a busy 2-core machine
@@ -465,11 +467,10 @@ def test_image_items_may_name_a_shared_memory_file_instead(sched):
     the pixels; a name outside tokenmill's pattern (a path) is refused; a filled frame wins over a name."""
     client = sched.client()
     prompt = [5, 9, 9, 9, 9, 6, 7]
-    name = f"tokenmill-img-{os.getpid()}-0-test"
+    shared = SharedPixels()  # written as a worker writes it: owned, so no gateway's sweep takes it meanwhile
+    pixels = np.frombuffer(bytes(range(256)) * (16 * 1176 // 256) + bytes(16 * 1176 % 256), np.uint8)
+    name, _ = shared.write("0" * 64, pixels.reshape(16, 1176))
     item = ImageItem("qwen2_vl", "uint8", [16, 1176], [1, 4, 4], 1, 4, "0" * 64, shm=name)
-    path = os.path.join("/dev/shm", name)
-    with open(path, "wb") as f:
-        f.write(bytes(range(256)) * (16 * 1176 // 256) + bytes(16 * 1176 % 256))
     try:
         assert "images.shm" in client.handshake().features
         for rid, items, frame, code in (
@@ -500,7 +501,7 @@ def test_image_items_may_name_a_shared_memory_file_instead(sched):
                 error = client.recv_not_stats()
                 assert isinstance(error, Error) and (error.request_id, error.code, error.param) == (rid, code, "images")
     finally:
-        os.unlink(path)
+        shared.close()
 
 
 # --------------------------------------------------------------------------- bad input

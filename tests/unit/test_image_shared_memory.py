@@ -4,6 +4,7 @@ those of exited processes swept; a directory that cannot take them means frames.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import numpy as np
 
 from tokenizer_workers.images.base import ProcessedImage
 from tokenizer_workers.images.cache import ImageCache
-from tokenizer_workers.images.shared_memory import PREFIX, SharedPixels, remove_files_of, remove_stale_files
+from tokenizer_workers.images.shared_memory import PREFIX, SharedPixels, remove_stale_files
 
 
 def _pixels(seed: int) -> np.ndarray:
@@ -23,7 +24,8 @@ def test_pixels_are_written_once_and_read_back_from_the_file(tmp_path):
     shared = SharedPixels(str(tmp_path))
     pixels = _pixels(1)
     name, view = shared.write("ab" * 32, pixels)
-    assert name.startswith(f"{PREFIX}{os.getpid()}-") and name.endswith("abababababababab")
+    assert name.startswith(f"{PREFIX}{shared.owner}-") and name.endswith("abababababababab")
+    assert shared.owner.startswith(f"{os.getpid()}.") and (tmp_path / f"{PREFIX}{shared.owner}-owner").exists()
     assert (tmp_path / name).read_bytes() == pixels.tobytes()
     assert np.array_equal(view, pixels) and not view.flags.writeable  # the file's mapping, not a copy
     assert oct((tmp_path / name).stat().st_mode & 0o777) == "0o640"
@@ -39,25 +41,77 @@ def test_a_file_outlives_its_cache_entry_by_the_grace_or_until_the_bytes_wait_to
         name, view = shared.write(f"{seed:064x}", _pixels(seed))
         names.append(name)
         cache.put(f"{seed:064x}", ProcessedImage("qwen2_vl", view, (1, 4, 4), 4, f"{seed:064x}", shm=name))
-    assert cache.evictions == 1 and len(os.listdir(tmp_path)) == 3  # the evicted one's file is kept for now
+    owner = f"{PREFIX}{shared.owner}-owner"
+    assert cache.evictions == 1 and sorted(os.listdir(tmp_path)) == sorted(
+        [*names, owner]
+    )  # the evicted one's kept for now
     shared.sweep(budget=1 << 30)
-    assert len(os.listdir(tmp_path)) == 3  # within its grace
+    assert len(os.listdir(tmp_path)) == 4  # within its grace
     shared.sweep(budget=0)  # more bytes retiring than allowed: removed at once
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:]) and shared.files == 2
+    assert sorted(os.listdir(tmp_path)) == sorted([*names[1:], owner]) and shared.files == 2
     shared.close()
     assert os.listdir(tmp_path) == [] and shared.files == 0
 
 
-def test_files_of_exited_processes_are_swept_and_live_ones_kept(tmp_path):
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(gone.stdout)
-    for owner in (dead, os.getpid()):
-        (tmp_path / f"{PREFIX}{owner}-0-0123456789abcdef").write_bytes(b"x")
+_WRITER = """
+import sys, numpy as np
+from tokenizer_workers.images.shared_memory import SharedPixels
+shared = SharedPixels(sys.argv[1])
+print(shared.write("cd" * 32, np.zeros((16, 1176), np.uint8))[0], flush=True)
+sys.stdin.read()
+shared.close()
+"""
+
+
+def _writer(directory) -> tuple[subprocess.Popen, str]:
+    """Another process that has written one image file and lives until its stdin closes: (it, the file's name)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    return proc, proc.stdout.readline().strip()
+
+
+def test_files_are_swept_when_their_owner_has_ended_however_it_ended(tmp_path):
+    """Liveness is the owner file's lock, not a pid: a process killed with SIGKILL leaves its lock free
+    and its files are swept; a live one's stay, in this process or another; so do those of an owner
+    whose pid does not exist here but whose lock is held (a worker in another container's pid namespace
+    sharing /dev/shm), which judging by /proc/<pid> would have removed."""
+    live, live_name = _writer(tmp_path)
+    killed, killed_name = _writer(tmp_path)
+    killed.kill()
+    killed.wait()
+    ours = SharedPixels(str(tmp_path))
+    our_name, _ = ours.write("ef" * 32, _pixels(2))
+    elsewhere = "999999999.0badcafe"  # no such pid here; its owner holds the lock (another pid namespace)
+    held = os.open(tmp_path / f"{PREFIX}{elsewhere}-owner", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    (tmp_path / f"{PREFIX}{elsewhere}-0-0123456789abcdef").write_bytes(b"x")
+    (tmp_path / f"{PREFIX}12345-0-0123456789abcdef").write_bytes(b"x")  # an older version's name: no owner file
+    (tmp_path / f"{PREFIX}7.00000001-owning").write_bytes(b"")  # an owner file being made
+    stuck = tmp_path / f"{PREFIX}8.00000002-owning"  # ... and one whose maker died making it, long ago
+    stuck.write_bytes(b"")
+    os.utime(stuck, (0, 0))
     (tmp_path / "psm_other_program").write_bytes(b"y")  # not ours: never touched
-    assert remove_stale_files(str(tmp_path)) == 1
-    assert sorted(os.listdir(tmp_path)) == sorted([f"{PREFIX}{os.getpid()}-0-0123456789abcdef", "psm_other_program"])
-    assert remove_files_of(os.getpid(), str(tmp_path)) == 1
-    assert os.listdir(tmp_path) == ["psm_other_program"]
+    try:
+        assert remove_stale_files(str(tmp_path)) == 2  # the killed writer's image and the old-style one
+        left = set(os.listdir(tmp_path))
+        assert killed_name not in left and not any(
+            name.startswith(f"{PREFIX}{killed_name.split('-')[2]}") for name in left
+        )
+        assert {live_name, our_name, f"{PREFIX}{elsewhere}-0-0123456789abcdef", f"{PREFIX}7.00000001-owning"} <= left
+        assert stuck.name not in left and "psm_other_program" in left
+        live.stdin.close()  # it ends as a worker does: it removes its own files, owner file included
+        assert live.wait(30) == 0
+        assert not any(name.startswith(live_name.rsplit("-", 2)[0]) for name in os.listdir(tmp_path))
+        ours.close()
+        assert not any(ours.owner in name for name in os.listdir(tmp_path))
+        fcntl.flock(held, fcntl.LOCK_UN)  # the other namespace's worker ends
+        assert remove_stale_files(str(tmp_path)) == 1
+        assert sorted(os.listdir(tmp_path)) == sorted([f"{PREFIX}7.00000001-owning", "psm_other_program"])
+    finally:
+        os.close(held)
+        if live.poll() is None:
+            live.kill()
 
 
 def test_a_directory_that_cannot_take_the_pixels_means_frames(tmp_path):

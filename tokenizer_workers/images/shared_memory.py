@@ -7,17 +7,22 @@ once to ``/dev/shm`` instead, its file is named in the ImageItem and the schedul
 
 A file lives as long as the worker's cache holds the image, and ``GRACE_S`` longer, so that a
 ``generate`` already on its way can still open it (the scheduler's mapping survives the removal).
-The files of a worker that died without removing its own are removed by its gateway
-(``remove_files_of``), and at a gateway's start those of processes no longer alive
-(``remove_stale_files``): the prefix names the owning process.
+Whose files are they, and is it alive? Each process names its files after an owner token (its pid
+and a random nonce: pids repeat across the pid namespaces of containers sharing one ``/dev/shm``)
+and holds an owner file of that token locked (``flock``) while it lives. The kernel drops the lock
+when the process ends, however it ends, so ``remove_stale_files`` (a gateway's start, a worker's
+exit) removes exactly the files whose owner's lock is free: never a live worker's in another
+container, whose pid means nothing here.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections import deque
@@ -31,6 +36,8 @@ log = logging.getLogger("tokenmill.worker")
 PREFIX = "tokenmill-img-"
 _WRITE_PIECE = 256 << 10
 GRACE_S = 30.0  # a removed image's file outlives it this long (a generate naming it may be in flight)
+OWNER, OWNING = "owner", "owning"  # an owner file's last name part: locked and in place; being made
+OWNING_GRACE_S = 60.0  # an owner file still being made is left alone this long (its maker may hold it)
 
 
 class SharedPixels:
@@ -38,7 +45,9 @@ class SharedPixels:
 
     def __init__(self, directory: str = SHM_DIR):
         self.directory = directory
-        self.pid = os.getpid()
+        self.owner = f"{os.getpid()}.{secrets.token_hex(4)}"
+        self._owner_fd: int | None = None
+        _OURS.append(self)
         self._counter = itertools.count()
         self._lock = threading.Lock()
         self._retiring: deque[tuple[float, str, int]] = deque()  # (remove after, name, bytes)
@@ -49,7 +58,9 @@ class SharedPixels:
     def write(self, content_hash: str, pixels: np.ndarray) -> tuple[str, np.ndarray] | None:
         """The pixels written to a new file: (its name, the pixels as a read-only view of the file, so that
         the process keeps one copy, not two); None if it could not be written (then frames carry them)."""
-        name = f"{PREFIX}{self.pid}-{next(self._counter)}-{content_hash[:16]}"
+        if self._owner_fd is None and not self._hold_owner_file():
+            return None
+        name = f"{PREFIX}{self.owner}-{next(self._counter)}-{content_hash[:16]}"
         path = os.path.join(self.directory, name)
         data = memoryview(np.ascontiguousarray(pixels)).cast("B")
         try:
@@ -77,6 +88,26 @@ class SharedPixels:
         view = np.frombuffer(mapped, dtype=pixels.dtype).reshape(pixels.shape)
         return name, view
 
+    def _hold_owner_file(self) -> bool:
+        """Make this process's owner file and keep it locked: made under another name and locked first,
+        then renamed into place, so that no sweeper ever finds it in place and unlocked."""
+        owning = os.path.join(self.directory, f"{PREFIX}{self.owner}-{OWNING}")
+        try:
+            fd = os.open(owning, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(owning, os.path.join(self.directory, f"{PREFIX}{self.owner}-{OWNER}"))
+        except OSError as exc:
+            os.close(fd)
+            _unlink(owning)
+            self._failed(exc)
+            return False
+        self._owner_fd = fd
+        return True
+
     def _failed(self, exc: OSError) -> None:
         if not self.failed:
             log.warning("cannot write images to %s (%s): sending their pixels in frames instead", self.directory, exc)
@@ -103,39 +134,93 @@ class SharedPixels:
             _unlink(os.path.join(self.directory, name))
 
     def close(self) -> None:
-        """Remove every file this process wrote (at exit; a scheduler's mappings stay valid)."""
-        remove_files_of(self.pid, self.directory)
+        """Remove every file this process wrote, its owner file last (at exit; a scheduler's mappings
+        stay valid)."""
+        names = _files_by_owner(self.directory).get(self.owner, [])
+        _remove(self.directory, names)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
         with self._lock:
             self._retiring.clear()
             self._retiring_bytes = self.files = 0
 
 
-def remove_files_of(pid: int, directory: str = SHM_DIR) -> int:
-    """Remove the image files a process wrote (it has exited, or is exiting); how many."""
-    return _remove(directory, lambda owner: owner == pid)
+_OURS: list[SharedPixels] = []  # this process's, for remove_own_files
+
+
+def remove_own_files() -> None:
+    """Remove every file this process wrote (it is exiting)."""
+    for shared in _OURS:
+        shared.close()
 
 
 def remove_stale_files(directory: str = SHM_DIR) -> int:
-    """Remove the image files of processes no longer alive (a worker killed with its gateway); how many."""
-    return _remove(directory, lambda owner: not os.path.exists(f"/proc/{owner}"))
+    """Remove the image files whose owner has ended (a worker killed, or killed with its gateway): those
+    whose owner file is unlocked or gone. How many files were removed (owner files not counted)."""
+    removed = 0
+    now = time.time()
+    for owner, names in _files_by_owner(directory).items():
+        if names == [f"{PREFIX}{owner}-{OWNING}"] and now - _mtime(os.path.join(directory, names[0])) < OWNING_GRACE_S:
+            continue  # an owner file being made; one whose maker died while making it goes after the grace
+        if _owner_alive(directory, owner):
+            continue
+        removed += _remove(directory, names)
+    return removed
 
 
-def _remove(directory: str, whose) -> int:
+def _files_by_owner(directory: str) -> dict[str, list[str]]:
+    """Our files in ``directory`` by their owner token, each owner's owner file last."""
     try:
         names = os.listdir(directory)
     except OSError:
-        return 0
+        return {}
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        if name.startswith(PREFIX):
+            owners.setdefault(name[len(PREFIX) :].split("-", 1)[0], []).append(name)
+    for files in owners.values():
+        files.sort(key=lambda name: name.endswith((f"-{OWNER}", f"-{OWNING}")))
+    return owners
+
+
+def _owner_alive(directory: str, owner: str) -> bool:
+    """Whether the owner file's lock is held (by its process, alive). A file we may not open is
+    another user's: treated as alive, not ours to judge (nor, in a sticky /dev/shm, to remove)."""
+    try:
+        fd = os.open(os.path.join(directory, f"{PREFIX}{owner}-{OWNER}"), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False  # files with no owner file: their owner is gone (or wrote them before owner files were)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _remove(directory: str, names: list[str]) -> int:
+    """Unlink ``names`` in their order; how many of them were image files."""
     removed = 0
     for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        owner = name[len(PREFIX) :].split("-", 1)[0]
-        if owner.isdigit() and whose(int(owner)):
-            removed += _unlink(os.path.join(directory, name))
+        gone = _unlink(os.path.join(directory, name))
+        if not name.endswith((f"-{OWNER}", f"-{OWNING}")):
+            removed += gone
     return removed
 
 
 def _unlink(path: str) -> int:
+    """1 if removed, else 0."""
     try:
         os.unlink(path)
         return 1
