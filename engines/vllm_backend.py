@@ -473,6 +473,9 @@ class VLLMBackend(Backend):
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
+        # let go of it now: left to the interpreter's exit, AsyncLLM.__del__ shuts it down again with its
+        # module half torn down and prints "Exception ignored ... TypeError" into the service's log
+        self.engine = None
 
     # ------------------------------------------------------------------ requests
 
