@@ -67,10 +67,8 @@ class SharedPixels:
         name = f"{PREFIX}{self.owner}-{next(self._counter)}-{content_hash[:16]}"
         path = os.path.join(self.directory, name)
         data = memoryview(np.ascontiguousarray(pixels)).cast("B")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            self._failed(exc)
+        fd = self._create(path)
+        if fd is None:
             return None
         try:
             # the service's group may read it: deploy/systemd runs engines as another user of group tokenmill
@@ -96,10 +94,8 @@ class SharedPixels:
         """Make this process's owner file and keep it locked: made under another name and locked first,
         then renamed into place, so that no sweeper ever finds it in place and unlocked."""
         owning = os.path.join(self.directory, f"{PREFIX}{self.owner}-{OWNING}")
-        try:
-            fd = os.open(owning, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            self._failed(exc)
+        fd = self._create(owning)
+        if fd is None:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -111,6 +107,14 @@ class SharedPixels:
             return False
         self._owner_fd = fd
         return True
+
+    def _create(self, path: str) -> int | None:
+        """A new file, ours alone (exclusive, no link followed, mode 0600); None if it cannot be made."""
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            self._failed(exc)
+            return None
 
     def _failed(self, exc: OSError) -> None:
         if not self.failed:
