@@ -98,6 +98,7 @@ from scheduler_client.protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    SHM_DIR,
     STRUCTURED_FEATURES,
     STRUCTURED_OPTION_FEATURES,
     Structured,
@@ -539,23 +540,23 @@ class VLLMBackend(Backend):
                 items = list(prompt["mm_kwargs"]["image"])
                 hashes = prompt["mm_hashes"]["image"]
                 by_hash = [i for i, item in enumerate(items) if item is None]
-                if not all(self.holds_image(hashes[i]) for i in by_hash):
+                held = [self.holds_image(h) for h in hashes]
+                if not all(held[i] for i in by_hash):
                     raise EngineRejected(
                         "an image sent by its hash is no longer in vLLM's processor cache: send its pixels",
                         ERR_IMAGE_MISSING,
                         param="images",
                     )
-                held = sum(self.holds_image(h) for h in hashes)
                 for i in by_hash:  # used again: the most recent in the sender's LRU, as in the engine core's;
                     # with vLLM's shared-memory cache (the bridge's default) the item becomes its address there
                     items[i] = self._sender_cache().get_and_update_item(None, hashes[i])[0]
                 inject({"image": hashes}, {"image": items})
                 prompt["mm_kwargs"]["image"] = items
-                if held:
+                if any(held):
                     log.info(
                         "%s: %d of %d image(s) already in vLLM's processor cache, sent without pixels",
                         request.rid,
-                        held,
+                        sum(held),
                         len(items),
                     )
             elif any(not len(buffer) for _, buffer in request.images):
@@ -681,9 +682,6 @@ def _default_factory(engine_args: dict[str, Any]):
 
     engine_args = images_in_shared_memory(engine_args, AsyncEngineArgs.mm_processor_cache_gb)
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
-
-
-SHM_DIR = "/dev/shm"
 
 
 def images_in_shared_memory(engine_args: dict[str, Any], default_gb: float, shm_dir: str = SHM_DIR) -> dict[str, Any]:

@@ -142,11 +142,6 @@ class ImagePipeline:
         if image.shm is not None and self.shared is not None:
             self.shared.retire(image.shm, image.nbytes)
 
-    def close(self) -> None:
-        """Remove this process's shared-memory files (the worker is exiting)."""
-        if self.shared is not None:
-            self.shared.close()
-
     def load_image_part(self, source: str, field_path: str, media_type: str | None = None) -> ProcessedImage:
         """``media_type``: what the request declared for the bytes (Anthropic's base64 source), checked."""
         if not isinstance(source, str) or not source:
