@@ -155,6 +155,74 @@ def _arrivals(port: int, model: str, rate: float, max_tokens: int, stop, out) ->
     out.put(("chats", {"ttft": ttft, "e2e": e2e, "errors": errors, "started": len(threads)}))
 
 
+def _kept_alive(port: int, model: str, max_tokens: int, stop, out) -> None:
+    """One streaming chat after another, so that exactly one is always alive, until ``stop``: when each
+    began and when each of its content events came (``time.perf_counter``, the system's monotonic clock,
+    comparable across the bench's processes). A server that is slow to start the next stream shows in
+    the gap between one stream's last event and the next one's first, which a gap count within each
+    stream never sees."""
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the storm."}],
+        }
+    ).encode()
+    streams, errors = [], []
+    while not stop.is_set() and len(streams) < ARRIVAL_LIMIT:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        began, events = time.perf_counter(), []
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                errors.append(f"{resp.status}: {resp.read()[:200]!r}")
+                continue
+            for line in resp:
+                if _first_content(line):
+                    events.append(time.perf_counter())
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(repr(exc))
+        finally:
+            conn.close()
+        streams.append((began, events))
+    out.put(("stream", {"streams": streams, "errors": errors}))
+
+
+def kept_alive_figures(streams: list[tuple[float, list[float]]], window: tuple[float, float], warm: float) -> dict:
+    """The kept-alive stream's figures over ``window`` (the long rounds): gaps within each stream (what
+    a client of one stream sees), gaps between consecutive content events across stream boundaries (a
+    slow start of the next stream counts), content events per second, and that rate as a share of the
+    rate over the ``warm`` seconds before the window (the engine decoding with nothing else to do)."""
+    start, end = window
+    within, across, before = [], [], 0
+    last = None
+    for _, events in streams:
+        previous = None
+        for t in events:
+            if start - warm <= t < start:
+                before += 1
+            if start <= t < end:
+                if previous is not None and previous >= start:
+                    within.append((t - previous) * 1000)
+                if last is not None and last >= start:
+                    across.append((t - last) * 1000)
+            previous = last = t
+    during = sum(1 for _, events in streams for t in events if start <= t < end)
+    rate = during / (end - start) if end > start else None
+    rate_before = before / warm if warm else None
+    return {
+        "stream_gap_p99_ms": rnd(pct(within, 0.99)),
+        "kept_alive_gap_p99_ms": rnd(pct(across, 0.99)),
+        "kept_alive_gap_max_ms": rnd(max(across, default=None)),
+        "stream_tokens_per_s": rnd(rate),
+        "stream_tokens_share": rnd(rate / rate_before, 3) if rate is not None and rate_before else None,
+    }
+
+
 def _send_chat_rounds(port: int, rounds: list[list[bytes]], out) -> None:
     """Each round's long chats (max_tokens 1) sent together: the wall time of every round."""
     walls, errors = [], []
@@ -172,9 +240,10 @@ def _send_chat_rounds(port: int, rounds: list[list[bytes]], out) -> None:
         finally:
             conn.close()
 
+    began = time.perf_counter()
     for bodies in rounds:
         walls.append(all_at_once(one, bodies))
-    out.put(("long", {"walls": walls, "errors": errors}))
+    out.put(("long", {"walls": walls, "errors": errors, "window": (began, time.perf_counter())}))
 
 
 # ---- one measurement -------------------------------------------------------------------------
@@ -189,15 +258,27 @@ def measure_busy(
     chat_tokens: int,
     lag_of=None,
     warm_s: float = 2.0,
+    kept_alive: bool = False,
+    roots: list[int] | None = None,
 ) -> dict:
     """Long rounds sent by ``sender(port, rounds, out)`` (a client process putting ("long", {"walls",
-    "errors"})) while short chats arrive at ``rate`` per second and a prober GETs /health.
-    ``lag_of``: a callable returning the server's /debug/loop-lag (reset=True resets it), if it has one."""
+    "errors", "window"})) while short chats arrive at ``rate`` per second, or (``kept_alive``) one
+    streaming chat after another keeps exactly one alive, and a prober GETs /health.
+    ``lag_of``: a callable returning the server's /debug/loop-lag (reset=True resets it), if it has one.
+    ``roots``: the server's processes, whose every thread's CPU, run-queue wait and switches over the
+    long rounds are reported by role (``threads``: tokenmill.bench.threads)."""
+    from tokenmill.bench import threads as census
+
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = []
+    before = after = None
+    if kept_alive:
+        load, warm_s = (_kept_alive, (port, model, chat_tokens, stop, out)), max(warm_s, 3.0)
+    else:
+        load = (_arrivals, (port, model, rate, chat_tokens, stop, out))
     try:
-        chats = ctx.Process(target=_arrivals, args=(port, model, rate, chat_tokens, stop, out))
+        chats = ctx.Process(target=load[0], args=load[1])
         chats.start()
         procs.append(chats)
         time.sleep(warm_s)  # the engine fills with chats before the long prompts come
@@ -210,10 +291,14 @@ def measure_busy(
         time.sleep(0.1)
         if lag_of is not None:
             lag_of(True)
+        if roots:
+            before, census_began = census.census(roots), time.perf_counter()
         long_sender = ctx.Process(target=sender, args=(port, rounds, out))
         long_sender.start()
         procs.append(long_sender)
         got = dict([out.get(timeout=3600)])  # the long rounds finish first
+        if roots:
+            after, census_s = census.census(roots), time.perf_counter() - census_began
         lag = (lag_of(False) or {}) if lag_of is not None else {}
         stop.set()
         got.update([out.get(timeout=400), out.get(timeout=400)])
@@ -223,7 +308,23 @@ def measure_busy(
             p.join(60)
             if p.is_alive():
                 p.kill()
-    health, chats, long = got["health"], got["chats"], got["long"]
+    health, long = got["health"], got["long"]
+    threads = {}
+    if before is not None and after is not None:
+        rows = census.by_role(census.delta(before, after))
+        threads = {"threads": [row.as_dict() for row in rows], "threads_s": round(census_s, 2)}
+    if kept_alive:
+        stream = got["stream"]
+        return {
+            "health_p50_ms": rnd(pct(health, 0.5), 2),
+            "health_p99_ms": rnd(pct(health, 0.99), 2),
+            "health_max_ms": rnd(max(health, default=None), 2),
+            "conversion_wall_s": round(statistics.mean(long["walls"]), 3) if long["walls"] else None,
+            **kept_alive_figures(stream["streams"], long["window"], warm_s - 0.5),
+            "errors": (long["errors"] + stream["errors"])[:5],
+            **threads,
+        }
+    chats = got["chats"]
     return {
         "health_p50_ms": rnd(pct(health, 0.5), 2),
         "health_p99_ms": rnd(pct(health, 0.99), 2),
@@ -236,6 +337,7 @@ def measure_busy(
         "chat_e2e_p99_ms": rnd(pct(chats["e2e"], 0.99)),
         "chats": len(chats["ttft"]),
         "errors": (long["errors"] + chats["errors"])[:5],
+        **threads,
     }
 
 

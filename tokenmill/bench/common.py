@@ -190,7 +190,8 @@ def probe_health(
     (an Event) is set once the first probe has been answered. A health checker on another host does
     not wait for this machine's cores, so what it measures should be the server's delay, not its own
     (the same for every server measured): the prober's thread runs real-time where the bench may (as
-    root), else asks for a short time slice, and its process leaves the bench's session, so that the
+    root), else asks for a short time slice and, at the end, prints how long it waited for a core itself
+    (that wait is then in its figures, reported apart), and its process leaves the bench's session, so that the
     load threads' CPU (sending megabytes of bodies) is not charged to its scheduling group (autogroups).
     For the same reason it speaks HTTP through a plain socket and httptools' C parser: ``http.client``
     spent ~0.25 ms of Python of its own per probe here (an idle server's p50 0.54 against 0.31 ms)."""
@@ -203,8 +204,10 @@ def probe_health(
         os.setsid()
     except OSError:  # already a session or group leader: stays where it is
         pass
-    if not request_realtime(1):
+    realtime = request_realtime(1)
+    if not realtime:
         request_latency_slice(100)
+    waited = _own_runqueue_wait()
     sock = None
     while not stop.is_set():
         t0 = time.perf_counter()
@@ -229,6 +232,22 @@ def probe_health(
         time.sleep(0.010)
     if sock is not None:
         sock.close()
+    if not realtime:  # its own waits are in its figures: say how much, apart from them
+        waited = _own_runqueue_wait() - waited
+        print(
+            f"the /health prober could not run real-time (no CAP_SYS_NICE): it waited {waited * 1000:.0f} ms "
+            f"for a core itself over {len(latencies)} probes, and that is in its figures",
+            flush=True,
+        )
+
+
+def _own_runqueue_wait() -> float:
+    """Seconds the calling thread has spent runnable, waiting for a core (/proc/thread-self/schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def health_prober(port: int, stop, out, started=None) -> None:

@@ -20,6 +20,13 @@ the start of every long message, so no cache of either side can serve it):
 * **images** (``--images``, on its own, on a tiny Qwen2-VL): 8 chats with 4 new 1024 x 1024 images
   each, sent together, then resent one turn later, with a ``/health`` prober
   (``tokenmill.bench.images``);
+* **busy stream**: the long-context rounds again (fresh text, to ``/tokenize``), while one streaming
+  chat after another keeps exactly one alive through the engine (``--busy-chat-tokens`` each), so the
+  engine decodes throughout unless the front stops starting streams. Reported beside /health: the
+  gaps within each stream, the gaps across stream boundaries (a slow start of the next stream counts),
+  the stream's tokens per second during the rounds and as a share of its rate just before, and every
+  thread of each stack by role over the rounds (CPU, run-queue wait, switches:
+  ``tokenmill.bench.threads``);
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
   (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
   instead of one long stream: the engine decodes on the same cores and new requests keep
@@ -60,6 +67,7 @@ from tokenmill.bench.common import (
     write_json,
 )
 from tokenmill.bench.servers import ROOT, ProcessHandle
+from tokenmill.bench.threads import table_of_dicts as thread_table
 
 NAME = "bench"
 MAX_MODEL_LEN = 131072  # the tiny model's positions: the agent scenario reaches ~100k tokens
@@ -190,6 +198,7 @@ class Stacks:
                 )
             )
         self.front_pids = {"vllm": self.procs[0].pid, "tokenmill": self.procs[-1].pid}
+        self.stack_pids = {"vllm": [self.procs[0].pid], "tokenmill": [p.pid for p in self.procs[1:]]}
 
     def ready(self) -> bool:
         for proc in self.procs:
@@ -270,9 +279,10 @@ def _send_rounds(port: int, rounds: list[list[bytes]], out) -> None:
         else:
             errors.append(f"{status}: {data[:200]!r}")
 
+    began = time.perf_counter()
     for bodies in rounds:
         walls.append(all_at_once(one, bodies))
-    out.put(("long", {"walls": walls, "tokens": tokens, "errors": errors}))
+    out.put(("long", {"walls": walls, "tokens": tokens, "errors": errors, "window": (began, time.perf_counter())}))
 
 
 def long_context(port: int, bodies: list[list[bytes]]) -> dict:
@@ -466,6 +476,17 @@ FIGURES = {
     ],
     "front_cpu": ["messages_cpu_ms_per_request", "chat_cpu_ms_per_request"],
     "short_chats": ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"],
+    "busy_stream": [
+        "health_p50_ms",
+        "health_p99_ms",
+        "health_max_ms",
+        "conversion_wall_s",
+        "stream_gap_p99_ms",
+        "kept_alive_gap_p99_ms",
+        "kept_alive_gap_max_ms",
+        "stream_tokens_per_s",
+        "stream_tokens_share",
+    ],
     "busy_engine": [
         "health_p50_ms",
         "health_p99_ms",
@@ -522,6 +543,7 @@ def run(args) -> int:
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
         pid_of = {port: stacks.front_pids[side] for side, port in ports.items()}  # the front processes
+        roots_of = {ports[side]: pids for side, pids in stacks.stack_pids.items()}  # each side's whole stack
         texts = Texts()
         results: dict[str, dict[str, list]] = {side: {s: [] for s in chosen} for side in ports}
         for k in range(repeat):
@@ -548,10 +570,15 @@ def run(args) -> int:
                 work["front_cpu"] = lambda port: front_cpu(port, pid_of[port], NAME, 100 if quick else 300)
             if "short_chats" in chosen:
                 work["short_chats"] = lambda port: short_chats(port, 32, seconds)
+            if "busy_stream" in chosen:
+                kept = [long_bodies(texts, f"{tag} kept round {r}", 4, long_tokens) for r in range(2)]
+                work["busy_stream"] = lambda port, kept=kept: measure_busy(
+                    port, NAME, _send_rounds, kept, 0, args.busy_chat_tokens, kept_alive=True, roots=roots_of[port]
+                )
             if "busy_engine" in chosen:
                 busy = [long_bodies(texts, f"{tag} busy round {r}", 4, long_tokens) for r in range(2)]
                 work["busy_engine"] = lambda port, busy=busy: measure_busy(
-                    port, NAME, _send_rounds, busy, args.busy_rate, args.busy_chat_tokens
+                    port, NAME, _send_rounds, busy, args.busy_rate, args.busy_chat_tokens, roots=roots_of[port]
                 )
             for side, port in ports.items():
                 for scenario in chosen:
@@ -680,6 +707,12 @@ def print_table(report: dict, repeat: int, figures: dict | None = None) -> None:
                 f"{scenario:>13} {figure:>20} {a!s:>10} {b!s:>10} {'' if r is None else f'{r:.2f}x':>8}"
                 f"   {spread[0]:>17} {spread[1]:>17}"
             )
+    for scenario in ("busy_stream", "busy_engine"):
+        for side in ("vllm", "tokenmill"):
+            last = (report["runs"][side].get(scenario) or [{}])[-1]
+            if last.get("threads"):
+                print(f"\n{scenario}, {side}: every thread of the stack over the long rounds (last run), by role")
+                print(thread_table(last["threads"], last["threads_s"]))
     for side in ("vllm", "tokenmill"):
         errors = [e for s in report["ratios"] for e in report[side][s].get("errors") or []]
         if errors:
