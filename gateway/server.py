@@ -208,6 +208,8 @@ class Gateway:
                 memory_limit_mb=s.worker_memory_limit_mb,
                 conversion_threads=s.conversion_threads,
                 conversion_nice=s.conversion_nice,
+                group_nice=s.worker_group_nice,
+                io_rt_priority=s.loop_rt_priority,
                 affinity=s.affinity,
                 quick_bytes=s.quick_conversion_bytes,
                 quick_turn_bytes=s.quick_turn_bytes,
@@ -471,15 +473,23 @@ class Gateway:
 def run(settings: ServeSettings, on_ready=None, sibling: dict | None = None) -> int:
     import uvloop
 
-    from tokenmill.process.procutil import keep_freed_memory, request_latency_slice, request_realtime, set_process_name
+    from tokenmill.process.procutil import (
+        keep_freed_memory,
+        realtime_zmq_threads,
+        request_latency_slice,
+        request_realtime,
+        set_process_name,
+    )
 
     name = f"gateway {sibling['index']}" if sibling else "gateway"
     set_process_name(f"tm-gateway-{sibling['index']}" if sibling else "tm-gateway")
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     keep_freed_memory()  # request bodies of megabytes reuse heap pages instead of faulting in fresh ones
-    # this thread only: the workers, the scheduler and the loop's helper threads keep the default
+    # this thread and ZeroMQ's (which carry the loop's frames to and from the engine) only: the workers,
+    # the scheduler and the loop's other helper threads keep the default
     log = logging.getLogger(__name__)
     if request_realtime(settings.loop_rt_priority):
+        realtime_zmq_threads(settings.loop_rt_priority)
         log.info("the event loop runs real-time (SCHED_FIFO priority %d)", settings.loop_rt_priority)
     elif settings.loop_slice_us and not request_latency_slice(settings.loop_slice_us):
         log.info("this kernel keeps its default time slice for the event loop")

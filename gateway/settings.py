@@ -26,6 +26,7 @@ class ServeSettings:
     workers: int = 0  # 0: CPU count minus one, at least one
     conversion_threads: int = 2  # per worker
     conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
+    worker_group_nice: int = -10  # each worker's scheduling group (autogroup) where permitted (0: leave)
     scheduler: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
@@ -92,6 +93,8 @@ class ServeSettings:
             raise SystemExit("conversion_threads: at least 1")
         if not 0 <= self.conversion_nice <= 19:
             raise SystemExit("conversion_nice: 0 to 19")
+        if not -20 <= self.worker_group_nice <= 19:
+            raise SystemExit("worker_group_nice: -20 to 19")
         if not 0 <= self.loop_rt_priority <= 99:
             raise SystemExit("loop_rt_priority: 0 (never real-time) or a SCHED_FIFO priority 1 to 99")
         if self.loop_slice_us and not 100 <= self.loop_slice_us <= 100_000:

@@ -74,6 +74,8 @@ class WorkerPool:
         memory_limit_mb: int = 0,
         conversion_threads: int = 2,
         conversion_nice: int = 0,
+        group_nice: int = 0,
+        io_rt_priority: int = 0,
         affinity: bool = True,
         quick_bytes: int = 8192,
         quick_depth: int = 16,
@@ -113,6 +115,8 @@ class WorkerPool:
             memory_limit_mb=memory_limit_mb,
             conversion_threads=conversion_threads,
             conversion_nice=conversion_nice,
+            group_nice=group_nice,
+            io_rt_priority=io_rt_priority,
             attach=attach,
             metrics=metrics,
         )

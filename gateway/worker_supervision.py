@@ -80,6 +80,8 @@ class LocalWorkers:
         memory_limit_mb: int = 0,
         conversion_threads: int = 2,
         conversion_nice: int = 0,
+        group_nice: int = 0,
+        io_rt_priority: int = 0,
         attach: tuple[str, ...] = (),
         metrics=None,
     ):
@@ -90,6 +92,8 @@ class LocalWorkers:
         self.memory_limit_mb = memory_limit_mb
         self.conversion_threads = conversion_threads  # of each worker this gateway spawns
         self.conversion_nice = conversion_nice
+        self.group_nice = group_nice  # of each worker's session (autogroup)
+        self.io_rt_priority = io_rt_priority  # SCHED_FIFO for each worker's IO thread where permitted
         self.attach = attach  # the node's other gateways (--gateways N), which each worker joins too
         self.metrics = metrics
         self.workers: list[Worker] = []  # those spawned here
@@ -128,6 +132,10 @@ class LocalWorkers:
                 str(self.conversion_threads),
                 "--conversion-nice",
                 str(self.conversion_nice),
+                "--group-nice",
+                str(self.group_nice),
+                "--io-rt-priority",
+                str(self.io_rt_priority),
                 *(arg for endpoint in self.attach for arg in ("--attach", endpoint)),
                 env=env,
                 pass_fds=(theirs.fileno(),),

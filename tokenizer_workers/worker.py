@@ -52,7 +52,14 @@ from tokenizer_workers.detokenizer import Detokenizer
 from tokenizer_workers.images import shared_memory
 from tokenizer_workers.remote_link import RemoteWorkerLink
 from tokenizer_workers.resume import decode_spec, encode_spec
-from tokenmill.process.procutil import die_with_supervisor, keep_freed_memory, limit_memory, set_process_name
+from tokenmill.process.procutil import (
+    die_with_supervisor,
+    keep_freed_memory,
+    limit_memory,
+    request_realtime,
+    set_group_nice,
+    set_process_name,
+)
 from tokenmill.transport.pipe_link import PipePeer
 
 log = logging.getLogger("tokenmill.worker")
@@ -142,7 +149,7 @@ class Worker:
                 sock.connect(endpoint)
                 self.links.append(_Link(sock, endpoint, -1, joined=False, beats=True))
         for n in range(self.conversion_threads):  # the first loads the model; the others wait for it
-            threading.Thread(target=self._convert_loop, args=(n == 0,), name=f"conversion-{n}", daemon=True).start()
+            threading.Thread(target=self._convert_loop, args=(n,), name=f"conversion-{n}", daemon=True).start()
         beating = any(link.beats for link in self.links)
         while not self._loaded.wait(self.HEARTBEAT_S if beating else None):
             self._tick()  # loading a model takes seconds: joined gateways must not think us gone
@@ -349,8 +356,12 @@ class Worker:
             link.streams.difference_update(d.request_id for d in deltas if d.final)
         return deltas
 
-    def _convert_loop(self, loads: bool) -> None:
+    def _convert_loop(self, n: int) -> None:
+        loads = n == 0
         wake_tx = self._wake_tx
+        # by name in top, ps -L and the benches' thread census; the tokenizers pool the first one
+        # starts inherits it (tm-convert-0)
+        set_process_name(f"tm-convert-{n}")
 
         def wake() -> None:
             try:
@@ -448,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, default=0)
     parser.add_argument("--conversion-threads", type=int, default=2)
     parser.add_argument("--conversion-nice", type=int, default=0)
+    parser.add_argument("--group-nice", type=int, default=0, help="This session's autogroup niceness, if permitted.")
+    parser.add_argument("--io-rt-priority", type=int, default=0, help="SCHED_FIFO for the IO thread, if permitted.")
     parser.add_argument("--attach", action="append", default=[], help="Another gateway of the node to join.")
     args = parser.parse_args(argv)
     die_with_supervisor()
@@ -457,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tokenizer worker {args.index} %(levelname)s %(message)s"
     )
+    # The session (a group of the fair scheduler's, under autogroups) weighs more than an engine's, so a
+    # long prompt is not left with what an engine spinning on every core leaves (set_group_nice says why);
+    # the IO thread, which detokenizes every running stream, preempts the engine and the conversion
+    # threads as the gateway's loop does (the threads it starts, the conversion threads, stay fair).
+    if args.group_nice and not set_group_nice(args.group_nice):
+        logging.getLogger("tokenmill.worker").info("this worker's scheduling group keeps the kernel's niceness")
+    request_realtime(args.io_rt_priority)
     signal.signal(signal.SIGTERM, lambda *_: _exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the gateway decides
     # Hand the GIL between the conversion thread and the IO thread every millisecond (not 5):

@@ -84,6 +84,14 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "CPU evenly with an engine that keeps cores busy; above 0, conversion takes what the "
         'engine leaves (docs/front-end-cost.md, "A busy engine").',
     ),
+    "worker_group_nice": (
+        int,
+        "Niceness (-20 to 19) of each tokenizer worker's scheduling group (its session's autogroup), "
+        "set where permitted (root, CAP_SYS_NICE, or systemd's LimitNICE=); 0 leaves the kernel's. "
+        "Below 0 a long prompt takes the cores from an engine that keeps them busy while it converts, "
+        "as vLLM's own server does, and an idle worker costs nothing. No effect inside a cgroup with "
+        'the cpu controller (use the unit\'s CPUWeight=) (docs/front-end-cost.md, "A busy engine").',
+    ),
     "scheduler": (
         str,
         "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "

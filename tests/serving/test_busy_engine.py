@@ -170,11 +170,25 @@ def _policies(pid: int) -> dict[int, tuple[int, int]]:
     return out
 
 
-def test_the_gateway_loop_runs_real_time_where_permitted_and_nothing_else_does():
+def _comm(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def _group_nice(pid: int) -> int:
+    """The niceness of the process's autogroup (/proc/PID/autogroup: "/autogroup-N nice K")."""
+    with open(f"/proc/{pid}/autogroup") as f:
+        return int(f.read().split()[-1])
+
+
+def test_the_threads_that_move_streams_run_real_time_where_permitted_and_conversion_does_not():
     """By default the event-loop thread runs SCHED_FIFO at priority 1 where the gateway may (root or
-    CAP_SYS_NICE here; the systemd unit's LimitRTPRIO=1), so it preempts an engine's threads at once;
-    its helper threads (ZeroMQ's, started after it) and the workers stay SCHED_OTHER. Where it may not,
-    the loop falls back to the short slice (the test above)."""
+    CAP_SYS_NICE here; the systemd unit's LimitRTPRIO=1), so it preempts an engine's threads at once, and
+    so do ZeroMQ's threads, which carry its frames to and from the engine, and each worker's IO thread,
+    which detokenizes every stream. The loop's other helper threads and the conversion threads stay
+    SCHED_OTHER; each worker's scheduling group (its session) weighs more than an engine's
+    (--worker-group-nice, -10). Where real-time is not permitted, the loop falls back to the short slice
+    (the test above) and nothing else changes."""
     probe = subprocess.run(
         [sys.executable, "-c", "from tokenmill.process.procutil import request_realtime as r; print(r(1))"],
         capture_output=True,
@@ -184,18 +198,46 @@ def test_the_gateway_loop_runs_real_time_where_permitted_and_nothing_else_does()
     server = Server("--loop-rt-priority", "1")
     try:
         gateway = server.proc.pid
+        # before any request: pyzmq's zero-copy garbage collector later starts a thread and a context of
+        # its own, which only frees sent buffers and stays SCHED_OTHER
         policies = _policies(gateway)
         loop = policies.pop(gateway)
+        server.client().chat.completions.create(  # a long prompt: the conversion threads and their pool are up
+            model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
+        )
+        worker = _child(server, b"tokenizer_workers.worker")
+        worker_policies = _policies(worker)
         if probe.stdout.strip() != "True":
             assert loop[0] & ~os.SCHED_RESET_ON_FORK == os.SCHED_OTHER
+            assert set(worker_policies.values()) == {(os.SCHED_OTHER, 0)}
             pytest.skip("this process may not use SCHED_FIFO (no CAP_SYS_NICE, RLIMIT_RTPRIO 0)")
         assert loop == (os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, 1)  # what it starts runs SCHED_OTHER
-        assert policies and all(policy == (os.SCHED_OTHER, 0) for policy in policies.values()), policies
-        worker = _child(server, b"tokenizer_workers.worker")
-        assert set(_policies(worker).values()) == {(os.SCHED_OTHER, 0)}
+        zmq_threads = {tid: p for tid, p in policies.items() if _comm(gateway, tid).startswith("ZMQbg/")}
+        others = {tid: p for tid, p in policies.items() if tid not in zmq_threads}
+        assert zmq_threads and set(zmq_threads.values()) == {(os.SCHED_FIFO, 1)}, zmq_threads
+        assert all(policy == (os.SCHED_OTHER, 0) for policy in others.values()), others
+        assert worker_policies.pop(worker) == (os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, 1)  # the IO thread
+        converting = {tid: p for tid, p in worker_policies.items() if _comm(worker, tid).startswith("tm-convert")}
+        assert len(converting) >= 2 and set(converting.values()) == {(os.SCHED_OTHER, 0)}, worker_policies
+        if os.path.exists(f"/proc/{worker}/autogroup"):
+            assert _group_nice(worker) == -10 and _group_nice(gateway) == 0
         assert http("GET", server.url + "/health")[0] == 200
     finally:
         server.stop()
+
+
+def test_worker_group_nice_zero_leaves_the_kernels_and_out_of_range_is_refused():
+    server = Server("--worker-group-nice", "0")
+    try:
+        worker = _child(server, b"tokenizer_workers.worker")
+        if not os.path.exists(f"/proc/{worker}/autogroup"):
+            pytest.skip("this kernel has no autogroups")
+        assert _group_nice(worker) == 0
+    finally:
+        server.stop()
+    refused = Server("--worker-group-nice", "-21", ready=False)
+    assert refused.proc.wait(60) != 0
+    assert "worker_group_nice: -20 to 19" in refused.read_output()
 
 
 def test_conversion_nice_out_of_range_is_refused_at_start():

@@ -216,6 +216,8 @@ def test_gateway_unit_settings():
     # the event loop may run real-time at its default priority (gateway/settings.py loop_rt_priority)
     assert int(service["LimitRTPRIO"]) >= ServeSettings().loop_rt_priority >= 1
     assert service.get("RestrictRealtime", "no") == "no"
+    # the workers may lower their scheduling group's niceness as far as the default asks
+    assert int(service["LimitNICE"]) <= ServeSettings().worker_group_nice < 0
     # libzmq aborts if sched_setscheduler() fails, so @resources must stay allowed
     assert not any("@resources" in f and f.startswith("~") for f in unit["Service"].get("SystemCallFilter", []))
 
