@@ -34,6 +34,13 @@ if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ] && [ "$(id -u)"
     echo "scripts/test.sh: could not install haproxy (see /tmp/tokenmill-apt-haproxy.log)" >&2
   fi
 fi
+# tests/serving/test_prometheus.py checks deploy/prometheus with promtool and runs a real Prometheus against a
+# live tokenmill (Debian package prometheus, which brings promtool).
+if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/tmp/tokenmill-apt-prometheus.log 2>&1; then
+    echo "scripts/test.sh: could not install prometheus (see /tmp/tokenmill-apt-prometheus.log)" >&2
+  fi
+fi
 # tests/serving/test_remote_workers.py makes a second host with `ip netns` and a veth pair (Debian package iproute2).
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; } >/tmp/tokenmill-apt-iproute2.log 2>&1; then
