@@ -105,9 +105,9 @@ def _first_content(line: bytes) -> bool:
     return any((c.get("delta") or {}).get("content") or c.get("text") for c in chunk.get("choices") or ())
 
 
-def _arrivals(port: int, model: str, rate: float, max_tokens: int, stop, out) -> None:
-    """Short streaming chats started every 1/rate s until ``stop`` (at most ARRIVAL_LIMIT)."""
-    body = json.dumps(
+def _short_chat(model: str, max_tokens: int) -> bytes:
+    """The body of one short streaming chat that generates exactly ``max_tokens`` tokens."""
+    return json.dumps(
         {
             "model": model,
             "max_tokens": max_tokens,
@@ -117,6 +117,11 @@ def _arrivals(port: int, model: str, rate: float, max_tokens: int, stop, out) ->
             "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the storm."}],
         }
     ).encode()
+
+
+def _arrivals(port: int, model: str, rate: float, max_tokens: int, stop, out) -> None:
+    """Short streaming chats started every 1/rate s until ``stop`` (at most ARRIVAL_LIMIT)."""
+    body = _short_chat(model, max_tokens)
     ttft, e2e, errors = [], [], []
 
     def one() -> None:
@@ -161,16 +166,7 @@ def _kept_alive(port: int, model: str, max_tokens: int, stop, out) -> None:
     comparable across the bench's processes). A server that is slow to start the next stream shows in
     the gap between one stream's last event and the next one's first, which a gap count within each
     stream never sees."""
-    body = json.dumps(
-        {
-            "model": model,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the storm."}],
-        }
-    ).encode()
+    body = _short_chat(model, max_tokens)
     streams, errors = [], []
     while not stop.is_set() and len(streams) < ARRIVAL_LIMIT:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)

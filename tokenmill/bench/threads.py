@@ -17,6 +17,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from tokenmill.bench.common import process_tree
+
 _TICK = os.sysconf("SC_CLK_TCK")
 _POLICIES = {0: "other", 1: "fifo", 2: "rr", 3: "batch", 5: "idle", 6: "deadline"}
 
@@ -66,30 +68,11 @@ def sample_thread(pid: int, tid: int, process: str) -> ThreadSample | None:
     return ThreadSample(pid, tid, process, name, cpu, wait, voluntary, involuntary, nice, policy)
 
 
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _read(f"/proc/{entry}/stat")
-            if stat:
-                parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    tree, frontier = [root], [root]
-    while frontier:
-        parent = frontier.pop()
-        for child, ppid in parents.items():
-            if ppid == parent and child not in tree:
-                tree.append(child)
-                frontier.append(child)
-    return tree
-
-
 def census(roots: list[int]) -> dict[int, ThreadSample]:
     """Every thread of every process under ``roots``: tid -> sample."""
     out: dict[int, ThreadSample] = {}
     for root in roots:
-        for pid in descendants(root):
-            process = (_read(f"/proc/{pid}/comm") or "?").strip()
+        for pid, process in process_tree(root).items():
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
