@@ -26,6 +26,8 @@ from conftest import ROOT, Server, free_port, http
 from image_model import make_vl_model
 from PIL import Image
 
+from tokenmill.bench.servers import ProcessHandle
+
 DEPLOY = ROOT / "deploy"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 ALERTS = PROMETHEUS_DIR / "tokenmill-alerts.yml"
@@ -107,9 +109,10 @@ def test_the_alert_tests_fail_when_an_alert_changes(tmp_path):
 # ---- a live Prometheus ---------------------------------------------------------------------------
 
 
-class Prometheus:
+class Prometheus(ProcessHandle):
     """A Prometheus on loopback with a temporary data directory, scraping ``target`` every second with
-    the shipped scrape job and evaluating the shipped alert rules every second."""
+    the shipped scrape job and evaluating the shipped alert rules every second; ready when constructed,
+    stopped (SIGTERM, then SIGKILL) by stop()."""
 
     def __init__(self, target: str, workdir):
         config = yaml.safe_load(SCRAPE_CONFIG.read_text())
@@ -122,28 +125,14 @@ class Prometheus:
         path.write_text(yaml.safe_dump(config))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(workdir / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
-            try:
-                if http("GET", self.url + "/-/ready", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError("Prometheus did not become ready")
+        args = [
+            "prometheus",
+            f"--config.file={path}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        super().__init__("prometheus", args, log=workdir / "prometheus.log")
+        self.wait_until(lambda: http("GET", self.url + "/-/ready", timeout=2)[0] == 200, 60)
 
     def api(self, path: str, **params) -> dict:
         status, _, answer = http("GET", f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=30)
@@ -152,25 +141,10 @@ class Prometheus:
 
     def wait_up(self, timeout: float = 60) -> None:
         """Until the target has been scraped (Prometheus hands discovered targets to its scrapers every 5 s)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(t["health"] == "up" for t in self.api("targets")["activeTargets"]):
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"the target was never scraped: {self.api('targets')}")
+        self.wait_until(lambda: any(t["health"] == "up" for t in self.api("targets")["activeTargets"]), timeout)
 
     def query(self, expr: str) -> list[dict]:
         return self.api("query", query=expr)["result"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
 
 
 def _png(seed: int) -> str:
