@@ -432,6 +432,17 @@ class Gateway:
                 timeout_keep_alive=s.timeout_keep_alive,
                 timeout_graceful_shutdown=5,  # a backstop: drain() has already answered every request
             )
+            ready_task = asyncio.create_task(self.wait_ready())
+            stop_task = asyncio.create_task(stop.wait())
+            if self.sibling:
+                # gateways 1..N-1 share the port with a gateway that already serves: binding before this
+                # one's scheduler is connected would have the kernel hand it requests it can only refuse
+                await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+                if not ready_task.done() or not ready_task.result():
+                    if ready_task.done():
+                        log.error("gateway %d did not become ready; not listening", self.index)
+                        return 1
+                    return 0
             try:  # with --gateways N every gateway binds the port (SO_REUSEPORT); the kernel spreads connections
                 listeners = listen_sockets(s.host, s.port, reuseport=s.gateways > 1)
             except OSError as exc:
@@ -439,8 +450,6 @@ class Gateway:
                 return 1
             server = _Server(config, listeners)
             server_task = asyncio.create_task(server.serve())
-            ready_task = asyncio.create_task(self.wait_ready())
-            stop_task = asyncio.create_task(stop.wait())
             await asyncio.wait({ready_task, stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
             if server_task.done():
                 server_task.result()  # a bind error surfaces here

@@ -135,12 +135,16 @@ def test_a_conversation_keeps_its_worker_whichever_gateway_takes_it(node):
 
 
 def both_gateway_pids(srv: Server) -> list[int]:
-    """Gateway 0's list of the node's gateway pids, once the second one is up."""
+    """Gateway 0's list of the node's gateway pids, once the second one is up and both have their scheduler.
+    (Server() returns on the first /ready that says 200, which may come from either gateway.)"""
     deadline = time.monotonic() + 60
-    while not (pids := next((s["gateway_pids"] for s in states(srv, 10) if s["gateway"] == 0), None)) or len(pids) < 2:
-        assert time.monotonic() < deadline, "the second gateway did not come up"
+    while True:
+        got = {s["gateway"]: s for s in states(srv, 10)}
+        pids = got[0]["gateway_pids"] if 0 in got else None
+        if pids and len(pids) >= 2 and len(got) == 2 and all(s["scheduler_connected"] for s in got.values()):
+            return pids
+        assert time.monotonic() < deadline, f"both gateways did not come up: {got}"
         time.sleep(0.2)
-    return pids
 
 
 def test_a_gateway_that_dies_is_replaced_and_sigterm_stops_them_all():
