@@ -78,7 +78,7 @@ def test_greedy_streams_through_a_failover_equal_the_undisturbed(gateway):
     for _attempt in range(3):  # again if every stream ended before the poller caught one mid-way
         killed = {}
 
-        def kill(progress):
+        def kill(progress, killed=killed):
             victim = kill_while_detokenizing(gateway, progress)
             if victim is not None:
                 killed.update(victim, progress=[p[0] for p in progress])
