@@ -4,12 +4,12 @@
 in its own process and serves the scheduler side of docs/scheduler-protocol.md, so that
 ``tokenmill serve --scheduler ENDPOINT`` can use it exactly like the simulated scheduler.
 
-* :mod:`engines.server` — the protocol side shared by every backend (sessions, validation,
+* :mod:`tokenmill.engines.server` — the protocol side shared by every backend (sessions, validation,
   output batching, finish reasons, aborts, Stats) and the command line;
-* :mod:`engines.transformers_backend` — HuggingFace transformers continuous batching
+* :mod:`tokenmill.engines.transformers_backend` — HuggingFace transformers continuous batching
   (runs on CPU; ``--random-weights`` builds a tiny model for tests and demos);
-* :mod:`engines.sglang_backend` — ``sglang.Engine`` driven on its own event-loop thread;
-* :mod:`engines.vllm_backend` — vLLM's ``AsyncLLM``.
+* :mod:`tokenmill.engines.sglang_backend` — ``sglang.Engine`` driven on its own event-loop thread;
+* :mod:`tokenmill.engines.vllm_backend` — vLLM's ``AsyncLLM``.
 
 Each backend's library is an optional extra (``pip install 'tokenmill[transformers]'``,
 ``'tokenmill[sglang]'``, ``'tokenmill[vllm]'``) and is imported only when that backend is
@@ -24,9 +24,9 @@ from typing import Any
 
 #: backend name -> (module, the pip extra that installs its engine)
 BACKENDS: dict[str, tuple[str, str]] = {
-    "transformers": ("engines.transformers_backend", "transformers"),
-    "sglang": ("engines.sglang_backend", "sglang"),
-    "vllm": ("engines.vllm_backend", "vllm"),
+    "transformers": ("tokenmill.engines.transformers_backend", "transformers"),
+    "sglang": ("tokenmill.engines.sglang_backend", "sglang"),
+    "vllm": ("tokenmill.engines.vllm_backend", "vllm"),
 }
 
 

@@ -32,9 +32,8 @@ from typing import Any
 
 import msgspec
 import zmq
-
-from engines import shared_pixels
-from scheduler_client.protocol import (
+from tokenmill.engines import shared_pixels
+from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_IMAGES_BY_HASH,
     FEATURE_IMAGES_SHM,
@@ -53,6 +52,7 @@ from scheduler_client.protocol import (
     encode,
     frame_to_ids,
 )
+
 from tokenmill.transport.loop_socket import LoopSocket
 
 # Error codes a scheduler sends (docs/scheduler-protocol.md §6 lists them).

@@ -1,6 +1,6 @@
 """The part of ``tokenmill engine`` every backend shares: protocol in, engine calls out.
 
-:class:`EngineServer` is a :class:`~engines.scheduler_server.SchedulerServer`
+:class:`EngineServer` is a :class:`~tokenmill.engines.scheduler_server.SchedulerServer`
 (sockets, sessions, handshake, validation) whose engine is a :class:`Backend`. For every
 accepted ``generate`` it starts one task that iterates ``backend.generate(request)`` and
 turns the engine's chunks into RequestOutputs:
@@ -48,14 +48,14 @@ from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from engines.scheduler_server import (
+from tokenmill.engines.scheduler_server import (
     ERR_BAD_REQUEST,
     Rejected,
     SchedulerServer,
     Session,
     read_curve_secret,
 )
-from scheduler_client.protocol import (
+from tokenmill.scheduler_client.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -594,7 +594,7 @@ class EngineServer(SchedulerServer):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engines import BACKENDS, backend_module
+    from tokenmill.engines import BACKENDS, backend_module
 
     parser.add_argument("--backend", required=True, choices=tuple(BACKENDS), help="the inference engine to run")
     parser.add_argument(
@@ -714,7 +714,7 @@ def run(args: argparse.Namespace) -> int:
         take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine
     except ImportError:  # pragma: no cover
         pass
-    from engines import MissingBackend, backend_module
+    from tokenmill.engines import MissingBackend, backend_module
 
     try:
         curve = read_curve_secret(args.curve_secret_key_file) if args.curve_secret_key_file else None
@@ -741,7 +741,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engines.server", description="Run an inference engine behind the tokenmill scheduler protocol."
+        prog="python -m tokenmill.engines.server",
+        description="Run an inference engine behind the tokenmill scheduler protocol.",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

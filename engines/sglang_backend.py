@@ -62,11 +62,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines import engine_kwargs, parse_engine_args, require
-from engines.scheduler_server import Rejected
-from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
-from engines.sglang_grammar import GrammarCheck
-from scheduler_client.protocol import (
+from tokenmill.engines import engine_kwargs, parse_engine_args, require
+from tokenmill.engines.scheduler_server import Rejected
+from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.engines.sglang_grammar import GrammarCheck
+from tokenmill.scheduler_client.protocol import (
     FEATURE_LOGPROBS,
     FINISH_ABORT,
     FINISH_ERROR,

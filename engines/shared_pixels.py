@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from scheduler_client.protocol import SHM_DIR, SHM_NAME
+from tokenmill.scheduler_client.protocol import SHM_DIR, SHM_NAME
 
 
 def available() -> bool:

@@ -23,7 +23,7 @@ Protocol 1.1 (``Welcome.features`` lists everything in ``protocol.FEATURES``; wi
 tokenizer, all but the ``structured.*`` ones):
 
 * ``structured``: constrained decoding under llguidance over the served vocabulary
-  (:mod:`engines.guided`): each step draws one of the tokens the matcher allows with the request's
+  (:mod:`tokenmill.engines.guided`): each step draws one of the tokens the matcher allows with the request's
   generator (so deterministic for (seed, prompt)); once the grammar is complete the first stop
   token ends it with ``"stop"``; ``max_new_tokens`` still cuts it (``"length"``). A spec llguidance
   refuses is refused with its message (``bad_request``, ``param`` "structured").
@@ -54,10 +54,10 @@ Protocol 1.2 (docs/scheduler-protocol.md §10.3): ``cache_salt``, ``allowed_toke
   complete a banned sequence (its last token after the others as the latest generated tokens);
 * ``structured.disable_any_whitespace`` / ``structured.whitespace_pattern`` (listed with a tokenizer):
   a JSON constraint is compiled without optional whitespace, or with the pattern as llguidance's
-  whitespace (:func:`engines.guided.grammar_of`); other kinds are unchanged.
+  whitespace (:func:`tokenmill.engines.guided.grammar_of`); other kinds are unchanged.
 
 Run it as ``tokenmill simulate-scheduler --bind ENDPOINT`` or
-``python -m engines.simulated --bind ENDPOINT``.
+``python -m tokenmill.engines.simulated --bind ENDPOINT``.
 """
 
 from __future__ import annotations
@@ -81,12 +81,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-
-from engines import shared_pixels
-from engines.busy_cores import BusyCores
-from engines.guided import Decoder, Guide, GuideError
-from engines.held_images import HeldImages
-from engines.scheduler_server import (
+from tokenmill.engines import shared_pixels
+from tokenmill.engines.busy_cores import BusyCores
+from tokenmill.engines.guided import Decoder, Guide, GuideError
+from tokenmill.engines.held_images import HeldImages
+from tokenmill.engines.scheduler_server import (
     ERR_BAD_REQUEST,
     ERR_DUPLICATE,
     ERR_UNKNOWN_MESSAGE,
@@ -97,8 +96,8 @@ from engines.scheduler_server import (
     Session,
     read_curve_secret,
 )
-from scheduler_client import structured
-from scheduler_client.protocol import (
+from tokenmill.scheduler_client import structured
+from tokenmill.scheduler_client.protocol import (
     FEATURE_IMAGES_SHM,
     FEATURE_PRIORITY,
     FEATURES,
@@ -233,7 +232,7 @@ class ScriptedReplies:
 def resolve_model_dir(model: str) -> Path:
     """``default`` -> the embedded default model's directory, else the path itself."""
     if model == "default":
-        from tokenizer_workers.model import default_model_dir
+        from tokenmill.tokenizer_workers.model import default_model_dir
 
         return default_model_dir()
     return Path(model)
@@ -369,7 +368,7 @@ class SimulatedScheduler(SchedulerServer):
     ``await serve(endpoint)`` binds and runs until ``await close()`` (or cancellation).
     After binding, ``endpoint`` holds the bound address (useful with ``tcp://127.0.0.1:0``)
     and ``await wait_ready()`` returns. Sockets, sessions and validation come from
-    :class:`engines.scheduler_server.SchedulerServer`.
+    :class:`tokenmill.engines.scheduler_server.SchedulerServer`.
     """
 
     log = log
@@ -1343,7 +1342,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engines.simulated", description="A simulated GPU scheduler (simulate-scheduler)."
+        prog="python -m tokenmill.engines.simulated", description="A simulated GPU scheduler (simulate-scheduler)."
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -60,10 +60,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines import require
-from engines.scheduler_server import Rejected
-from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
-from scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
+from tokenmill.engines import require
+from tokenmill.engines.scheduler_server import Rejected
+from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
+from tokenmill.scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
 
 log = logging.getLogger("tokenmill.engine.transformers")
 
@@ -89,7 +89,7 @@ def _require() -> None:
 
 def vocab_size_of(model: str | None) -> int:
     """The vocabulary size of the model tokenmill serves (``None``/"default": the embedded one)."""
-    from tokenizer_workers.model import load_model
+    from tokenmill.tokenizer_workers.model import load_model
 
     directory = None if model in (None, "default") else model
     return load_model(directory).vocab_size

@@ -82,9 +82,9 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines import engine_kwargs, require, shared_pixels
-from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
-from scheduler_client.protocol import (
+from tokenmill.engines import engine_kwargs, require, shared_pixels
+from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_DISABLE_ANY_WHITESPACE,
     FEATURE_IMAGES,

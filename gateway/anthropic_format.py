@@ -14,9 +14,8 @@ import base64
 import hashlib
 
 import msgspec
-
-from gateway.request_body import HEAD_BYTES, RequestBody
-from tokenizer_workers.messages import ApiError
+from tokenmill.gateway.request_body import HEAD_BYTES, RequestBody
+from tokenmill.tokenizer_workers.messages import ApiError
 
 _json = msgspec.json.Encoder()
 

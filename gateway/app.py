@@ -14,15 +14,14 @@ import uuid
 import zlib
 
 import msgspec
-
-from gateway import anthropic_format as anthropic
-from gateway import openai_format as fmt
-from gateway.generations import Choice, Generation
-from gateway.request_body import RequestBody
-from gateway.responses_format import ResponsesFramer
-from gateway.worker_pool import ConversionRejected
-from scheduler_client.client import SchedulerUnavailable
-from tokenizer_workers.messages import ApiError
+from tokenmill.gateway import anthropic_format as anthropic
+from tokenmill.gateway import openai_format as fmt
+from tokenmill.gateway.generations import Choice, Generation
+from tokenmill.gateway.request_body import RequestBody
+from tokenmill.gateway.responses_format import ResponsesFramer
+from tokenmill.gateway.worker_pool import ConversionRejected
+from tokenmill.scheduler_client.client import SchedulerUnavailable
+from tokenmill.tokenizer_workers.messages import ApiError
 
 _json = msgspec.json.Encoder()
 _JSON = [(b"content-type", b"application/json")]
@@ -106,7 +105,7 @@ def timing_headers(done) -> list:
 
 class App:
     def __init__(self, gateway):
-        self.gw = gateway  # gateway.server.Gateway: settings, conversion, scheduler, generations, metrics
+        self.gw = gateway  # tokenmill.gateway.server.Gateway: settings, conversion, scheduler, generations, metrics
         self.routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),

@@ -14,9 +14,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler_client import protocol
-from scheduler_client.client import SchedulerUnavailable
-from tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.client import SchedulerUnavailable
+from tokenmill.tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
 
 
 @dataclass(eq=False)

@@ -11,11 +11,12 @@ import asyncio
 import itertools
 import time
 
-from gateway.request_body import RequestBody
-from gateway.worker_pool import ConvertResult
-from tokenizer_workers.converter import Converter, ConverterSettings
-from tokenizer_workers.detokenizer import Detokenizer
-from tokenizer_workers.messages import ConvertJob, DetokOut
+from tokenmill.gateway.request_body import RequestBody
+from tokenmill.gateway.worker_pool import ConvertResult
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.tokenizer_workers.messages import ConvertJob, DetokOut
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 
 
 class InProcessConversion:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import uuid
 
 import msgspec
-
-from tokenizer_workers.messages import ApiError
+from tokenmill.tokenizer_workers.messages import ApiError
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"

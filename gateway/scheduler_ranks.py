@@ -1,6 +1,6 @@
 """Several schedulers (data-parallel engine ranks) behind one gateway, and which one gets a request.
 
-Each rank is a :class:`~scheduler_client.client.SchedulerClient` session of its own. A request
+Each rank is a :class:`~tokenmill.scheduler_client.client.SchedulerClient` session of its own. A request
 goes to one rank for all its choices. Where it goes decides whether the engine finds the
 conversation's history in its prefix cache or recomputes it, so the policy is KV-cache affinity
 with bounded load, as the worker pool does for its tokenization cache:
@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler_client import protocol
-from scheduler_client.client import SchedulerClient, SchedulerUnavailable
-from tokenizer_workers.messages import Limits
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.client import SchedulerClient, SchedulerUnavailable
+from tokenmill.tokenizer_workers.messages import Limits
 
 log = logging.getLogger("tokenmill.ranks")
 

@@ -21,24 +21,21 @@ from array import array
 
 import uvicorn
 import zmq.asyncio
+from tokenmill.gateway import siblings
+from tokenmill.gateway.app import App
+from tokenmill.gateway.generations import Generations
+from tokenmill.gateway.http_protocol import protocol_class
+from tokenmill.gateway.listener import Acceptor, listen_sockets
+from tokenmill.gateway.metrics import Metrics
+from tokenmill.gateway.metrics_merge import merge_expositions
+from tokenmill.gateway.scheduler_ranks import SchedulerRanks
+from tokenmill.gateway.settings import ServeSettings
+from tokenmill.gateway.siblings import MetricsExchange, SiblingGateways
+from tokenmill.gateway.worker_pool import WorkerPool
+from tokenmill.tokenizer_workers.images import shared_memory
+from tokenmill.tokenizer_workers.messages import ApiError
+from tokenmill.tokenizer_workers.settings import DEFAULT_MODEL_NAME, ConverterSettings, ImageFetchSettings
 
-from gateway import siblings
-from gateway.app import App
-from gateway.generations import Generations
-from gateway.http_protocol import protocol_class
-from gateway.inprocess import InProcessConversion
-from gateway.listener import Acceptor, listen_sockets
-from gateway.metrics import Metrics
-from gateway.metrics_merge import merge_expositions
-from gateway.scheduler_ranks import SchedulerRanks
-from gateway.settings import ServeSettings
-from gateway.siblings import MetricsExchange, SiblingGateways
-from gateway.worker_pool import WorkerPool
-from tokenizer_workers.converter import ConverterSettings
-from tokenizer_workers.images import shared_memory
-from tokenizer_workers.images.fetch import ImageFetchSettings
-from tokenizer_workers.messages import ApiError
-from tokenizer_workers.model import DEFAULT_MODEL_NAME
 from tokenmill.process import systemd_notify
 from tokenmill.process.procutil import child_env
 from tokenmill.transport.security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
@@ -219,7 +216,9 @@ class Gateway:
                 remote_timeout=s.remote_worker_timeout,
                 attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),
             )
-        else:
+        else:  # the baselines' modes convert in this process: only they load the converter here
+            from tokenmill.gateway.inprocess import InProcessConversion
+
             self.conversion = InProcessConversion(
                 self.converter_settings(), g.on_detok, threaded=s.conversion_mode == "thread", metrics=self.metrics
             )
@@ -258,7 +257,7 @@ class Gateway:
         self.simulator = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "engines.simulated",
+            "tokenmill.engines.simulated",
             "--title=simulated scheduler",
             "--bind",
             endpoint,

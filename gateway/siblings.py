@@ -77,7 +77,7 @@ class SiblingGateways:
                 "settings": asdict(self.settings),
             }
         )
-        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.server", env=env)
+        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "tokenmill.gateway.server", env=env)
         self.processes[index] = process
         self.heard[index] = time.monotonic() + 30.0  # until it first answers: start-up is not a stall
         self._tasks.append(asyncio.create_task(self._watch(index, process, time.monotonic())))

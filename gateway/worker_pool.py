@@ -26,13 +26,12 @@ from typing import Callable
 
 import msgspec
 import zmq.asyncio
-
-from gateway.dispatch import Dispatcher, Job
-from gateway.remote_workers import RemoteWorkers
-from gateway.request_body import RequestBody
-from gateway.worker_supervision import LocalWorkers, Worker
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import ConverterSettings
+from tokenmill.gateway.dispatch import Dispatcher, Job
+from tokenmill.gateway.remote_workers import RemoteWorkers
+from tokenmill.gateway.request_body import RequestBody
+from tokenmill.gateway.worker_supervision import LocalWorkers, Worker
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 
 log = logging.getLogger("tokenmill.pool")
 

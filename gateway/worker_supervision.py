@@ -1,6 +1,6 @@
 """Tokenizer worker processes this gateway spawns: their links, their deaths and their replacements.
 
-Each local worker is a ``tokenizer_workers.worker`` process on one end of a Unix socket pair (a
+Each local worker is a ``tokenmill.tokenizer_workers.worker`` process on one end of a Unix socket pair (a
 PipeLink). A worker that dies (crash, kill -9, OOM, or killed for overrunning the conversion
 deadline) is replaced at once, after a short back-off when it keeps dying right after starting.
 ``Worker`` is the pool's record of one worker, local or remote (remote_workers.py fills it in).
@@ -18,10 +18,9 @@ from typing import Callable
 
 import msgspec
 import zmq
+from tokenmill.tokenizer_workers.images import shared_memory
+from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
-from tokenizer_workers.converter import ConverterSettings
-from tokenizer_workers.images import shared_memory
-from tokenizer_workers.worker import SETTINGS_ENV
 from tokenmill.process.procutil import ONE_BLAS_THREAD, child_env
 from tokenmill.transport.loop_socket import LoopSocket
 from tokenmill.transport.pipe_link import LinkDown, PipeLink
@@ -120,7 +119,7 @@ class LocalWorkers:
             worker.process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "tokenizer_workers.worker",
+                "tokenmill.tokenizer_workers.worker",
                 f"--title=tokenizer worker {worker.index}",
                 "--link-fd",
                 str(theirs.fileno()),

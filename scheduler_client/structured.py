@@ -15,7 +15,7 @@ import functools
 import json
 from typing import Any
 
-from scheduler_client.protocol import STRUCTURED_KINDS, Structured
+from tokenmill.scheduler_client.protocol import STRUCTURED_KINDS, Structured
 
 # The documented limits (docs/request-fields.md): far above any real spec, low enough that no
 # backend is handed something that can exhaust its stack or memory before it compiles anything.

@@ -22,10 +22,9 @@ import sys
 import time
 
 from tokenizers.decoders import DecodeStream
-
-from scheduler_client import protocol
-from scheduler_client.client import SchedulerClient
-from tokenizer_workers.model import load_model
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.client import SchedulerClient
+from tokenmill.tokenizer_workers.model import load_model
 
 
 def pct(values: list[float], q: float) -> float | None:

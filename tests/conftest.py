@@ -170,7 +170,7 @@ def echo_server():
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
-    from tokenizer_workers.model import load_model
+    from tokenmill.tokenizer_workers.model import load_model
 
     return load_model(None).tokenizer
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import sys
 
 import msgspec
-
-from tokenizer_workers import resume, worker
+from tokenmill.tokenizer_workers import resume, worker
 
 MARK = "FUTURE-STATE"
 _encode = worker.encode_spec

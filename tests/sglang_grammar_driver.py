@@ -21,11 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from sglang.srt.server_args import ServerArgs
+from tokenmill.engines.server import EngineRejected, EngineRequest
+from tokenmill.engines.sglang_backend import SGLangBackend
+from tokenmill.scheduler_client.protocol import SamplingParams, Structured
 from transformers import AutoTokenizer
 
-from engines.server import EngineRejected, EngineRequest
-from engines.sglang_backend import SGLangBackend
-from scheduler_client.protocol import SamplingParams, Structured
 from tokenmill.tiny_model import EOS, VOCAB, write_tokenizer
 
 

@@ -31,9 +31,8 @@ import json
 from typing import Any
 
 import msgspec
-
-from tokenizer_workers import openai_requests as oa
-from tokenizer_workers.chat_messages import ImageRef
+from tokenmill.tokenizer_workers import openai_requests as oa
+from tokenmill.tokenizer_workers.chat_messages import ImageRef
 
 _BILLING = "x-anthropic-billing-header"
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")

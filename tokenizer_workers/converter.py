@@ -19,46 +19,22 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
-from scheduler_client import protocol
-from tokenizer_workers import anthropic_messages as am
-from tokenizer_workers import generation_params as gp
-from tokenizer_workers import openai_requests as oa
-from tokenizer_workers import openai_responses as responses
-from tokenizer_workers.chat_messages import ImageRef, to_template_messages
-from tokenizer_workers.chat_template import ChatTemplates, TemplateError
-from tokenizer_workers.images import ImageError, ImagePipeline, ProcessedImage, processor_for
-from tokenizer_workers.images.fetch import ImageFetchSettings
-from tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob, Limits
-from tokenizer_workers.model import Model, load_model
-from tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
-from tokenizer_workers.segment_cache import SegmentEncoder
+from tokenmill.scheduler_client import protocol
+from tokenmill.tokenizer_workers import anthropic_messages as am
+from tokenmill.tokenizer_workers import generation_params as gp
+from tokenmill.tokenizer_workers import openai_requests as oa
+from tokenmill.tokenizer_workers import openai_responses as responses
+from tokenmill.tokenizer_workers.chat_messages import ImageRef, to_template_messages
+from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError
+from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline, ProcessedImage, processor_for
+from tokenmill.tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob, Limits
+from tokenmill.tokenizer_workers.model import Model, load_model
+from tokenmill.tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
+from tokenmill.tokenizer_workers.segment_cache import SegmentEncoder
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 
 _json = msgspec.json.Encoder()
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-class ConverterSettings(msgspec.Struct):
-    """What a worker needs to know; the gateway hands it to each worker process as JSON."""
-
-    model_dir: str | None = None
-    chat_template_file: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    default_chat_template_kwargs: dict[str, Any] = {}
-    content_format: str = "auto"  # "auto" | "string" | "openai"
-    trust_request_chat_template: bool = False
-    tokenize_cache_bytes: int = 256 << 20
-    verify_tokenize_cache: bool = False
-    image_cache_bytes: int = 256 << 20  # processed images by content hash, per worker
-    image_max_pixels: int = 50_000_000  # the largest image decoded (checked from its header)
-    image_fetch: ImageFetchSettings = msgspec.field(default_factory=ImageFetchSettings)
-    # pixels to a scheduler on this host through /dev/shm (protocol 1.2 images.shm); off in a remote worker
-    image_shared_memory: bool = True
-    tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
-    reasoning_parser: str = ""
-    max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
-    fingerprint: bool = False  # report Converter.fingerprint() when ready (the pool admits remote workers)
 
 
 @dataclass

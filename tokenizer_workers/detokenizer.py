@@ -20,10 +20,9 @@ from collections import OrderedDict
 import msgspec
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-
-from scheduler_client.protocol import frame_to_ids
-from tokenizer_workers.converter import DetokSpec
-from tokenizer_workers.logprobs import (
+from tokenmill.scheduler_client.protocol import frame_to_ids
+from tokenmill.tokenizer_workers.converter import DetokSpec
+from tokenmill.tokenizer_workers.logprobs import (
     TokenTexts,
     chat_entries,
     completion_lists,
@@ -32,8 +31,8 @@ from tokenizer_workers.logprobs import (
     prompt_logprobs,
     token_id_name,
 )
-from tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
-from tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
+from tokenmill.tokenizer_workers.messages import DetokDelta, DetokItem, OutPiece
+from tokenmill.tokenizer_workers.output_parsers import CALL, REASONING, OutputParser
 
 _json = msgspec.json.Encoder()
 

@@ -15,11 +15,11 @@ import json
 import math
 from typing import Any
 
-from scheduler_client import protocol
-from scheduler_client.structured import StructuredError, whitespace_problem
-from scheduler_client.structured import check as check_structured
-from tokenizer_workers.openai_requests import InvalidRequest
-from tokenizer_workers.output_parsers.base import functions as tool_functions
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.structured import StructuredError, whitespace_problem
+from tokenmill.scheduler_client.structured import check as check_structured
+from tokenmill.tokenizer_workers.openai_requests import InvalidRequest
+from tokenmill.tokenizer_workers.output_parsers.base import functions as tool_functions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
 # vLLM 0.32's limits on bad_words after tokenization (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)

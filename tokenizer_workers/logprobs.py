@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 
 import msgspec
-
-from scheduler_client.protocol import bytes_to_floats, frame_to_ids
+from tokenmill.scheduler_client.protocol import bytes_to_floats, frame_to_ids
 
 _json = msgspec.json.Encoder()
 _FLOOR = -9999.0

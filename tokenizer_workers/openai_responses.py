@@ -15,9 +15,8 @@ import json
 from typing import Any
 
 import msgspec
-
-from tokenizer_workers import openai_requests as oa
-from tokenizer_workers.chat_messages import ImageRef
+from tokenmill.tokenizer_workers import openai_requests as oa
+from tokenmill.tokenizer_workers.chat_messages import ImageRef
 
 _json = msgspec.json.Encoder()
 CUSTOM_INPUT_KEY = "input"  # the one argument of the function a custom tool is shown as (vLLM's)

@@ -19,10 +19,9 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.auth
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 from zmq.utils.monitor import recv_monitor_message
-
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import ConverterSettings
 
 log = logging.getLogger("tokenmill.worker")
 

@@ -19,7 +19,7 @@ The conversion threads run ``--conversion-nice`` steps below this process's CPU 
 shares the CPU with an engine that keeps cores busy (docs/front-end-cost.md, "A busy engine"):
 below it, a long prompt waited seconds for the leftovers of an engine's busy cores.
 
-Started by the gateway as ``python -m tokenizer_workers.worker --link-fd FD --index N``,
+Started by the gateway as ``python -m tokenmill.tokenizer_workers.worker --link-fd FD --index N``,
 holding one end of a socket pair (tokenmill/transport/pipe_link.py), with its settings in the
 TOKENMILL_WORKER_SETTINGS environment variable; or on another host as ``tokenmill worker
 --connect tcp://...``, which takes its settings from the gateway over ZeroMQ and sends
@@ -44,14 +44,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from tokenmill.scheduler_client.protocol import frame_to_ids
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.tokenizer_workers.images import shared_memory
+from tokenmill.tokenizer_workers.remote_link import RemoteWorkerLink
+from tokenmill.tokenizer_workers.resume import decode_spec, encode_spec
+from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
-from scheduler_client.protocol import frame_to_ids
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import Converter, ConverterSettings
-from tokenizer_workers.detokenizer import Detokenizer
-from tokenizer_workers.images import shared_memory
-from tokenizer_workers.remote_link import RemoteWorkerLink
-from tokenizer_workers.resume import decode_spec, encode_spec
 from tokenmill.process.procutil import (
     die_with_supervisor,
     keep_freed_memory,
@@ -63,7 +64,6 @@ from tokenmill.process.procutil import (
 from tokenmill.transport.pipe_link import PipePeer
 
 log = logging.getLogger("tokenmill.worker")
-SETTINGS_ENV = "TOKENMILL_WORKER_SETTINGS"
 _HEARTBEAT = m.encoder.encode(m.Heartbeat())
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enums cost a call
 

@@ -1,1 +1,1 @@
-"""tokenmill: the command line, configuration and process supervision that tie the packages together."""
+"""tokenmill: an LLM inference front end. The subpackages: gateway (the event-loop process), tokenizer_workers, scheduler_client (both ends of the scheduler protocol), engines, and the command line, settings, transport and process helpers that tie them together."""

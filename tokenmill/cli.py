@@ -11,9 +11,9 @@ import sys
 # prepare_args(the arguments after the command) -> the arguments its parser reads (bench: the scenario first)
 COMMANDS = {
     "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
-    "simulate-scheduler": ("engines.simulated", "Run the simulated GPU scheduler on its own."),
+    "simulate-scheduler": ("tokenmill.engines.simulated", "Run the simulated GPU scheduler on its own."),
     "engine": (
-        "engines.server",
+        "tokenmill.engines.server",
         "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol.",
     ),
     "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),

@@ -13,8 +13,8 @@ import tomllib
 from dataclasses import fields
 from typing import Any
 
-from gateway.settings import ServeSettings
-from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+from tokenmill.gateway.settings import ServeSettings
+from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 __all__ = ["ServeSettings", "OPTIONS", "CHOICES", "add_arguments", "resolve", "as_dict"]
 

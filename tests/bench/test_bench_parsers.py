@@ -5,8 +5,7 @@ parse into the call (or the reasoning) it was built with."""
 from __future__ import annotations
 
 from conftest import run_bench
-
-from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def test_bench_parsers_quick_json_lists_every_format(tmp_path):

@@ -43,13 +43,12 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 from protocol_client import AsyncProtocolClient
-
-from engines import MissingBackend, backend_module
-from engines.scheduler_server import Rejected
-from engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
-from engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
-from engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
-from scheduler_client.protocol import (
+from tokenmill.engines import MissingBackend, backend_module
+from tokenmill.engines.scheduler_server import Rejected
+from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
+from tokenmill.engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
+from tokenmill.engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
+from tokenmill.scheduler_client.protocol import (
     FEATURES,
     FEATURES_12,
     PROTOCOL_VERSION,
@@ -457,7 +456,7 @@ def test_sglang_late_grammar_abort_is_a_rejection():
 
 
 class StandInCheck:
-    """engines.sglang_grammar.GrammarCheck's contract, for the bridge's wiring; the real check, with
+    """tokenmill.engines.sglang_grammar.GrammarCheck's contract, for the bridge's wiring; the real check, with
     SGLang's own grammar backends, runs in tests/engines/test_structured_sglang.py."""
 
     def __init__(self) -> None:
@@ -880,7 +879,7 @@ def test_vllm_images_go_through_shared_memory_where_dev_shm_has_room(tmp_path, c
     image) unless the operator chose a cache type, turned the cache off, or /dev/shm cannot hold it."""
     import os
 
-    from engines.vllm_backend import images_in_shared_memory
+    from tokenmill.engines.vllm_backend import images_in_shared_memory
 
     fs = os.statvfs(tmp_path)
     room_gb = fs.f_bavail * fs.f_frsize / 2**30
@@ -1004,9 +1003,8 @@ def test_vllm_structured_whitespace_options():
 def test_vllm_structured_options_reach_the_engine_core():
     """With vLLM installed: the real StructuredOutputsParams keeps both options through the msgpack trip."""
     pytest.importorskip("vllm")
+    from tokenmill.engines.vllm_backend import vllm_sampling_params
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-    from engines.vllm_backend import vllm_sampling_params
 
     so = structured_outputs(Structured("json_object", disable_any_whitespace=True, whitespace_pattern=r"\n?"))
     params = vllm_sampling_params(max_tokens=3, structured_outputs=so)
@@ -1022,9 +1020,8 @@ def test_vllm_sampling_params_carry_bad_words_token_ids():
     (bad_words_token_ids), through the msgpack trip to the engine core, and update_from_tokenizer
     leaves them alone (bad_words, the strings, stay empty)."""
     pytest.importorskip("vllm")
+    from tokenmill.engines.vllm_backend import vllm_sampling_params
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-    from engines.vllm_backend import vllm_sampling_params
 
     params = vllm_sampling_params(max_tokens=3, allowed_token_ids=[1, 2], bad_words_token_ids=[[5, 6], [7]])
     params.update_from_tokenizer(None)  # returns at once: no strings to tokenize

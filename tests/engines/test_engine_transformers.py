@@ -2,7 +2,7 @@
 `tokenmill engine --backend transformers --random-weights`, both real subprocesses, driven by
 the official openai client.
 
-The engine serves a tiny random-weight Llama (engines.transformers_backend.build_random_model)
+The engine serves a tiny random-weight Llama (tokenmill.engines.transformers_backend.build_random_model)
 over the default model's vocabulary with transformers' continuous batching, on CPU. The test
 process builds the same model with the same function to check that what comes back is what
 real forward passes produce: greedy tokens equal plain `model.generate` greedy tokens.
@@ -35,8 +35,7 @@ pytest.importorskip(
 import openai  # noqa: E402
 from conftest import ROOT, Server  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
-
-from scheduler_client.protocol import (  # noqa: E402
+from tokenmill.scheduler_client.protocol import (  # noqa: E402
     Error,
     Outputs,
     SamplingParams,
@@ -179,7 +178,7 @@ def front(engine, probe):
 @pytest.fixture(scope="module")
 def reference_model():
     """The engine's model, built again in this process."""
-    from engines.transformers_backend import build_random_model, vocab_size_of
+    from tokenmill.engines.transformers_backend import build_random_model, vocab_size_of
 
     return build_random_model(vocab_size_of(None))
 
@@ -351,8 +350,7 @@ def test_logprobs_zero_is_the_chosen_token_only(probe, reference_model):
 def test_weights_follow_the_seed():
     """--seed fixes the random weights: same seed, same model and tokens; another seed, others."""
     import torch
-
-    from engines.transformers_backend import build_random_model
+    from tokenmill.engines.transformers_backend import build_random_model
 
     small = dict(layers=1, hidden_size=32, heads=2, kv_heads=2, intermediate_size=64)
     a, b, c = (build_random_model(1000, seed=s, **small) for s in (7, 7, 8))

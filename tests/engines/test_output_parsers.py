@@ -15,10 +15,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests import vllm_env
-from tests.parser_cases import Case, all_cases
-from tokenizer_workers.output_parsers import (
+from tokenmill.tokenizer_workers.output_parsers import (
     CALL,
     CONTENT,
     REASONING,
@@ -27,6 +24,9 @@ from tokenizer_workers.output_parsers import (
     reasoning_parser_class,
     tool_parser_class,
 )
+
+from tests import vllm_env
+from tests.parser_cases import Case, all_cases
 
 CASES = all_cases()
 
@@ -187,7 +187,7 @@ def test_one_character_at_a_time(case: Case) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizer_workers.model import load_model
+    from tokenmill.tokenizer_workers.model import load_model
 
     return load_model(None).tokenizer
 
@@ -199,10 +199,10 @@ def tokenizer():
 def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
     """The worker's path: token IDs in frames of any size (cuts inside multi-byte characters too),
     DecodeStream, the parser; the joined pieces equal a parse of the decoded text."""
-    from scheduler_client.protocol import ids_to_frame
-    from tokenizer_workers.converter import DetokSpec
-    from tokenizer_workers.detokenizer import Detokenizer
-    from tokenizer_workers.messages import DetokItem
+    from tokenmill.scheduler_client.protocol import ids_to_frame
+    from tokenmill.tokenizer_workers.converter import DetokSpec
+    from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+    from tokenmill.tokenizer_workers.messages import DetokItem
 
     ids = tokenizer.encode(case.text, add_special_tokens=False).ids
     text = tokenizer.decode(ids, skip_special_tokens=False)
@@ -257,8 +257,7 @@ AUTO = {  # template -> (tool-call parser, reasoning parser) that --*-parser aut
 @pytest.mark.parametrize("name", sorted(AUTO))
 def test_auto_picks_the_format_from_the_template(name):
     from conftest import require_shared
-
-    from tokenizer_workers.output_parsers import choose_parsers
+    from tokenmill.tokenizer_workers.output_parsers import choose_parsers
 
     template = (require_shared() / "chat_templates" / name).read_text(encoding="utf-8")
     chosen = choose_parsers("auto", "auto", template)
@@ -266,8 +265,8 @@ def test_auto_picks_the_format_from_the_template(name):
 
 
 def test_auto_on_the_embedded_model():
-    from tokenizer_workers.model import _DEFAULT_TEMPLATE
-    from tokenizer_workers.output_parsers import choose_parsers
+    from tokenmill.tokenizer_workers.model import _DEFAULT_TEMPLATE
+    from tokenmill.tokenizer_workers.output_parsers import choose_parsers
 
     chosen = choose_parsers("auto", "auto", _DEFAULT_TEMPLATE.read_text(encoding="utf-8"))
     assert (chosen.tool_name, chosen.reasoning_name) == ("deepseek_v31", "deepseek_r1")

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from structured_specs import PATHOLOGICAL, REFUSED, ROWS
+from tokenmill.scheduler_client.protocol import STRUCTURED_FEATURES
+from tokenmill.tokenizer_workers.generation_params import Engine, InvalidRequest, structured
+from tokenmill.tokenizer_workers.openai_requests import parse
 from vllm_env import VLLM_PYTHON, missing_reason
-
-from scheduler_client.protocol import STRUCTURED_FEATURES
-from tokenizer_workers.generation_params import Engine, InvalidRequest, structured
-from tokenizer_workers.openai_requests import parse
 
 OVERLAY = Path(os.environ.get("TOKENMILL_SGLANG_OVERLAY", Path(ROOT) / ".sglang-overlay"))
 _why = missing_reason() or (

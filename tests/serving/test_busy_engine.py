@@ -55,7 +55,7 @@ def _child(server: Server, module: bytes) -> int:
 def test_busy_cores_spin_while_requests_run_sleep_when_idle_and_die_with_the_simulator():
     server = Server("--sim-busy-cores", "2", "--sim-inter-token-latency-ms", "20")
     try:
-        sim = _child(server, b"engines.simulated")
+        sim = _child(server, b"tokenmill.engines.simulated")
         deadline = time.monotonic() + 30
         while len(spinners := _named(sim, "tm-sim-busy")) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -106,14 +106,14 @@ def test_conversion_threads_take_conversion_nice_and_the_io_thread_keeps_the_pro
             server.client().chat.completions.create(
                 model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
             )
-        worker = _child(niced, b"tokenizer_workers.worker")
+        worker = _child(niced, b"tokenmill.tokenizer_workers.worker")
         with open(f"/proc/{worker}/stat") as f:  # the main (IO) thread keeps the process's niceness
             base = int(f.read().rsplit(")", 1)[1].split()[16])
         nices = _thread_nices(worker)
         lowered = min(19, base + 7)
         assert base < lowered and nices.count(lowered) >= 2, (base, nices)  # both conversion threads (and their pool)
         assert base in nices, nices  # the IO thread, which detokenizes streams, is not lowered
-        plain_worker = _child(plain, b"tokenizer_workers.worker")
+        plain_worker = _child(plain, b"tokenmill.tokenizer_workers.worker")
         assert set(_thread_nices(plain_worker)) == {_thread_nices(plain_worker)[0]}, "the default shares the CPU evenly"
     finally:
         niced.stop()
@@ -145,7 +145,7 @@ def test_the_gateway_loop_asks_for_a_short_slice_and_the_workers_have_a_scheduli
     server = Server("--loop-slice-us", "200", "--loop-rt-priority", "0")
     try:
         gateway = server.proc.pid
-        worker = _child(server, b"tokenizer_workers.worker")
+        worker = _child(server, b"tokenmill.tokenizer_workers.worker")
         assert os.getsid(worker) != os.getsid(gateway) and os.getsid(worker) == worker
         with open(f"/proc/{worker}/environ", "rb") as f:
             assert b"OPENBLAS_NUM_THREADS=1" in f.read().split(b"\0")
@@ -205,7 +205,7 @@ def test_the_threads_that_move_streams_run_real_time_where_permitted_and_convers
         server.client().chat.completions.create(  # a long prompt: the conversion threads and their pool are up
             model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
         )
-        worker = _child(server, b"tokenizer_workers.worker")
+        worker = _child(server, b"tokenmill.tokenizer_workers.worker")
         worker_policies = _policies(worker)
         if probe.stdout.strip() != "True":
             assert loop[0] & ~os.SCHED_RESET_ON_FORK == os.SCHED_OTHER
@@ -229,7 +229,7 @@ def test_the_threads_that_move_streams_run_real_time_where_permitted_and_convers
 def test_worker_group_nice_zero_leaves_the_kernels_and_out_of_range_is_refused():
     server = Server("--worker-group-nice", "0")
     try:
-        worker = _child(server, b"tokenizer_workers.worker")
+        worker = _child(server, b"tokenmill.tokenizer_workers.worker")
         if not os.path.exists(f"/proc/{worker}/autogroup"):
             pytest.skip("this kernel has no autogroups")
         assert _group_nice(worker) == 0

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import yaml
 from conftest import ROOT
-
-from gateway.metrics import Metrics
+from tokenmill.gateway.metrics import Metrics
 
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "tokenmill-dashboard.json"

@@ -34,7 +34,7 @@ def prio(tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "engines.simulated",
+            "tokenmill.engines.simulated",
             "--bind",
             endpoint,
             "--model",
@@ -197,8 +197,8 @@ def test_bad_words_are_never_generated(server):
 def test_bad_words_tokenize_as_vllm(default_tokenizer):
     """vLLM 0.32's SamplingParams.update_from_tokenizer: each word as it stands (leading space stripped)
     and, when that gives a different first token of the same count, after a space."""
-    from tokenizer_workers.generation_params import bad_words_ids
-    from tokenizer_workers.openai_requests import InvalidRequest
+    from tokenmill.tokenizer_workers.generation_params import bad_words_ids
+    from tokenmill.tokenizer_workers.openai_requests import InvalidRequest
 
     def enc(text):
         return default_tokenizer.encode(text, add_special_tokens=False).ids
@@ -458,8 +458,8 @@ def test_whitespace_options_checked_as_vllm(server):
 
 _OLD = """
 import asyncio, sys
-from engines.simulated import SimulatedScheduler
-from scheduler_client import protocol
+from tokenmill.engines.simulated import SimulatedScheduler
+from tokenmill.scheduler_client import protocol
 
 class Old(SimulatedScheduler):
     features = frozenset(protocol.FEATURES) - frozenset(protocol.FEATURES_12)  # a 1.1 scheduler

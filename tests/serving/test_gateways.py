@@ -229,8 +229,8 @@ def test_a_shared_worker_tells_each_gateway_when_others_jobs_hold_its_threads():
     """A worker shared by the node's gateways counts, per gateway, the conversion threads busy with jobs
     of the others, and tells a gateway (WorkerBusy) only when that changes: busy while any thread
     converts another gateway's job, free when none does, never busy for its own jobs."""
-    from tokenizer_workers import messages
-    from tokenizer_workers.worker import Worker, _Link
+    from tokenmill.tokenizer_workers import messages
+    from tokenmill.tokenizer_workers.worker import Worker, _Link
 
     class Sock:
         def __init__(self):

@@ -477,9 +477,9 @@ def test_sampling_fields_reach_the_engine_and_are_checked(srv):
 
 _SCHEDULER = textwrap.dedent("""
     import asyncio, sys
-    from engines.simulated import SimulatedScheduler
-    from engines.scheduler_server import Rejected, ERR_UNSUPPORTED
-    from scheduler_client import protocol
+    from tokenmill.engines.simulated import SimulatedScheduler
+    from tokenmill.engines.scheduler_server import Rejected, ERR_UNSUPPORTED
+    from tokenmill.scheduler_client import protocol
 
     class Old(SimulatedScheduler):
         features = frozenset()  # what a 1.0 scheduler announces: nothing
@@ -557,8 +557,8 @@ def test_a_field_the_scheduler_refuses_is_a_400_naming_it(scheduler_kind):
 
 
 def test_logprob_entries_follow_vllms_rules(default_tokenizer):
-    from scheduler_client.protocol import floats_to_bytes, ids_to_frame
-    from tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists
+    from tokenmill.scheduler_client.protocol import floats_to_bytes, ids_to_frame
+    from tokenmill.tokenizer_workers.logprobs import TokenTexts, chat_entries, completion_lists
 
     texts = TokenTexts(default_tokenizer)
     hello, world, comma = default_tokenizer.encode("Hello world,", add_special_tokens=False).ids
@@ -592,7 +592,7 @@ def test_sentencepiece_tokens_keep_their_leading_space(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    from tokenizer_workers.logprobs import TokenTexts
+    from tokenmill.tokenizer_workers.logprobs import TokenTexts
 
     texts = TokenTexts(tok)
     assert tok.decode([2]) == "world"  # the decoder strips a leading marker
@@ -600,8 +600,8 @@ def test_sentencepiece_tokens_keep_their_leading_space(tmp_path):
 
 
 def test_forced_call_parser_reads_constrained_json():
-    from tokenizer_workers.output_parsers import CALL, CONTENT
-    from tokenizer_workers.output_parsers.forced import ForcedCallParser
+    from tokenmill.tokenizer_workers.output_parsers import CALL, CONTENT
+    from tokenmill.tokenizer_workers.output_parsers.forced import ForcedCallParser
 
     required = ForcedCallParser([WEATHER, SEARCH], None)
     text = '[{"name": "get_weather", "parameters": {"city": "Zürich", "days": 2}}, {"name": "search", "parameters": {"query": "q"}}]'

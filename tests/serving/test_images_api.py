@@ -22,10 +22,9 @@ import pytest
 from conftest import ROOT, Server, http
 from image_model import PREPROCESSOR, make_vl_model
 from PIL import Image
-
-from tokenizer_workers.images import ImageError, ImagePipeline
-from tokenizer_workers.images.fetch import ImageFetchSettings
-from tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
+from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline
+from tokenmill.tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
+from tokenmill.tokenizer_workers.settings import ImageFetchSettings
 
 MODEL = "Tiny-Qwen2-VL"
 
@@ -133,8 +132,8 @@ def test_bad_images_are_400s_naming_the_part(vl_server, server):
 
 _SCHEDULER = """
 import asyncio, sys
-from engines.simulated import SimulatedScheduler
-from scheduler_client import protocol
+from tokenmill.engines.simulated import SimulatedScheduler
+from tokenmill.scheduler_client import protocol
 
 class Scheduler(SimulatedScheduler):
     if sys.argv[4] == "no-images":
@@ -236,7 +235,7 @@ def _turn(client, url: str, stream: bool = False) -> tuple[int, str]:
 
 def _shm_files(pids) -> list[str]:
     """The names of the files in /dev/shm these processes own (protocol 1.2 images.shm: images, owner files)."""
-    from tokenizer_workers.images.shared_memory import PREFIX
+    from tokenmill.tokenizer_workers.images.shared_memory import PREFIX
 
     return [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX) and int(n[len(PREFIX) :].split(".")[0]) in pids]
 

@@ -8,8 +8,7 @@ import re
 
 import pytest
 from conftest import ROOT, http
-
-from tokenizer_workers.anthropic_messages import MessagesRequest
+from tokenmill.tokenizer_workers.anthropic_messages import MessagesRequest
 
 USER = [{"role": "user", "content": "Hello"}]
 TOOL = {"name": "t", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}

@@ -11,10 +11,11 @@ import msgspec
 import openai
 import pytest
 from conftest import FIXTURES, Server, http, require_shared
+from tokenmill.scheduler_client import protocol
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.messages import ConvertJob
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 
-from scheduler_client import protocol
-from tokenizer_workers.converter import Converter, ConverterSettings
-from tokenizer_workers.messages import ConvertJob
 from tokenmill import settings as settings_mod
 
 

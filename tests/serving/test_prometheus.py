@@ -293,7 +293,7 @@ def test_a_killed_worker_makes_the_restart_alert_fire(live):
     workers = [
         pid
         for pid in srv.children()
-        if b"tokenizer_workers.worker" in open(f"/proc/{pid}/cmdline", "rb").read()  # noqa: SIM115
+        if b"tokenmill.tokenizer_workers.worker" in open(f"/proc/{pid}/cmdline", "rb").read()  # noqa: SIM115
     ]
     assert workers
     os.kill(workers[0], signal.SIGKILL)

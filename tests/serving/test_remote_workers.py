@@ -273,7 +273,7 @@ def test_unlisted_key_and_different_model_are_refused(host, keys, tmp_path):
         capture_output=True,
     )
     shutil.copy(keys / "gateway.key", stranger / "workers" / "mallory" / "gateway.key")  # knows the gateway's key
-    from tokenizer_workers.model import default_model_dir
+    from tokenmill.tokenizer_workers.model import default_model_dir
 
     other = tmp_path / "other-model"
     other.mkdir()

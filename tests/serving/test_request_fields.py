@@ -7,9 +7,8 @@ import re
 
 import pytest
 from conftest import ROOT, http
-
-from tokenizer_workers import openai_requests as oa
-from tokenizer_workers.request_fields import IGNORED, REFUSED, RefusableFields
+from tokenmill.tokenizer_workers import openai_requests as oa
+from tokenmill.tokenizer_workers.request_fields import IGNORED, REFUSED, RefusableFields
 
 CHAT = [{"role": "user", "content": "Hello"}]
 
@@ -103,7 +102,8 @@ def test_every_refused_field_is_a_400_naming_it(server, endpoint):
 
 
 def test_reasoning_effort_reaches_the_chat_template(tmp_path):
-    from tokenizer_workers.converter import Converter, ConverterSettings
+    from tokenmill.tokenizer_workers.converter import Converter
+    from tokenmill.tokenizer_workers.settings import ConverterSettings
 
     template = tmp_path / "t.jinja"
     template.write_text("{{ reasoning_effort | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}")

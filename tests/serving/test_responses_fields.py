@@ -8,8 +8,7 @@ import re
 
 import pytest
 from conftest import ROOT, Server, http
-
-from tokenizer_workers.openai_responses import ResponsesRequest
+from tokenmill.tokenizer_workers.openai_responses import ResponsesRequest
 
 MODEL = "deepseek-v4"
 # a value each field is sent with: refused rows must be refused with it, the others answered

@@ -36,7 +36,7 @@ class Sim:
             [
                 sys.executable,
                 "-m",
-                "engines.simulated",
+                "tokenmill.engines.simulated",
                 "--bind",
                 self.endpoint,
                 "--model",

@@ -1,6 +1,6 @@
 """The simulated scheduler, driven over a real ZeroMQ DEALER as a front end would.
 
-Each scheduler runs in its own process (``python -m engines.simulated``) bound to
+Each scheduler runs in its own process (``python -m tokenmill.engines.simulated``) bound to
 an ipc:// endpoint in a temporary directory. Every wait is bounded; nothing asserts
 wall-clock durations, only the order of events.
 """
@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 import zmq
 from protocol_client import AsyncProtocolClient, ProtocolClient
-
-from scheduler_client.protocol import (
+from tokenmill.scheduler_client.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
     STRUCTURED_FEATURES,
@@ -45,7 +44,7 @@ from scheduler_client.protocol import (
     frame_to_ids,
     ids_to_frame,
 )
-from tokenizer_workers.images.shared_memory import SharedPixels
+from tokenmill.tokenizer_workers.images.shared_memory import SharedPixels
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 30.0  # a cold interpreter on a busy 2-core machine
@@ -63,7 +62,7 @@ class Scheduler:
         self.log_path = self.dir / "scheduler.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engines.simulated", "--bind", self.endpoint, *options],
+            [sys.executable, "-m", "tokenmill.engines.simulated", "--bind", self.endpoint, *options],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -302,8 +301,7 @@ def test_eos_probability():
 def test_palette_model_default():
     """--model default: tokens come from readable English text of the embedded tokenizer."""
     from tokenizers import Tokenizer
-
-    from tokenizer_workers.model import default_model_dir
+    from tokenmill.tokenizer_workers.model import default_model_dir
 
     scheduler = _start("--model", "default", "--inter-token-latency-ms", "1")
     try:
@@ -637,7 +635,7 @@ def test_sigterm_exits_cleanly_and_removes_socket():
 
 def test_bad_arguments_fail_fast():
     proc = subprocess.run(
-        [sys.executable, "-m", "engines.simulated", "--bind", "ipc:///tmp/x", "--max-running", "0"],
+        [sys.executable, "-m", "tokenmill.engines.simulated", "--bind", "ipc:///tmp/x", "--max-running", "0"],
         cwd=ROOT,
         capture_output=True,
         timeout=STARTUP_TIMEOUT,
@@ -664,7 +662,7 @@ def test_in_process_api():
     """SimulatedScheduler served inside an event loop, on a tcp port chosen by the OS."""
     import asyncio
 
-    from engines.simulated import SimulatedScheduler
+    from tokenmill.engines.simulated import SimulatedScheduler
 
     async def main():
         scheduler = SimulatedScheduler(inter_token_latency_s=0.0, mode="echo", max_running=4)
@@ -714,8 +712,7 @@ def model_sched():
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenizers import Tokenizer
-
-    from tokenizer_workers.model import default_model_dir
+    from tokenmill.tokenizer_workers.model import default_model_dir
 
     return Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, Server, http
+from tokenmill.gateway.settings import ServeSettings
 
-from gateway.settings import ServeSettings
 from tokenmill import settings as settings_mod
 from tokenmill.process import systemd_notify
 
@@ -261,7 +261,7 @@ def test_scheduler_unit_matches_its_endpoint():
     service = {k: v[-1] for k, v in unit["Service"].items()}
     argv = shlex.split(service["ExecStart"])
     assert argv[:2] == [INSTALLED_EXE, "simulate-scheduler"]
-    from engines import simulated
+    from tokenmill.engines import simulated
 
     parser = argparse.ArgumentParser()
     simulated.add_arguments(parser)

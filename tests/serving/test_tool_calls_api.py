@@ -225,7 +225,7 @@ def test_a_turn_with_the_calls_and_results_renders_and_continues(scripted):
 
 def special_marker_model(tmp_path) -> str:
     """The embedded tokenizer with the tool-call markers made special tokens, as some models ship them."""
-    from tokenizer_workers.model import default_model_dir
+    from tokenmill.tokenizer_workers.model import default_model_dir
 
     src = default_model_dir()
     out = tmp_path / "special-markers"
@@ -238,7 +238,7 @@ def special_marker_model(tmp_path) -> str:
     config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
     template = src.parent / "tokenmill" / "default_model" / "chat_template.jinja"
     if not template.is_file():
-        from tokenizer_workers.model import _DEFAULT_TEMPLATE as template
+        from tokenmill.tokenizer_workers.model import _DEFAULT_TEMPLATE as template
     config["chat_template"] = template.read_text(encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     return str(out)

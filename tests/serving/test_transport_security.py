@@ -32,7 +32,7 @@ def test_worker_link_is_a_socket_pair(tmp_path):
             model="deepseek-v4", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert resp.usage.completion_tokens == 2
-        worker = next(pid for pid in child_pids(srv.proc.pid) if b"tokenizer_workers.worker" in cmdline(pid))
+        worker = next(pid for pid in child_pids(srv.proc.pid) if b"tokenmill.tokenizer_workers.worker" in cmdline(pid))
         ours = unix_socket_inodes(srv.proc.pid)
         theirs = unix_socket_inodes(worker)
         peers = unix_peers()

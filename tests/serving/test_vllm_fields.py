@@ -576,8 +576,8 @@ def test_completions_echo_with_logprobs_puts_the_prompts_logprobs_first(echo_ser
 
 _NO_PROMPT_LOGPROBS = """
 import asyncio, sys
-from engines.simulated import SimulatedScheduler
-from scheduler_client import protocol
+from tokenmill.engines.simulated import SimulatedScheduler
+from tokenmill.scheduler_client import protocol
 
 class NoPromptLogprobs(SimulatedScheduler):
     features = frozenset(protocol.FEATURES) - {protocol.FEATURE_PROMPT_LOGPROBS}

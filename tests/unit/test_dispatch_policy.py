@@ -1,4 +1,4 @@
-"""The tokenizer workers' dispatch policy on its own (gateway.dispatch.Dispatcher), driven through its public calls.
+"""The tokenizer workers' dispatch policy on its own (tokenmill.gateway.dispatch.Dispatcher), driven through its public calls.
 
 No processes and no event loop: a recorder stands in for the pool, noting which worker each job is
 delivered to and when the policy asks to run again, and a clock that stands still dates the jobs.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-from gateway.dispatch import Dispatcher, Job
-from tokenizer_workers.messages import CacheReport, ConvertDone
+from tokenmill.gateway.dispatch import Dispatcher, Job
+from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone
 
 _ids = itertools.count(1)
 
@@ -309,7 +309,7 @@ def test_an_idle_worker_takes_its_own_lane_before_another_steals_it():
 def test_the_conversation_key_follows_a_conversation_and_tells_apart_those_sharing_a_system_prompt():
     import json
 
-    from gateway.app import conversation_key
+    from tokenmill.gateway.app import conversation_key
 
     system = {"role": "system", "content": "You are a coding agent. Follow the repository's rules. " * 200}  # 11 KB
 
@@ -343,7 +343,7 @@ def test_the_messages_conversation_key_hashes_the_system_field_and_the_first_use
     "messages"): the key follows a conversation's turns and tells apart system prompts and tasks."""
     import json
 
-    from gateway.app import conversation_key
+    from tokenmill.gateway.app import conversation_key
 
     def body(system: str, task: str, turns: int) -> bytes:
         messages = [{"role": "user", "content": [{"type": "text", "text": task}]}]
@@ -385,7 +385,7 @@ def test_the_workers_conversation_key_follows_an_image_chat_without_encoding_its
     import base64
     import os
 
-    from tokenizer_workers.converter import _conversation_key
+    from tokenmill.tokenizer_workers.converter import _conversation_key
 
     def url(data: bytes) -> str:
         return "data:image/png;base64," + base64.b64encode(data).decode()

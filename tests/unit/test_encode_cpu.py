@@ -7,8 +7,10 @@ import json
 import threading
 import time
 
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import Converter, ConverterSettings, EncodeCpu
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.converter import Converter, EncodeCpu
+from tokenmill.tokenizer_workers.settings import ConverterSettings
+
 from tokenmill.bench.common import corpus
 
 

@@ -12,9 +12,8 @@ import io
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
-
-from tokenizer_workers.images import ImageError, ImagePipeline
-from tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
+from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline
+from tokenmill.tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
 
 HUB_CONFIG = {  # Qwen2-VL-7B-Instruct's preprocessor_config.json
     "image_processor_type": "Qwen2VLImageProcessor",

@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
-
-from tokenizer_workers.images.base import ProcessedImage
-from tokenizer_workers.images.cache import ImageCache
-from tokenizer_workers.images.shared_memory import PREFIX, SharedPixels, remove_stale_files
+from tokenmill.tokenizer_workers.images.base import ProcessedImage
+from tokenmill.tokenizer_workers.images.cache import ImageCache
+from tokenmill.tokenizer_workers.images.shared_memory import PREFIX, SharedPixels, remove_stale_files
 
 
 def _pixels(seed: int) -> np.ndarray:
@@ -55,7 +54,7 @@ def test_a_file_outlives_its_cache_entry_by_the_grace_or_until_the_bytes_wait_to
 
 _WRITER = """
 import sys, numpy as np
-from tokenizer_workers.images.shared_memory import SharedPixels
+from tokenmill.tokenizer_workers.images.shared_memory import SharedPixels
 shared = SharedPixels(sys.argv[1])
 print(shared.write("cd" * 32, np.zeros((16, 1176), np.uint8))[0], flush=True)
 sys.stdin.read()
@@ -122,7 +121,7 @@ def test_a_directory_that_cannot_take_the_pixels_means_frames(tmp_path):
 def test_only_a_scheduler_on_this_host_is_offered_the_files():
     """The gateway hands images.shm on to its workers only where every scheduler endpoint is on this
     host: an ipc:// socket, or TCP to a loopback address."""
-    from gateway.scheduler_ranks import on_this_host
+    from tokenmill.gateway.scheduler_ranks import on_this_host
 
     local = ["ipc:///run/tokenmill/engine.sock", "tcp://127.0.0.1:5555", "tcp://127.0.0.2:5555", "tcp://[::1]:5555"]
     remote = ["tcp://10.0.0.7:5555", "tcp://[fe80::1]:5555", "tcp://engine-3.internal:5555", "inproc://x"]

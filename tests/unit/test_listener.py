@@ -8,8 +8,7 @@ import socket
 
 import pytest
 import uvloop
-
-from gateway.listener import Acceptor, listen_sockets
+from tokenmill.gateway.listener import Acceptor, listen_sockets
 
 
 class Counting(asyncio.Protocol):

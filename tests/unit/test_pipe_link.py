@@ -184,10 +184,9 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
     detokenization batch that arrives in the same read as a conversion job is answered first, so a
     running stream's text does not wait behind a conversion."""
     import msgspec
+    from tokenmill.tokenizer_workers import messages as m
+    from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
-    from tokenizer_workers import messages as m
-    from tokenizer_workers.converter import ConverterSettings
-    from tokenizer_workers.worker import SETTINGS_ENV
     from tokenmill.process.procutil import child_env
 
     body = b'{"model": "deepseek-v4", "max_tokens": 1, "messages": [{"role": "user", "content": "Hello there"}]}'
@@ -199,7 +198,15 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
             SETTINGS_ENV: msgspec.json.encode(ConverterSettings(served_model_name="deepseek-v4")).decode(),
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenizer_workers.worker", "--link-fd", str(theirs.fileno()), "--index", "0"],
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.tokenizer_workers.worker",
+                "--link-fd",
+                str(theirs.fileno()),
+                "--index",
+                "0",
+            ],
             pass_fds=(theirs.fileno(),),
             cwd=ROOT,
             env=env,

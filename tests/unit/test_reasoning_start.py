@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from scheduler_client import protocol
-from scheduler_client.protocol import ids_to_frame
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import Converter, ConverterSettings
-from tokenizer_workers.detokenizer import Detokenizer
-from tokenizer_workers.output_parsers.think import ThinkParser
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.protocol import ids_to_frame
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.tokenizer_workers.output_parsers.think import ThinkParser
+from tokenmill.tokenizer_workers.settings import ConverterSettings
 
 TOOL = {"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {}}}}
 

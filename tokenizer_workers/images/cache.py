@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from tokenizer_workers.images.base import ProcessedImage
+from tokenmill.tokenizer_workers.images.base import ProcessedImage
 
 
 class ImageCache:

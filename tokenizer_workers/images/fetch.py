@@ -20,15 +20,7 @@ import ssl
 import time
 import urllib.parse
 
-import msgspec
-
-
-class ImageFetchSettings(msgspec.Struct):
-    enabled: bool = False
-    timeout_s: float = 10.0  # the whole fetch, redirects included
-    max_bytes: int = 20 << 20
-    max_redirects: int = 3
-    allow_networks: list[str] = []  # CIDRs allowed although private/loopback/link-local
+from tokenmill.tokenizer_workers.settings import ImageFetchSettings
 
 
 class FetchError(ValueError):

@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from tokenizer_workers.images import resample
-from tokenizer_workers.images.base import ImageProcessor, ProcessedImage
+from tokenmill.tokenizer_workers.images import resample
+from tokenmill.tokenizer_workers.images.base import ImageProcessor, ProcessedImage
 
 MAX_ASPECT_RATIO = 200
 PROCESSOR_TYPES = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")

@@ -26,10 +26,12 @@ import secrets
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
-import numpy as np
+from tokenmill.scheduler_client.protocol import SHM_DIR
 
-from scheduler_client.protocol import SHM_DIR
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -66,6 +68,8 @@ class SharedPixels:
             return None
         name = f"{PREFIX}{self.owner}-{next(self._counter)}-{content_hash[:16]}"
         path = os.path.join(self.directory, name)
+        import numpy as np  # here, not at the top: the gateway imports this module for remove_stale_files
+
         data = memoryview(np.ascontiguousarray(pixels)).cast("B")
         fd = self._create(path)
         if fd is None:

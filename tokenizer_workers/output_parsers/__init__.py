@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import uuid
 
-from tokenizer_workers.output_parsers.base import (
+from tokenmill.tokenizer_workers.output_parsers.base import (
     CALL,
     CONTENT,
     REASONING,
@@ -108,7 +108,7 @@ class ParserChoice:
         request forced calls (tool_choice "required": "", a named function: its name), so the output
         is constrained JSON rather than the model's markup. ``max_calls`` 1: parallel_tool_calls false."""
         if forced is not None:
-            from tokenizer_workers.output_parsers.forced import ForcedCallParser
+            from tokenmill.tokenizer_workers.output_parsers.forced import ForcedCallParser
 
             tool_parser = ForcedCallParser(tools, forced or None)
         else:

@@ -16,8 +16,8 @@ which vLLM's one-line pattern misses).
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import Piece
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.base import Piece
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 SEP = "<｜tool▁sep｜>"
 FENCE = "```"

@@ -5,8 +5,8 @@ text<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool�
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import Piece
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.base import Piece
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 SEP = "<｜tool▁sep｜>"
 

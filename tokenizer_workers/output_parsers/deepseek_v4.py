@@ -21,8 +21,8 @@ import json
 import re
 from typing import Any
 
-from tokenizer_workers.output_parsers.base import Piece, finite_number, json_value
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.base import Piece, finite_number, json_value
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 DSML = "｜DSML｜"
 SECTIONS = ("tool_calls", "function_calls", "toolcalls", "tool")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser
+from tokenmill.tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser
 
 _TEXT, _SECTION, _CALL = 0, 1, 2
 

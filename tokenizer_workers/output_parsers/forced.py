@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from tokenizer_workers.output_parsers.base import CALL, CONTENT, Piece, ToolCall, ToolParser, json_value
+from tokenmill.tokenizer_workers.output_parsers.base import CALL, CONTENT, Piece, ToolCall, ToolParser, json_value
 
 
 class ForcedCallParser(ToolParser):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizer_workers.output_parsers.qwen3_coder import XmlCallsParser, schema_value, skip_space
+from tokenmill.tokenizer_workers.output_parsers.qwen3_coder import XmlCallsParser, schema_value, skip_space
 
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"

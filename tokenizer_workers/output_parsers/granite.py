@@ -20,7 +20,7 @@ arrives, so an output cut off while thinking is reasoning; any other output is c
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import ReasoningParser
+from tokenmill.tokenizer_workers.output_parsers.base import ReasoningParser
 
 THINK_PHRASES = ("Here is my thought process:", "Here's my thought process:")
 RESPONSE_PHRASES = ("Here is my response:", "Here's my response:")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 
-from tokenizer_workers.output_parsers.base import (
+from tokenmill.tokenizer_workers.output_parsers.base import (
     CONTENT,
     REASONING,
     MarkerScanner,

@@ -7,8 +7,8 @@ text<tool_call>
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import Piece, json_value
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.base import Piece, json_value
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 
 class HermesParser(DelimitedCallsParser):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 
-from tokenizer_workers.output_parsers.base import CONTENT, REASONING, Piece
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
-from tokenizer_workers.output_parsers.think import ThinkParser
+from tokenmill.tokenizer_workers.output_parsers.base import CONTENT, REASONING, Piece
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.think import ThinkParser
 
 SECTION_START = "<|tool_calls_section_begin|>"
 ARGUMENTS = "<|tool_call_argument_begin|>"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
+from tokenmill.tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
 
 TAG = "<|python_tag|>"
 _SEPARATORS = re.compile(r"(?:\s|;|<\|python_tag\|>)*")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
+from tokenmill.tokenizer_workers.output_parsers.base import CONTENT, MarkerScanner, Piece, ToolParser, json_prefix
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"

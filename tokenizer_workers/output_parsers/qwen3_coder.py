@@ -23,8 +23,8 @@ import json
 import math
 from typing import Any
 
-from tokenizer_workers.output_parsers.base import CALL, CONTENT, MarkerScanner, Piece
-from tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
+from tokenmill.tokenizer_workers.output_parsers.base import CALL, CONTENT, MarkerScanner, Piece
+from tokenmill.tokenizer_workers.output_parsers.delimited import DelimitedCallsParser
 
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 FUNC_START, FUNC_END = "<function=", "</function>"

@@ -10,7 +10,7 @@ A ``<think>`` at the very start of the output (after whitespace) opens reasoning
 
 from __future__ import annotations
 
-from tokenizer_workers.output_parsers.base import ReasoningParser
+from tokenmill.tokenizer_workers.output_parsers.base import ReasoningParser
 
 
 class ThinkParser(ReasoningParser):

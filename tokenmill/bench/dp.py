@@ -65,7 +65,7 @@ from tokenmill.process.procutil import die_with_parent
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 LATE_FROM = 3  # turns counted as late: from the fourth on
-SIM_BLOCK = 16  # engines.simulated.PrefixCache.BLOCK
+SIM_BLOCK = 16  # tokenmill.engines.simulated.PrefixCache.BLOCK
 VLLM_BLOCK = 128  # vLLM's default block size on the CPU (set explicitly below)
 SIM_PREFILL_TOKENS_PER_S = 20_000
 SIM_ITL_MS = 10

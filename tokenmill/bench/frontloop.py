@@ -323,7 +323,8 @@ def small_summary(small: dict) -> dict:
 def worker_efficiency(bodies: list[bytes], pool: dict, workers: int) -> tuple[float, float]:
     """Pool prompt tokens/s per worker, against one encode_batch call over the same prompts in this
     plain process (which spreads them over all cores, as a worker spreads one prompt's pieces)."""
-    from tokenizer_workers.converter import Converter, ConverterSettings
+    from tokenmill.tokenizer_workers.converter import Converter
+    from tokenmill.tokenizer_workers.settings import ConverterSettings
 
     converter = Converter(ConverterSettings())
     prompts = [converter.render(json.loads(body)["messages"], _Req()) for body in bodies]

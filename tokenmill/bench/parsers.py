@@ -176,8 +176,8 @@ def sized(build: Callable[[int], str], tokens: int, tokenizer) -> tuple[int, str
 
 
 def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
-    from tokenizer_workers.model import load_model
-    from tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+    from tokenmill.tokenizer_workers.model import load_model
+    from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
     tokenizer = load_model(None).tokenizer
     source = corpus(max(sizes) * 8 + 10_000)  # Python source: what an agent writes, and thinks about
@@ -208,7 +208,7 @@ def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
 
 
 def make_parser(w: Workload):
-    from tokenizer_workers.output_parsers import ParserChoice, reasoning_parser_class, tool_parser_class
+    from tokenmill.tokenizer_workers.output_parsers import ParserChoice, reasoning_parser_class, tool_parser_class
 
     if w.kind == "tool":
         return ParserChoice(tool_parser_class(w.name), None).make(TOOLS, "")
@@ -218,7 +218,7 @@ def make_parser(w: Workload):
 def check(w: Workload) -> None:
     """The parser must read the generated output as the generator meant it: a broken generator
     (or parser) would time a different path, so it fails the bench."""
-    from tokenizer_workers.output_parsers import CALL, CONTENT, REASONING, join_pieces
+    from tokenmill.tokenizer_workers.output_parsers import CALL, CONTENT, REASONING, join_pieces
 
     parser = make_parser(w)
     got = []
@@ -258,7 +258,7 @@ def time_tokenmill(w: Workload) -> float:
 def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
     """vLLM's version and {(kind, name, size): result} from parsers_vllm.py in the vLLM venv,
     or (None, {}) where there is no vLLM venv."""
-    from tokenizer_workers.output_parsers import reasoning_parser_class, tool_parser_class
+    from tokenmill.tokenizer_workers.output_parsers import reasoning_parser_class, tool_parser_class
 
     python = VLLM_VENV / "bin" / "python"
     if not python.exists():

@@ -83,7 +83,7 @@ def add_arguments(parser) -> None:
 
 def echo_word_id() -> int:
     """The token id of WORD, which the echo scheduler repeats."""
-    from tokenizer_workers.model import load_model
+    from tokenmill.tokenizer_workers.model import load_model
 
     ids = load_model().tokenizer.encode(WORD.decode(), add_special_tokens=False).ids
     if len(ids) != 1:

@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation
-from tokenizer_workers.model import ModelError, load_model
+from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation
+from tokenmill.tokenizer_workers.model import ModelError, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ add_arguments = settings_mod.add_arguments
 
 
 def run(args) -> int:
-    from gateway import server
+    from tokenmill.gateway import server
 
     settings = settings_mod.resolve(args)
 

@@ -53,8 +53,8 @@ def run(args) -> int:
     from tokenmill.process.procutil import ONE_BLAS_THREAD, limit_memory, set_process_name
 
     os.environ.update(ONE_BLAS_THREAD)  # before the worker's modules import numpy
-    from tokenizer_workers.remote_link import RemoteWorkerLink
-    from tokenizer_workers.worker import Worker
+    from tokenmill.tokenizer_workers.remote_link import RemoteWorkerLink
+    from tokenmill.tokenizer_workers.worker import Worker
 
     require_secure(args.connect, "The gateway's worker", args.insecure_tcp, bool(args.keys))
     logging.basicConfig(

@@ -1,0 +1,1 @@
+"""The embedded default model's chat template (package data: chat_template.jinja)."""
