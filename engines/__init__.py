@@ -4,7 +4,7 @@
 in its own process and serves the scheduler side of docs/scheduler-protocol.md, so that
 ``tokenmill serve --scheduler ENDPOINT`` can use it exactly like the simulated scheduler.
 
-* :mod:`tokenmill.engines.server` — the protocol side shared by every backend (sessions, validation,
+* :mod:`tokenmill.engines.bridge` — the protocol side shared by every backend (sessions, validation,
   output batching, finish reasons, aborts, Stats) and the command line;
 * :mod:`tokenmill.engines.transformers_backend` — HuggingFace transformers continuous batching
   (runs on CPU; ``--random-weights`` builds a tiny model for tests and demos);

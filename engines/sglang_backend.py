@@ -63,8 +63,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.engines import engine_kwargs, parse_engine_args, require
-from tokenmill.engines.scheduler_server import Rejected
-from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from tokenmill.engines.sglang_grammar import GrammarCheck
 from tokenmill.scheduler_client.protocol import (
     FEATURE_LOGPROBS,
@@ -76,6 +75,7 @@ from tokenmill.scheduler_client.protocol import (
     Generate,
     Structured,
 )
+from tokenmill.scheduler_client.scheduler_side import Rejected
 
 log = logging.getLogger("tokenmill.engine.sglang")
 

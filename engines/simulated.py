@@ -81,22 +81,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-from tokenmill.engines import shared_pixels
 from tokenmill.engines.busy_cores import BusyCores
 from tokenmill.engines.guided import Decoder, Guide, GuideError
 from tokenmill.engines.held_images import HeldImages
-from tokenmill.engines.scheduler_server import (
-    ERR_BAD_REQUEST,
-    ERR_DUPLICATE,
-    ERR_UNKNOWN_MESSAGE,
-    ERR_UNSUPPORTED,
-    ERR_VERSION_MISMATCH,
-    Rejected,
-    SchedulerServer,
-    Session,
-    read_curve_secret,
-)
-from tokenmill.scheduler_client import structured
+from tokenmill.scheduler_client import shared_pixels, structured
 from tokenmill.scheduler_client.protocol import (
     FEATURE_IMAGES_SHM,
     FEATURE_PRIORITY,
@@ -117,6 +105,17 @@ from tokenmill.scheduler_client.protocol import (
     encode,
     floats_to_bytes,
     ids_to_frame,
+)
+from tokenmill.scheduler_client.scheduler_side import (
+    ERR_BAD_REQUEST,
+    ERR_DUPLICATE,
+    ERR_UNKNOWN_MESSAGE,
+    ERR_UNSUPPORTED,
+    ERR_VERSION_MISMATCH,
+    Rejected,
+    SchedulerServer,
+    Session,
+    read_curve_secret,
 )
 
 log = logging.getLogger("tokenmill.simulated_scheduler")
@@ -368,7 +367,7 @@ class SimulatedScheduler(SchedulerServer):
     ``await serve(endpoint)`` binds and runs until ``await close()`` (or cancellation).
     After binding, ``endpoint`` holds the bound address (useful with ``tcp://127.0.0.1:0``)
     and ``await wait_ready()`` returns. Sockets, sessions and validation come from
-    :class:`tokenmill.engines.scheduler_server.SchedulerServer`.
+    :class:`tokenmill.scheduler_client.scheduler_side.SchedulerServer`.
     """
 
     log = log

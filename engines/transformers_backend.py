@@ -61,9 +61,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenmill.engines import require
-from tokenmill.engines.scheduler_server import Rejected
-from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
+from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRequest
 from tokenmill.scheduler_client.protocol import FEATURE_LOGPROBS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generate
+from tokenmill.scheduler_client.scheduler_side import Rejected
 
 log = logging.getLogger("tokenmill.engine.transformers")
 

@@ -83,7 +83,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.engines import engine_kwargs, require, shared_pixels
-from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
 from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_DISABLE_ANY_WHITESPACE,

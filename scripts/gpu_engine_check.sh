@@ -86,7 +86,13 @@ CONSOLE=$WORK/console.txt
 FACTS=$WORK/facts.tsv
 : >"$FACTS"
 ENGINE_PID= GATEWAY_PID= SMI_PID= BG_PID= TAIL_PID= STAGE=start STATUS=1 CLEANED=0
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# tokenmill without installing it: its subpackages are the repository's top folders (pyproject's package-dir),
+# laid out here as an install lays them out, by links
+SRC=$WORK/src
+mkdir -p "$SRC/tokenmill"
+ln -s "$REPO"/tokenmill/* "$SRC/tokenmill/"
+for d in gateway tokenizer_workers scheduler_client engines; do ln -s "$REPO/$d" "$SRC/tokenmill/$d"; done
+export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
 # no hub look-ups at run time (transformers probes for flash-attention kernels on the hub)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 

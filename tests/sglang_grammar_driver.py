@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from sglang.srt.server_args import ServerArgs
-from tokenmill.engines.server import EngineRejected, EngineRequest
+from tokenmill.engines.bridge import EngineRejected, EngineRequest
 from tokenmill.engines.sglang_backend import SGLangBackend
 from tokenmill.scheduler_client.protocol import SamplingParams, Structured
 from transformers import AutoTokenizer

@@ -13,7 +13,7 @@ COMMANDS = {
     "serve": ("tokenmill.commands.serve", "Serve the OpenAI API (gateway, tokenizer workers, simulated scheduler)."),
     "simulate-scheduler": ("tokenmill.engines.simulated", "Run the simulated GPU scheduler on its own."),
     "engine": (
-        "tokenmill.engines.server",
+        "tokenmill.engines.bridge",
         "Run a real inference engine (transformers, SGLang, vLLM) behind the scheduler protocol.",
     ),
     "render": ("tokenmill.commands.render", "Render conversations with a model's chat template and tokenize them."),

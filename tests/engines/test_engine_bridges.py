@@ -1,5 +1,5 @@
 """The SGLang and vLLM bridges (engines/sglang_backend.py, engines/vllm_backend.py) and the shared
-engine server (engines/server.py), against fakes that keep the real engines' contracts.
+engine server (engines/bridge.py), against fakes that keep the real engines' contracts.
 Neither SGLang nor vLLM needs to be installed.
 
 * FakeSGLangEngine behaves like ``sglang.Engine``: its constructor makes ``engine.loop`` (the
@@ -44,8 +44,7 @@ import pytest
 from conftest import ROOT
 from protocol_client import AsyncProtocolClient
 from tokenmill.engines import MissingBackend, backend_module
-from tokenmill.engines.scheduler_server import Rejected
-from tokenmill.engines.server import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
+from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
 from tokenmill.engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
 from tokenmill.engines.vllm_backend import VLLMBackend, convert_logprobs, convert_prompt_logprobs, structured_outputs
 from tokenmill.scheduler_client.protocol import (
@@ -68,6 +67,7 @@ from tokenmill.scheduler_client.protocol import (
     frame_to_ids,
     ids_to_frame,
 )
+from tokenmill.scheduler_client.scheduler_side import Rejected
 
 WAIT = 10.0
 IN_FLIGHT_GOAL = 8

@@ -478,7 +478,7 @@ def test_sampling_fields_reach_the_engine_and_are_checked(srv):
 _SCHEDULER = textwrap.dedent("""
     import asyncio, sys
     from tokenmill.engines.simulated import SimulatedScheduler
-    from tokenmill.engines.scheduler_server import Rejected, ERR_UNSUPPORTED
+    from tokenmill.scheduler_client.scheduler_side import Rejected, ERR_UNSUPPORTED
     from tokenmill.scheduler_client import protocol
 
     class Old(SimulatedScheduler):

@@ -7,6 +7,7 @@ other distribution that ships one."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,9 +33,13 @@ def expected_modules() -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    out = tmp_path_factory.mktemp("wheel")
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):  # built from a copy: setuptools leaves build/ where it builds
+        shutil.copy(Path(ROOT) / name, src / name)
+    for folder in set(package_dirs().values()):
+        shutil.copytree(Path(ROOT) / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
         timeout=240,

@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from tokenmill.engines import shared_pixels
+from tokenmill.scheduler_client import shared_pixels
 from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_IMAGES_BY_HASH,
@@ -172,7 +172,7 @@ class SchedulerServer:
     and ``await wait_ready()`` returns.
     """
 
-    log = logging.getLogger("tokenmill.scheduler_server")
+    log = logging.getLogger("tokenmill.scheduler_side")
     #: appended to the "prompt token id out of range" message, e.g. how to fix the vocabulary
     vocab_hint = ""
 

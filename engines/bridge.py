@@ -1,6 +1,6 @@
 """The part of ``tokenmill engine`` every backend shares: protocol in, engine calls out.
 
-:class:`EngineServer` is a :class:`~tokenmill.engines.scheduler_server.SchedulerServer`
+:class:`EngineServer` is a :class:`~tokenmill.scheduler_client.scheduler_side.SchedulerServer`
 (sockets, sessions, handshake, validation) whose engine is a :class:`Backend`. For every
 accepted ``generate`` it starts one task that iterates ``backend.generate(request)`` and
 turns the engine's chunks into RequestOutputs:
@@ -48,13 +48,6 @@ from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.engines.scheduler_server import (
-    ERR_BAD_REQUEST,
-    Rejected,
-    SchedulerServer,
-    Session,
-    read_curve_secret,
-)
 from tokenmill.scheduler_client.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -71,6 +64,13 @@ from tokenmill.scheduler_client.protocol import (
     Welcome,
     floats_to_bytes,
     ids_to_frame,
+)
+from tokenmill.scheduler_client.scheduler_side import (
+    ERR_BAD_REQUEST,
+    Rejected,
+    SchedulerServer,
+    Session,
+    read_curve_secret,
 )
 
 log = logging.getLogger("tokenmill.engine")
@@ -741,7 +741,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tokenmill.engines.server",
+        prog="python -m tokenmill.engines.bridge",
         description="Run an inference engine behind the tokenmill scheduler protocol.",
     )
     add_arguments(parser)
