@@ -82,8 +82,9 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tokenmill.engines import engine_kwargs, require, shared_pixels
+from tokenmill.engines import engine_kwargs, require
 from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.scheduler_client import shared_pixels
 from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
     FEATURE_DISABLE_ANY_WHITESPACE,

@@ -36,7 +36,7 @@ class Choice:
     scheduler_done: bool = False
     prompt_logprobs: bytes | None = None  # vLLM's prompt_logprobs as JSON (the worker's), when asked and sent
     kv_transfer_params: dict | None = None  # what the engine's final output returned (protocol 1.2)
-    # failover (issue 33): the worker's spec of its decoder (opaque bytes), the token frames the owner
+    # failover: the worker's spec of its decoder (opaque bytes), the token frames the owner
     # answered (concatenated, never parsed here), tokens per answered batch, and the items it has not
     # answered yet; history None: not resumable (no spec, resumption off, or over the cap)
     resume: bytes | None = None
@@ -377,7 +377,7 @@ class Generations:
 
     def on_owner_lost(self, owner: int, request_ids: set) -> None:
         """The worker detokenizing these requests died or was lost: each request's streams move to a
-        live worker, which rebuilds their state from what is kept here and goes on (issue 33); a
+        live worker, which rebuilds their state from what is kept here and goes on; a
         request that cannot move fails with a 503 worker_died, as before resumption."""
         moving: dict[int, list[ResumeStream]] = defaultdict(list)
         # the pool forgets a request once its last tokens are sent to the worker; the worker may die

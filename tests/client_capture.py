@@ -1,4 +1,4 @@
-"""Capture the request bodies that real OpenAI-compatible clients send (issue 29), to replay them.
+"""Capture the request bodies that real OpenAI-compatible clients send, to replay them.
 
 A throwaway loopback HTTP server plays an OpenAI-compatible model well enough for each client to
 finish its call (chat and completions, streamed or not, a tool call when tools are offered,

@@ -1,4 +1,4 @@
-"""A tokenizer worker's death costs no stream, against a real vLLM engine (issue 33): a gateway of two
+"""A tokenizer worker's death costs no stream, against a real vLLM engine: a gateway of two
 workers in front of the session stack's `tokenmill engine --backend vllm` (tests/vllm_stack.py), greedy
 streams undisturbed and then with kill -9 of the worker detokenizing most of them mid-stream: the same
 text, token IDs and finish reasons both times. vLLM goes on generating through the failover; only the

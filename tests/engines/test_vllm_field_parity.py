@@ -1,4 +1,4 @@
-"""Checked against vLLM, field by field (issue 29): the same request to vLLM 0.32's own OpenAI server
+"""Checked against vLLM, field by field: the same request to vLLM 0.32's own OpenAI server
 and to `tokenmill serve` in front of `tokenmill engine --backend vllm`, both on the same tiny random
 model (the stack tests/vllm_stack.py starts once per session, shared with tests/engines/test_vllm_engine.py),
 gives the same response, ids and timestamps aside.

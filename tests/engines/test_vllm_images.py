@@ -10,7 +10,7 @@ Qwen2-VL path needs (tests/vllm_env.py, VLLM_VISION):
 * by `tokenmill engine --backend vllm` behind `tokenmill serve` (vLLM's default
   ``mm_device_do_normalize`` too: the workers send uint8 pixels, the device normalises them).
 
-For the cases of issue 34 (1x1, 20x20, a 1024^2 JPEG, 768x1024, a 28x5000 strip, an EXIF-rotated
+For these cases (1x1, 20x20, a 1024^2 JPEG, 768x1024, a 28x5000 strip, an EXIF-rotated
 JPEG, an RGBA PNG, an animated GIF, a 224^2 PNG that needs no resizing, a two-image message) the
 prompt token IDs (``return_token_ids``) and the greedy outputs are vLLM's; an aspect ratio over 200
 is a 400 on both; the workers' uint8 pixels equal vLLM's own uint8 processing (decode as vLLM

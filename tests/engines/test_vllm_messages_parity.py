@@ -1,4 +1,4 @@
-"""/v1/messages checked against vLLM 0.32's own (issue 31): the same Anthropic request to vLLM's
+"""/v1/messages checked against vLLM 0.32's own: the same Anthropic request to vLLM's
 server and to `tokenmill serve` in front of `tokenmill engine --backend vllm`, on the same tiny
 random model (the session stack of tests/vllm_stack.py), greedy. The prompt is the same when
 both count the same tokens (`/v1/messages/count_tokens` and `usage.input_tokens`) and the greedy

@@ -1,4 +1,4 @@
-"""Real clients against tokenmill (issue 29): no request a client of vLLM's sends may get a 400
+"""Real clients against tokenmill: no request a client of vLLM's sends may get a 400
 that vLLM 0.32's own server would not give.
 
 tests/client_requests/*.json hold request bodies captured from the clients themselves by
@@ -96,8 +96,8 @@ _VLLM_IGNORES = (
 NOT_YET = {
     "openai-python:chat.extra_body_priority": (
         "priority",
-        "priority refused on purpose by an engine that does not schedule by priority (issue 29's bad "
-        "input; the simulator's default is fcfs): vLLM 0.32 takes it and, under its default fcfs policy, drops it",
+        "priority refused on purpose by an engine that does not schedule by priority (as refusing what "
+        "the engine cannot do asks; the simulator's default is fcfs): vLLM 0.32 takes it and, under its default fcfs policy, drops it",
     ),
     "openai-python:completions.extra_body_priority": (
         "priority",
@@ -181,7 +181,7 @@ def _case_params():
 
 
 def test_the_fixtures_cover_every_client():
-    """Each client named in issue 29 has its captured bodies here, with the version that sent them."""
+    """Each client this suite replays has its captured bodies here, with the version that sent them."""
     clients = {}
     for path in REQUESTS.glob("*.json"):
         fixture = json.loads(path.read_text(encoding="utf-8"))

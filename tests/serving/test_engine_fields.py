@@ -1,4 +1,4 @@
-"""vLLM's request fields that need the engine (issue 29, scheduler protocol 1.2): priority, cache_salt,
+"""vLLM's request fields that need the engine (scheduler protocol 1.2): priority, cache_salt,
 allowed_token_ids, bad_words, prompt_logprobs, kv_transfer_params and vllm_xargs; structured_outputs'
 disable_any_whitespace and whitespace_pattern (and guided_whitespace_pattern).
 

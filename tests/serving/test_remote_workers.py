@@ -307,7 +307,7 @@ def test_unlisted_key_and_different_model_are_refused(host, keys, tmp_path):
 
 def test_link_drop_mid_stream_moves_the_streams_to_the_local_worker(host, keys, tmp_path):
     """The namespace's link goes down while its worker detokenizes streams: after --remote-worker-timeout
-    of silence they move to the local worker (issue 33), and every stream ends exactly as it did with the
+    of silence they move to the local worker, and every stream ends exactly as it did with the
     link up."""
     replies = write_replies(tmp_path / "replies.jsonl")
     server, endpoint = gateway(

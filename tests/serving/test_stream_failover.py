@@ -1,4 +1,4 @@
-"""A tokenizer worker's death costs no stream (issue 33): kill -9 of the worker detokenizing 32 streams,
+"""A tokenizer worker's death costs no stream: kill -9 of the worker detokenizing 32 streams,
 and every stream (chat, completions, n=2, /v1/messages, /v1/responses) ends with exactly the text,
 reasoning, tool calls and logprobs of an undisturbed run of the same seeded requests; the moved
 conversations' next turns go to the worker that took them over; the gateway holds nothing for finished

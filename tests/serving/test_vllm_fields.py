@@ -1,4 +1,4 @@
-"""vLLM's request fields that the front end honours as vLLM 0.32's OpenAI server does (issue 29):
+"""vLLM's request fields that the front end honours as vLLM 0.32's OpenAI server does:
 stream_options.continuous_usage_stats, ...
 
 A real `tokenmill serve` on the simulated scheduler in echo mode (the output repeats the prompt's

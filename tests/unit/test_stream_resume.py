@@ -1,4 +1,4 @@
-"""Resumable detokenization (issue 33), in one process: a stream rebuilt on another Detokenizer from its
+"""Resumable detokenization, in one process: a stream rebuilt on another Detokenizer from its
 spec bytes and its answered token frames goes on exactly as the original would have, whatever the
 batching; a spec a worker cannot read fails that stream alone, with a reason."""
 

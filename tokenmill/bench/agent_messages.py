@@ -1,4 +1,4 @@
-"""``tokenmill bench vllm``'s agent scenario over Anthropic's Messages API (issue 31).
+"""``tokenmill bench vllm``'s agent scenario over Anthropic's Messages API.
 
 A Claude-Code-shaped conversation: a long system prompt (~20k tokens, as blocks with
 ``cache_control``) and tool schemas, a task, then per turn an assistant ``tool_use`` and a user

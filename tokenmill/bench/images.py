@@ -1,4 +1,4 @@
-"""``tokenmill bench vllm --images``: image chats against vLLM's own server and against tokenmill (issue 34).
+"""``tokenmill bench vllm --images``: image chats against vLLM's own server and against tokenmill.
 
 Both stacks serve one tiny random Qwen2-VL (``tests/image_model.py``, made for the run with vLLM's
 Python, or ``--vllm-model``). vLLM's Qwen2-VL path imports torchvision, which this machine's CPU

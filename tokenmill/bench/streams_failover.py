@@ -1,4 +1,4 @@
-"""``tokenmill bench streams --failover``: 256 streams while one tokenizer worker is killed (issue 33).
+"""``tokenmill bench streams --failover``: 256 streams while one tokenizer worker is killed.
 
 Two rounds on one server (``--workers 2``, the echo scheduler, a token every 20 ms per stream): an
 undisturbed baseline, then the same load with ``kill -9`` of the worker detokenizing the most streams

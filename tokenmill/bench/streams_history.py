@@ -1,4 +1,4 @@
-"""``tokenmill bench streams --history``: what keeping each stream's token history costs the gateway (issue 33).
+"""``tokenmill bench streams --history``: what keeping each stream's token history costs the gateway.
 
 The same load as ``tokenmill bench streams`` (the echo scheduler, a token every 20 ms per stream) on two
 servers side by side: ``pool`` as it runs by default (each live choice's token frames kept, so that its

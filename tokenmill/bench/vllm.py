@@ -90,7 +90,7 @@ def add_arguments(parser) -> None:
     )
     add_busy_load_options(parser)
     group = parser.add_argument_group(
-        "images", "The image scenario (issue 34), run on its own on a tiny Qwen2-VL: tokenmill.bench.images."
+        "images", "The image scenario, run on its own on a tiny Qwen2-VL: tokenmill.bench.images."
     )
     group.add_argument("--images", action="store_true", help="Run the image scenario instead of the others.")
     group.add_argument(
