@@ -264,10 +264,15 @@ def test_an_unreachable_or_different_rank_is_reported_and_not_used(tmp_path):
                 model="deepseek-v4", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2
             )
             assert out.choices[0].finish_reason == "length"
-        _, _, ready = http("GET", srv.url + "/ready")
-        assert ready["ready"] and sorted(ready["missing_ranks"]) == sorted([odd.endpoint, nobody]), ready
-        refused = {r["endpoint"]: r["refused"] for r in ready["scheduler_ranks"]}
-        assert "vocab_size 1000" in refused[odd.endpoint] and refused[nobody] is None
+        deadline = time.monotonic() + 30  # the odd rank's Welcome may come late (its process started late)
+        while True:
+            _, _, ready = http("GET", srv.url + "/ready")
+            assert ready["ready"] and sorted(ready["missing_ranks"]) == sorted([odd.endpoint, nobody]), ready
+            refused = {r["endpoint"]: r["refused"] for r in ready["scheduler_ranks"]}
+            if refused[odd.endpoint] is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "vocab_size 1000" in (refused[odd.endpoint] or "") and refused[nobody] is None, ready
         assert metric(srv, "tokenmill_rank_requests_total") == {"0": 4.0, "1": 0.0, "2": 0.0}
         srv.stop()
         assert "refused: vocab_size 1000 is smaller than the served tokenizer's" in srv.read_output()
