@@ -21,7 +21,7 @@ NODE_KEYS = {
 
 def test_bench_gateways_compares_one_and_two_gateways(tmp_path):
     report, stdout = run_bench(
-        tmp_path, "gateways", "--quick", "--levels", "64", "--window", "1", "--workers", "1", timeout=240
+        tmp_path, "gateways", "--quick", "--levels", "64", "--window", "0.5", "--workers", "1", timeout=240
     )
     one, two = report["nodes"]
     for node, gateways in ((one, 1), (two, 2)):
