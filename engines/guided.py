@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 import llguidance
+
 from tokenmill.scheduler_client.protocol import Structured
 
 log = logging.getLogger("tokenmill.simulated_scheduler")

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+
 from tokenmill.engines.busy_cores import BusyCores
 from tokenmill.engines.guided import Decoder, Guide, GuideError
 from tokenmill.engines.held_images import HeldImages

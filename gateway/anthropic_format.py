@@ -14,6 +14,7 @@ import base64
 import hashlib
 
 import msgspec
+
 from tokenmill.gateway.request_body import HEAD_BYTES, RequestBody
 from tokenmill.tokenizer_workers.messages import ApiError
 

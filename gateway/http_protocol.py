@@ -32,9 +32,10 @@ from __future__ import annotations
 import socket
 from typing import Callable
 
-from tokenmill.gateway.request_body import RequestBody
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tokenmill.gateway.request_body import RequestBody
 
 
 def protocol_class(header_timeout: float, on_header_timeout: Callable[[], None], send_buffer_bytes: int = 0) -> type:

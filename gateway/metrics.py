@@ -15,6 +15,7 @@ from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
+
 from tokenmill.tokenizer_workers.messages import ConvertDone
 
 _LATENCY = (

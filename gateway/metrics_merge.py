@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
 from tokenmill.gateway.metrics import GAUGE_MERGE
 
 _COMBINE = {"sum": lambda a, b: a + b, "max": max, "min": min}

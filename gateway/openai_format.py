@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import msgspec
+
 from tokenmill.tokenizer_workers.messages import ApiError
 
 _json = msgspec.json.Encoder()

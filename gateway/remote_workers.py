@@ -20,10 +20,10 @@ from typing import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+
 from tokenmill.gateway.worker_supervision import Worker
 from tokenmill.tokenizer_workers import messages as m
 from tokenmill.tokenizer_workers.settings import ConverterSettings
-
 from tokenmill.transport.loop_socket import LoopSocket
 
 log = logging.getLogger("tokenmill.pool")

@@ -21,6 +21,7 @@ from array import array
 
 import uvicorn
 import zmq.asyncio
+
 from tokenmill.gateway import siblings
 from tokenmill.gateway.app import App
 from tokenmill.gateway.generations import Generations
@@ -32,12 +33,11 @@ from tokenmill.gateway.scheduler_ranks import SchedulerRanks
 from tokenmill.gateway.settings import ServeSettings
 from tokenmill.gateway.siblings import MetricsExchange, SiblingGateways
 from tokenmill.gateway.worker_pool import WorkerPool
+from tokenmill.process import systemd_notify
+from tokenmill.process.procutil import child_env
 from tokenmill.tokenizer_workers.images import shared_memory
 from tokenmill.tokenizer_workers.messages import ApiError
 from tokenmill.tokenizer_workers.settings import DEFAULT_MODEL_NAME, ConverterSettings, ImageFetchSettings
-
-from tokenmill.process import systemd_notify
-from tokenmill.process.procutil import child_env
 from tokenmill.transport.security import RemoteWorkerSecurity, private_dir, require_secure, scheduler_client_keys
 
 log = logging.getLogger("tokenmill.gateway")

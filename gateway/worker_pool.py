@@ -26,6 +26,7 @@ from typing import Callable
 
 import msgspec
 import zmq.asyncio
+
 from tokenmill.gateway.dispatch import Dispatcher, Job
 from tokenmill.gateway.remote_workers import RemoteWorkers
 from tokenmill.gateway.request_body import RequestBody

@@ -18,10 +18,10 @@ from typing import Callable
 
 import msgspec
 import zmq
-from tokenmill.tokenizer_workers.images import shared_memory
-from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
 from tokenmill.process.procutil import ONE_BLAS_THREAD, child_env
+from tokenmill.tokenizer_workers.images import shared_memory
+from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 from tokenmill.transport.loop_socket import LoopSocket
 from tokenmill.transport.pipe_link import LinkDown, PipeLink
 

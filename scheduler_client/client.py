@@ -18,9 +18,9 @@ import logging
 from typing import Callable
 
 import zmq
-from tokenmill.scheduler_client import protocol
 from zmq.utils.monitor import parse_monitor_message
 
+from tokenmill.scheduler_client import protocol
 from tokenmill.transport.loop_socket import LoopSocket
 
 log = logging.getLogger("tokenmill.scheduler")

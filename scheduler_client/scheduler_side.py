@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 import zmq
+
 from tokenmill.scheduler_client import shared_pixels
 from tokenmill.scheduler_client.protocol import (
     ERR_IMAGE_MISSING,
@@ -52,7 +53,6 @@ from tokenmill.scheduler_client.protocol import (
     encode,
     frame_to_ids,
 )
-
 from tokenmill.transport.loop_socket import LoopSocket
 
 # Error codes a scheduler sends (docs/scheduler-protocol.md §6 lists them).

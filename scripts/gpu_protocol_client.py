@@ -22,6 +22,7 @@ import sys
 import time
 
 from tokenizers.decoders import DecodeStream
+
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.client import SchedulerClient
 from tokenmill.tokenizer_workers.model import load_model

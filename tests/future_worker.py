@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import msgspec
+
 from tokenmill.tokenizer_workers import resume, worker
 
 MARK = "FUTURE-STATE"

@@ -40,6 +40,7 @@ PREPROCESSOR = {
 
 def make_vl_model(root: Path, name: str = "Tiny-Qwen2-VL") -> Path:
     from tokenizers import AddedToken, Tokenizer
+
     from tokenmill.tokenizer_workers.model import default_model_dir
 
     d = root / name

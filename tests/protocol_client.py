@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+
 from tokenmill.scheduler_client.protocol import (
     PROTOCOL_VERSION,
     Generate,

@@ -21,11 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from sglang.srt.server_args import ServerArgs
+from transformers import AutoTokenizer
+
 from tokenmill.engines.bridge import EngineRejected, EngineRequest
 from tokenmill.engines.sglang_backend import SGLangBackend
 from tokenmill.scheduler_client.protocol import SamplingParams, Structured
-from transformers import AutoTokenizer
-
 from tokenmill.tiny_model import EOS, VOCAB, write_tokenizer
 
 

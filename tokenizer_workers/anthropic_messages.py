@@ -31,6 +31,7 @@ import json
 from typing import Any
 
 import msgspec
+
 from tokenmill.tokenizer_workers import openai_requests as oa
 from tokenmill.tokenizer_workers.chat_messages import ImageRef
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from tokenmill.scheduler_client import protocol
 from tokenmill.tokenizer_workers import anthropic_messages as am
 from tokenmill.tokenizer_workers import generation_params as gp

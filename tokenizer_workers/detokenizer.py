@@ -20,6 +20,7 @@ from collections import OrderedDict
 import msgspec
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
 from tokenmill.scheduler_client.protocol import frame_to_ids
 from tokenmill.tokenizer_workers.converter import DetokSpec
 from tokenmill.tokenizer_workers.logprobs import (

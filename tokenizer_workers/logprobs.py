@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import msgspec
+
 from tokenmill.scheduler_client.protocol import bytes_to_floats, frame_to_ids
 
 _json = msgspec.json.Encoder()

@@ -10,6 +10,7 @@ frames coming out.
 from __future__ import annotations
 
 import msgspec
+
 from tokenmill.scheduler_client.protocol import PromptLogprobs
 
 # ---- gateway -> worker ------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
+
 from tokenmill.tokenizer_workers.settings import DEFAULT_MODEL_NAME
 
 _DEFAULT_TEMPLATE = Path(str(importlib.resources.files("tokenmill.default_model") / "chat_template.jinja"))

@@ -11,6 +11,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
+
 from tokenmill.tokenizer_workers.request_fields import RefusableFields, refused_field
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
 from tokenmill.tokenizer_workers import messages as m
 from tokenmill.tokenizer_workers.settings import ConverterSettings
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("tokenmill.worker")
 

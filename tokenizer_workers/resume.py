@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from tokenmill.tokenizer_workers.converter import DetokSpec
 
 VERSION = 1  # a worker refuses a spec of another version: that stream fails with a clear error

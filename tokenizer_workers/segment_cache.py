@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
+
 from tokenmill.tokenizer_workers.prompt_prefixes import Prompt, PromptPrefixes, Reuse
 
 log = logging.getLogger("tokenmill.segment_cache")

@@ -44,14 +44,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-from tokenmill.scheduler_client.protocol import frame_to_ids
-from tokenmill.tokenizer_workers import messages as m
-from tokenmill.tokenizer_workers.converter import Converter
-from tokenmill.tokenizer_workers.detokenizer import Detokenizer
-from tokenmill.tokenizer_workers.images import shared_memory
-from tokenmill.tokenizer_workers.remote_link import RemoteWorkerLink
-from tokenmill.tokenizer_workers.resume import decode_spec, encode_spec
-from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
 from tokenmill.process.procutil import (
     die_with_supervisor,
@@ -61,6 +53,14 @@ from tokenmill.process.procutil import (
     set_group_nice,
     set_process_name,
 )
+from tokenmill.scheduler_client.protocol import frame_to_ids
+from tokenmill.tokenizer_workers import messages as m
+from tokenmill.tokenizer_workers.converter import Converter
+from tokenmill.tokenizer_workers.detokenizer import Detokenizer
+from tokenmill.tokenizer_workers.images import shared_memory
+from tokenmill.tokenizer_workers.remote_link import RemoteWorkerLink
+from tokenmill.tokenizer_workers.resume import decode_spec, encode_spec
+from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 from tokenmill.transport.pipe_link import PipePeer
 
 log = logging.getLogger("tokenmill.worker")

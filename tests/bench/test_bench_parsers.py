@@ -5,6 +5,7 @@ parse into the call (or the reasoning) it was built with."""
 from __future__ import annotations
 
 from conftest import run_bench
+
 from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 

@@ -43,6 +43,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 from protocol_client import AsyncProtocolClient
+
 from tokenmill.engines import MissingBackend, backend_module
 from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest, EngineServer
 from tokenmill.engines.sglang_backend import SGLangBackend, choice_grammar, parse_engine_args, structured_params
@@ -1003,8 +1004,9 @@ def test_vllm_structured_whitespace_options():
 def test_vllm_structured_options_reach_the_engine_core():
     """With vLLM installed: the real StructuredOutputsParams keeps both options through the msgpack trip."""
     pytest.importorskip("vllm")
-    from tokenmill.engines.vllm_backend import vllm_sampling_params
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from tokenmill.engines.vllm_backend import vllm_sampling_params
 
     so = structured_outputs(Structured("json_object", disable_any_whitespace=True, whitespace_pattern=r"\n?"))
     params = vllm_sampling_params(max_tokens=3, structured_outputs=so)
@@ -1020,8 +1022,9 @@ def test_vllm_sampling_params_carry_bad_words_token_ids():
     (bad_words_token_ids), through the msgpack trip to the engine core, and update_from_tokenizer
     leaves them alone (bad_words, the strings, stay empty)."""
     pytest.importorskip("vllm")
-    from tokenmill.engines.vllm_backend import vllm_sampling_params
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from tokenmill.engines.vllm_backend import vllm_sampling_params
 
     params = vllm_sampling_params(max_tokens=3, allowed_token_ids=[1, 2], bad_words_token_ids=[[5, 6], [7]])
     params.update_from_tokenizer(None)  # returns at once: no strings to tokenize

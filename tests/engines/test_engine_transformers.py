@@ -35,6 +35,7 @@ pytest.importorskip(
 import openai  # noqa: E402
 from conftest import ROOT, Server  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
+
 from tokenmill.scheduler_client.protocol import (  # noqa: E402
     Error,
     Outputs,
@@ -350,6 +351,7 @@ def test_logprobs_zero_is_the_chosen_token_only(probe, reference_model):
 def test_weights_follow_the_seed():
     """--seed fixes the random weights: same seed, same model and tokens; another seed, others."""
     import torch
+
     from tokenmill.engines.transformers_backend import build_random_model
 
     small = dict(layers=1, hidden_size=32, heads=2, kv_heads=2, intermediate_size=64)

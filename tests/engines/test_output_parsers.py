@@ -15,6 +15,9 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests import vllm_env
+from tests.parser_cases import Case, all_cases
 from tokenmill.tokenizer_workers.output_parsers import (
     CALL,
     CONTENT,
@@ -24,9 +27,6 @@ from tokenmill.tokenizer_workers.output_parsers import (
     reasoning_parser_class,
     tool_parser_class,
 )
-
-from tests import vllm_env
-from tests.parser_cases import Case, all_cases
 
 CASES = all_cases()
 
@@ -257,6 +257,7 @@ AUTO = {  # template -> (tool-call parser, reasoning parser) that --*-parser aut
 @pytest.mark.parametrize("name", sorted(AUTO))
 def test_auto_picks_the_format_from_the_template(name):
     from conftest import require_shared
+
     from tokenmill.tokenizer_workers.output_parsers import choose_parsers
 
     template = (require_shared() / "chat_templates" / name).read_text(encoding="utf-8")

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from structured_specs import PATHOLOGICAL, REFUSED, ROWS
+from vllm_env import VLLM_PYTHON, missing_reason
+
 from tokenmill.scheduler_client.protocol import STRUCTURED_FEATURES
 from tokenmill.tokenizer_workers.generation_params import Engine, InvalidRequest, structured
 from tokenmill.tokenizer_workers.openai_requests import parse
-from vllm_env import VLLM_PYTHON, missing_reason
 
 OVERLAY = Path(os.environ.get("TOKENMILL_SGLANG_OVERLAY", Path(ROOT) / ".sglang-overlay"))
 _why = missing_reason() or (

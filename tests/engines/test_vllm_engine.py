@@ -47,6 +47,8 @@ import vllm_stack  # noqa: E402
 from conftest import Server, http  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+from vllm_stack import EOS, EOS_TEXT, MAX_MODEL_LEN, NAME, VOCAB, Engine, Stack, wait_all  # noqa: E402
+
 from tokenmill.scheduler_client.protocol import (  # noqa: E402
     FEATURES,
     Error,
@@ -60,7 +62,6 @@ from tokenmill.scheduler_client.protocol import (  # noqa: E402
     frame_to_ids,
     ids_to_frame,
 )
-from vllm_stack import EOS, EOS_TEXT, MAX_MODEL_LEN, NAME, VOCAB, Engine, Stack, wait_all  # noqa: E402
 
 # the shared stack (tests/vllm_stack.py): started once per session, as soon as the tests are collected
 start_early = vllm_stack.start_early

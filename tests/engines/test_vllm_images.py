@@ -50,6 +50,8 @@ from conftest import ROOT, Server, free_port, http  # noqa: E402
 from PIL import Image  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+from vllm_stack import Proc, wait_all  # noqa: E402
+
 from tokenmill.scheduler_client.protocol import (  # noqa: E402
     Error,
     Generate,
@@ -60,7 +62,6 @@ from tokenmill.scheduler_client.protocol import (  # noqa: E402
 )
 from tokenmill.tokenizer_workers.images.pipeline import ImagePipeline, processor_for  # noqa: E402
 from tokenmill.tokenizer_workers.images.shared_memory import SharedPixels  # noqa: E402
-from vllm_stack import Proc, wait_all  # noqa: E402
 
 NAME = "Tiny-Qwen2-VL"
 MAX_MODEL_LEN = 4096

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import yaml
 from conftest import ROOT
+
 from tokenmill.gateway.metrics import Metrics
 
 DEPLOY = ROOT / "deploy"

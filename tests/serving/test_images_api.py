@@ -22,6 +22,7 @@ import pytest
 from conftest import ROOT, Server, http
 from image_model import PREPROCESSOR, make_vl_model
 from PIL import Image
+
 from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline
 from tokenmill.tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
 from tokenmill.tokenizer_workers.settings import ImageFetchSettings

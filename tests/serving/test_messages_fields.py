@@ -8,6 +8,7 @@ import re
 
 import pytest
 from conftest import ROOT, http
+
 from tokenmill.tokenizer_workers.anthropic_messages import MessagesRequest
 
 USER = [{"role": "user", "content": "Hello"}]

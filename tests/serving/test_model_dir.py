@@ -11,12 +11,12 @@ import msgspec
 import openai
 import pytest
 from conftest import FIXTURES, Server, http, require_shared
+
+from tokenmill import settings as settings_mod
 from tokenmill.scheduler_client import protocol
 from tokenmill.tokenizer_workers.converter import Converter
 from tokenmill.tokenizer_workers.messages import ConvertJob
 from tokenmill.tokenizer_workers.settings import ConverterSettings
-
-from tokenmill import settings as settings_mod
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from conftest import ROOT, http
+
 from tokenmill.tokenizer_workers import openai_requests as oa
 from tokenmill.tokenizer_workers.request_fields import IGNORED, REFUSED, RefusableFields
 

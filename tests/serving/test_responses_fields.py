@@ -8,6 +8,7 @@ import re
 
 import pytest
 from conftest import ROOT, Server, http
+
 from tokenmill.tokenizer_workers.openai_responses import ResponsesRequest
 
 MODEL = "deepseek-v4"

@@ -11,6 +11,7 @@ from conftest import FIXTURES, Server, http, require_shared
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
 from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError
 from tokenmill.tokenizer_workers.segment_cache import SegmentCache, SegmentEncoder
 
@@ -349,9 +350,8 @@ def test_conversion_threads_share_one_cache_exactly(default_tokenizer):
     import sys
     import threading
 
-    from tokenmill.tokenizer_workers.segment_cache import EncodeStats
-
     from tokenmill.bench.common import corpus
+    from tokenmill.tokenizer_workers.segment_cache import EncodeStats
 
     enc = SegmentEncoder(default_tokenizer, 128 << 10)  # 96 KiB of pieces for ~170 KiB drawn: evictions all the time
     text = corpus(120_000)

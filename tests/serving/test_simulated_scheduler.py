@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import zmq
 from protocol_client import AsyncProtocolClient, ProtocolClient
+
 from tokenmill.scheduler_client.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -301,6 +302,7 @@ def test_eos_probability():
 def test_palette_model_default():
     """--model default: tokens come from readable English text of the embedded tokenizer."""
     from tokenizers import Tokenizer
+
     from tokenmill.tokenizer_workers.model import default_model_dir
 
     scheduler = _start("--model", "default", "--inter-token-latency-ms", "1")
@@ -712,6 +714,7 @@ def model_sched():
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenizers import Tokenizer
+
     from tokenmill.tokenizer_workers.model import default_model_dir
 
     return Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, Server, http
-from tokenmill.gateway.settings import ServeSettings
 
 from tokenmill import settings as settings_mod
+from tokenmill.gateway.settings import ServeSettings
 from tokenmill.process import systemd_notify
 
 UNITS_DIR = ROOT / "deploy" / "systemd"

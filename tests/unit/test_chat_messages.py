@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from tokenmill.tokenizer_workers import chat_template as chat_template_module
 from tokenmill.tokenizer_workers.chat_messages import to_template_messages
 from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError, render_conversation
@@ -489,6 +490,7 @@ def test_the_framers_text_templates_give_the_bytes_the_dict_encoding_gives():
     """Text and reasoning events are built from per-choice byte templates (one string encode per
     token); they must be byte for byte what encoding the whole chunk gives."""
     import msgspec
+
     from tokenmill.gateway.openai_format import Framer
 
     for kind in ("chat", "completion"):

@@ -7,11 +7,10 @@ import json
 import threading
 import time
 
+from tokenmill.bench.common import corpus
 from tokenmill.tokenizer_workers import messages as m
 from tokenmill.tokenizer_workers.converter import Converter, EncodeCpu
 from tokenmill.tokenizer_workers.settings import ConverterSettings
-
-from tokenmill.bench.common import corpus
 
 
 def test_overlapping_encodings_share_the_process_cpu():

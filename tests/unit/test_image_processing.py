@@ -12,6 +12,7 @@ import io
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
+
 from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline
 from tokenmill.tokenizer_workers.images.qwen2_vl import Qwen2VLProcessor
 

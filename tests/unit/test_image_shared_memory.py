@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from tokenmill.tokenizer_workers.images.base import ProcessedImage
 from tokenmill.tokenizer_workers.images.cache import ImageCache
 from tokenmill.tokenizer_workers.images.shared_memory import PREFIX, SharedPixels, remove_stale_files

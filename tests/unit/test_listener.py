@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import uvloop
+
 from tokenmill.gateway.listener import Acceptor, listen_sockets
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from tokenmill.gateway.metrics import GAUGE_MERGE, Metrics
 from tokenmill.gateway.metrics_merge import merge_expositions, merge_families
 from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone
@@ -213,6 +214,7 @@ def test_the_loops_histograms_export_what_prometheus_clients_would():
     """gateway/metrics.py's lock-free histograms against prometheus-client's own Histogram, fed the
     same values (on, below and above the bucket bounds): the same buckets, count and sum."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
     from tokenmill.gateway.metrics import _FAST, _FastHistogram
 
     values = [0.0, 0.0001, 0.00010001, 0.0005, 0.003, 0.25, 0.2500001, 9.99, 10.0, 10.5, 1e9]

@@ -184,10 +184,10 @@ def test_a_worker_answers_detokenization_before_conversions_that_arrived_with_it
     detokenization batch that arrives in the same read as a conversion job is answered first, so a
     running stream's text does not wait behind a conversion."""
     import msgspec
-    from tokenmill.tokenizer_workers import messages as m
-    from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
     from tokenmill.process.procutil import child_env
+    from tokenmill.tokenizer_workers import messages as m
+    from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
 
     body = b'{"model": "deepseek-v4", "max_tokens": 1, "messages": [{"role": "user", "content": "Hello there"}]}'
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.protocol import ids_to_frame
 from tokenmill.tokenizer_workers import messages as m

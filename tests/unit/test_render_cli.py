@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
-from tokenmill.tokenizer_workers.model import load_model
 
 from tokenmill.commands import render as render_command
+from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
+from tokenmill.tokenizer_workers.model import load_model
 
 CONVERSATIONS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "conversations"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from tokenmill.tokenizer_workers.images import resample
 
 torch = pytest.importorskip("torch", reason="torch is not installed (./scripts/test.sh installs it; --fast does not)")

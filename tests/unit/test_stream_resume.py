@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.protocol import ids_to_frame
 from tokenmill.tokenizer_workers import messages as m

@@ -6,6 +6,7 @@ list of string choices, and the size and nesting limits.
 """
 
 import pytest
+
 from tokenmill.scheduler_client.protocol import Structured
 from tokenmill.scheduler_client.structured import MAX_CHOICES, MAX_NESTING, MAX_SPEC_CHARS, StructuredError, check
 

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import blake3
+
 from tokenmill.tokenizer_workers.images import decode as _decode
 from tokenmill.tokenizer_workers.images.base import ImageError, ImageProcessor, ProcessedImage
 from tokenmill.tokenizer_workers.images.cache import ImageCache

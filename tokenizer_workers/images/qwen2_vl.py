@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from tokenmill.tokenizer_workers.images import resample
 from tokenmill.tokenizer_workers.images.base import ImageProcessor, ProcessedImage
 
