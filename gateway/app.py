@@ -11,14 +11,15 @@ import asyncio
 import hmac
 import time
 import uuid
-import zlib
 
 import msgspec
+
 from tokenmill.gateway import anthropic_format as anthropic
+from tokenmill.gateway import apis
 from tokenmill.gateway import openai_format as fmt
+from tokenmill.gateway import stream_events as ev
 from tokenmill.gateway.generations import Choice, Generation
 from tokenmill.gateway.request_body import RequestBody
-from tokenmill.gateway.responses_format import ResponsesFramer
 from tokenmill.gateway.worker_pool import ConversionRejected
 from tokenmill.scheduler_client.client import SchedulerUnavailable
 from tokenmill.tokenizer_workers.messages import ApiError
@@ -26,67 +27,11 @@ from tokenmill.tokenizer_workers.messages import ApiError
 _json = msgspec.json.Encoder()
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-_DISCONNECTED = ("disconnected",)
+_DELTA_KIND = {ev.Text: "text", ev.Reasoning: "reasoning"}  # the framers' delta kinds
 
 
 class BodyTooLarge(Exception):
     pass
-
-
-def conversation_key(body: bytes, system_field: bool = False, field: bytes = b'"messages"') -> int | None:
-    """A hash of the conversation's beginning, from the raw body's head (RequestBody.head): the start
-    of "messages" and of its first user message, which repeat across the turns of one conversation
-    (conversations that open with one long system prompt differ in the second). Cheap (no JSON parsing, 4 KB hashed,
-    a scan of at most 64 KB for the user message: past it, the start of "messages" alone) and
-    only a hint. ``field``: where the conversation's items start ("input" for a Responses body).
-    ``system_field``: Anthropic's Messages body, whose system prompt is its own field ("system"),
-    hashed too (its first 2 KB) wherever it stands."""
-    start = body.find(field, 0, 65536)
-    if start < 0:
-        return None
-    if system_field:
-        system = body.find(b'"system"', 0, 65536)
-        seed = zlib.crc32(body[system : system + 2048]) if system >= 0 else 0
-        key = conversation_key(body, field=field)
-        return None if key is None else zlib.crc32(key.to_bytes(4, "little"), seed)
-    user = body.find(b'"user"', start + len(field), start + 65536)  # ~1 us per KB scanned, on the loop
-    if user < 0:
-        return zlib.crc32(body[start : start + 2048])
-    key = zlib.crc32(body[start : min(user, start + 2048)])
-    # up to its first "}" (the message's end, or a brace in its text, the same on every turn): past
-    # the message, a later turn's body differs
-    end = body.find(b"}", user + 6, user + 2048)
-    return zlib.crc32(body[user : end if end >= 0 else user + 2048], key)
-
-
-def responses_key(head: bytes, tail: bytes) -> int | None:
-    """conversation_key for a Responses body (``head``: its first bytes, ``tail``: its last 4 KB; a
-    short body's whole in both): the client's prompt_cache_key when it names one (Codex sends it last,
-    so the body's ends are searched), else the start of "instructions" and of "input"'s first user
-    message, which repeat on every turn."""
-    for text, start in ((head, head.find(b'"prompt_cache_key"', 0, 4096)), (tail, tail.find(b'"prompt_cache_key"'))):
-        if start >= 0:
-            value = text.find(b'"', text.find(b":", start + 18, start + 40) + 1, start + 64)
-            if value >= 0:
-                end = text.find(b'"', value + 1, value + 512)
-                if end > value + 1:
-                    return zlib.crc32(text[value + 1 : end])
-    key = conversation_key(head, field=b'"input"')
-    instructions = head.find(b'"instructions"', 0, 65536)
-    if instructions >= 0:
-        return zlib.crc32(head[instructions : instructions + 2048], key or 0)
-    return key
-
-
-def _response_id(scope, prefix: str, done, server_id: str) -> str:
-    """The response's id, as vLLM makes it: chatcmpl-/cmpl- followed by the X-Request-Id header, else
-    the body's request_id; the server's own id when the client gave neither."""
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            return f"{prefix}-{value.decode('latin-1')}"
-    if done.client_request_id is not None:
-        return f"{prefix}-{done.client_request_id}"
-    return server_id
 
 
 def timing_headers(done) -> list:
@@ -107,10 +52,10 @@ class App:
     def __init__(self, gateway):
         self.gw = gateway  # tokenmill.gateway.server.Gateway: settings, conversion, scheduler, generations, metrics
         self.routes = {
-            ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate("chat", s, r, w),
-            ("POST", "/v1/completions"): lambda s, r, w: self.generate("completion", s, r, w),
-            ("POST", "/v1/responses"): lambda s, r, w: self.generate("responses", s, r, w),
-            ("POST", "/v1/messages"): lambda s, r, w: self.generate("messages", s, r, w),
+            ("POST", "/v1/chat/completions"): lambda s, r, w: self.generate(apis.CHAT, s, r, w),
+            ("POST", "/v1/completions"): lambda s, r, w: self.generate(apis.COMPLETIONS, s, r, w),
+            ("POST", "/v1/responses"): lambda s, r, w: self.generate(apis.RESPONSES, s, r, w),
+            ("POST", "/v1/messages"): lambda s, r, w: self.generate(apis.MESSAGES, s, r, w),
             ("POST", "/v1/messages/count_tokens"): lambda s, r, w: self.convert_only("count_tokens", s, r, w),
             ("POST", "/v1/messages/render"): lambda s, r, w: self.convert_only("messages_render", s, r, w),
             ("POST", "/v1/responses/render"): lambda s, r, w: self.convert_only("responses_render", s, r, w),
@@ -255,16 +200,13 @@ class App:
             metrics.aborts.labels(reason="client_disconnect").inc()
         return None
 
-    async def _convert(self, kind, request_id, body, receive, send, endpoint):
-        """Convert in a worker, giving up (and freeing the queue slot) if the client leaves."""
+    async def _convert(self, kind, request_id, body, affinity, receive, send, endpoint):
+        """Convert in a worker, giving up (and freeing the queue slot) if the client leaves. ``affinity``:
+        the conversation's key, which keeps its turns on the worker that holds its prefix (or None)."""
         if self.gw.draining:
             await self.error(send, fmt.error(503, "The server is shutting down.", code="shutdown"), endpoint, 5)
             return None, None
         watcher = asyncio.ensure_future(receive())
-        if kind in ("chat", "tokenize", "messages"):
-            affinity = conversation_key(body.head(), system_field=kind == "messages")
-        else:
-            affinity = responses_key(body.head(), body.tail(4096)) if kind == "responses" else None
         task = asyncio.ensure_future(self.gw.conversion.convert(kind, request_id, body, affinity))
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -290,12 +232,13 @@ class App:
         body = await self._body_or_error(scope, receive, send, endpoint)
         if body is None:
             return
-        result, watcher = await self._convert(kind, "tok", body, receive, send, endpoint)
+        affinity = apis.conversation_key(body.head()) if kind == "tokenize" else None  # a chat's turn, tokenized
+        result, watcher = await self._convert(kind, "tok", body, affinity, receive, send, endpoint)
         if result is not None:
             watcher.cancel()
             await self.respond(send, 200, result.done.body, endpoint)
 
-    async def generate(self, kind, scope, receive, send) -> None:
+    async def generate(self, api: apis.Api, scope, receive, send) -> None:
         arrival = time.monotonic()
         endpoint = scope["path"]
         gw = self.gw
@@ -311,14 +254,14 @@ class App:
                 retry_after=2,
             )
             return
-        prefix = {"chat": "chatcmpl", "responses": "resp", "messages": "msg"}.get(kind, "cmpl")
-        request_id = f"{prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
-        pinger = None
-        if kind == "messages" and anthropic.wants_stream(body):  # pings while a long prompt converts
-            pinger = anthropic.Pinger(send, gw.settings.messages_ping_interval, _SSE)
+        request_id = f"{api.prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
+        pinger = api.pinger(body, send, gw.settings.messages_ping_interval, _SSE)
+        if pinger is not None:
             send = pinger.send
         try:
-            result, watcher = await self._convert(kind, request_id, body, receive, send, endpoint)
+            result, watcher = await self._convert(
+                api.kind, request_id, body, api.affinity(body), receive, send, endpoint
+            )
         finally:
             if pinger is not None:
                 await pinger.stop()
@@ -385,41 +328,8 @@ class App:
             )
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
-        watcher.add_done_callback(lambda _: gen.events.put_nowait(_DISCONNECTED))
-        prompt_ids = None
-        if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
-            per_prompt = len(done.choices) // len(done.prompt_token_ids)
-            prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
-        response_id = _response_id(scope, prefix, done, request_id)
-        if kind == "responses":  # OpenAI's form of a response id: resp_...
-            response_id = "resp_" + response_id[5:]
-        if kind == "messages":  # Anthropic's form: msg_...
-            framer = anthropic.MessagesFramer(
-                response_id.replace("msg-", "msg_", 1), gw.model_name, gen.choices[0].prompt_tokens
-            )
-        elif kind == "responses":
-            framer = ResponsesFramer(
-                response_id,
-                int(time.time()),
-                gw.model_name,
-                done.response_fields,
-                done.custom_tools,
-                done.tool_namespaces,
-            )
-        else:
-            framer = fmt.Framer(
-                kind,
-                response_id,
-                int(time.time()),
-                gw.model_name,
-                done.include_usage,
-                done.continuous_usage,
-                [c.prompt_tokens for c in gen.choices],
-                prompt_ids,
-                done.token_ids,
-                done.functions,
-                done.role,
-            )
+        watcher.add_done_callback(lambda _: gen.events.put_nowait(ev.DISCONNECTED))
+        framer = api.framer(gw.model_name, done, gen.choices, api.public_id(scope, done, request_id))
         try:
             if done.stream:
                 await self._stream(
@@ -461,45 +371,49 @@ class App:
             run_kind, run_index, run_tokens = None, -1, 0
             event = await gen.events.get()
             while True:  # write everything already waiting in one go
-                kind = event[0]
-                if kind == "text" or kind == "reasoning":
-                    if run and (not merge or kind != run_kind or event[1] != run_index):
-                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
+                kind = type(event)
+                if kind is ev.Text or kind is ev.Reasoning:
+                    if run and (not merge or kind is not run_kind or event.choice != run_index):
+                        parts.append(framer.delta_chunk(_DELTA_KIND[run_kind], run_index, "".join(run), run_tokens))
                         coalesced += len(run) - 1
                         run.clear()
-                    run_kind, run_index, run_tokens = kind, event[1], event[3]
-                    run.append(event[2])
-                    gen.buffered -= len(event[2])
+                    run_kind, run_index, run_tokens = kind, event.choice, event.tokens
+                    run.append(event.text)
+                    gen.buffered -= len(event.text)
                 else:
                     if run:
-                        parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
+                        parts.append(framer.delta_chunk(_DELTA_KIND[run_kind], run_index, "".join(run), run_tokens))
                         coalesced += len(run) - 1
                         run.clear()
-                    if kind == "call":
-                        gen.buffered -= len(event[2].text)
-                        parts.append(framer.call_chunks(event[1], event[2], event[3]))
-                    elif kind == "logprobs":
-                        gen.buffered -= len(event[2])
-                        parts.append(framer.logprobs_chunk(event[1], event[2], event[3], event[4]))
-                    elif kind == "ids":
-                        gen.buffered -= len(event[3])
-                        parts.append(framer.ids_chunk(*event[1:]))
-                    elif kind == "finish":
-                        parts.append(framer.finish_chunk(event[1], event[2], event[3], event[4]))
-                        self.gw.metrics.finished(event[2])
+                    if kind is ev.Call:
+                        gen.buffered -= len(event.piece.text)
+                        parts.append(framer.call_chunks(event.choice, event.piece, event.tokens))
+                    elif kind is ev.Logprobs:
+                        gen.buffered -= len(event.text)
+                        parts.append(framer.logprobs_chunk(event.choice, event.text, event.fragments, event.tokens))
+                    elif kind is ev.Ids:
+                        gen.buffered -= len(event.text)
+                        parts.append(
+                            framer.ids_chunk(
+                                event.choice, event.kind, event.text, event.ids, event.fragments, event.tokens
+                            )
+                        )
+                    elif kind is ev.Finish:
+                        parts.append(framer.finish_chunk(event.choice, event.reason, event.tokens, event.stop_reason))
+                        self.gw.metrics.finished(event.reason)
                         open_choices -= 1
-                    elif kind == "error":
-                        parts.append(framer.error_chunk(event[1]))
-                        self.gw.metrics.stream_errors.labels(code=event[1].code or "error").inc()
+                    elif kind is ev.Failed:
+                        parts.append(framer.error_chunk(event.error))
+                        self.gw.metrics.stream_errors.labels(code=event.error.code or "error").inc()
                         failed = True
                         break
-                    elif kind == "disconnected":
+                    elif kind is ev.Disconnected:
                         return
                 if gen.events.empty():
                     break
                 event = gen.events.get_nowait()
             if run:
-                parts.append(framer.delta_chunk(run_kind, run_index, "".join(run), run_tokens))
+                parts.append(framer.delta_chunk(_DELTA_KIND[run_kind], run_index, "".join(run), run_tokens))
                 coalesced += len(run) - 1
             if coalesced:
                 self.gw.metrics.coalesced_deltas.inc(coalesced)
@@ -523,37 +437,37 @@ class App:
         open_choices = len(gen.choices)
         while open_choices:
             event = await gen.events.get()
-            if event[0] == "text":
-                texts[event[1]].append(event[2])
-                gen.buffered -= len(event[2])
-            elif event[0] == "logprobs":
-                texts[event[1]].append(event[2])
-                gen.buffered -= len(event[2])
+            kind = type(event)
+            if kind is ev.Text:
+                texts[event.choice].append(event.text)
+                gen.buffered -= len(event.text)
+            elif kind is ev.Logprobs:
+                texts[event.choice].append(event.text)
+                gen.buffered -= len(event.text)
                 if logprobs is not None:
-                    logprobs[event[1]].append(event[3])
-            elif event[0] == "reasoning":
-                reasoning[event[1]].append(event[2])
-                gen.buffered -= len(event[2])
-            elif event[0] == "ids":
-                _, index, kind, text, ids, fragments, _ = event
-                (reasoning if kind == "reasoning" else texts)[index].append(text)
-                gen.buffered -= len(text)
+                    logprobs[event.choice].append(event.fragments)
+            elif kind is ev.Reasoning:
+                reasoning[event.choice].append(event.text)
+                gen.buffered -= len(event.text)
+            elif kind is ev.Ids:
+                (reasoning if event.kind == "reasoning" else texts)[event.choice].append(event.text)
+                gen.buffered -= len(event.text)
                 if token_ids is not None:
-                    token_ids[index].append(ids)
-                if logprobs is not None and fragments:
-                    logprobs[index].append(fragments)
-            elif event[0] == "call":
-                calls[event[1]].append(event[2])
-                gen.buffered -= len(event[2].text)
-            elif event[0] == "finish":
-                reasons[event[1]] = event[2]
-                stop_reasons[event[1]] = event[4]
-                self.gw.metrics.finished(event[2])
+                    token_ids[event.choice].append(event.ids)
+                if logprobs is not None and event.fragments:
+                    logprobs[event.choice].append(event.fragments)
+            elif kind is ev.Call:
+                calls[event.choice].append(event.piece)
+                gen.buffered -= len(event.piece.text)
+            elif kind is ev.Finish:
+                reasons[event.choice] = event.reason
+                stop_reasons[event.choice] = event.stop_reason
+                self.gw.metrics.finished(event.reason)
                 open_choices -= 1
-            elif event[0] == "error":
-                await self.error(send, event[1], endpoint)
+            elif kind is ev.Failed:
+                await self.error(send, event.error, endpoint)
                 return
-            elif event[0] == "disconnected":
+            elif kind is ev.Disconnected:
                 return
         prompt_logprobs = kv_transfer_params = None
         if (

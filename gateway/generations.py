@@ -14,6 +14,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tokenmill.gateway import stream_events as ev
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.client import SchedulerUnavailable
 from tokenmill.tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
@@ -51,7 +52,7 @@ class Choice:
 
 @dataclass(eq=False)
 class Generation:
-    """One HTTP request's generation; the handler reads ``events``."""
+    """One HTTP request's generation; the handler reads ``events`` (gateway/stream_events.py)."""
 
     id: str
     owner: int
@@ -72,20 +73,6 @@ class Generation:
     @property
     def finished(self) -> bool:
         return all(c.done for c in self.choices)
-
-
-# Events put on Generation.events:
-#   ("text", choice_index, text, tokens)
-#   ("logprobs", choice_index, text, fragments, tokens) -- text with its tokens' logprobs (tokenizer_workers/logprobs.py)
-#   ("reasoning", choice_index, text, tokens)
-#   ("call", choice_index, OutPiece, tokens)  -- one whole tool call
-#   ("ids", choice_index, kind, text, ids, fragments, tokens) -- vLLM's return_token_ids: one delta's text
-#        ("text", "reasoning", or None for none) with its generated token IDs (``ids``: comma-joined) and
-#        logprob fragments (None without), in one chunk
-#   ("finish", choice_index, finish_reason, tokens, stop_reason)  -- stop_reason: vLLM's (None: not written)
-#   ("error", ApiError)            -- the whole request failed; nothing follows
-# ``tokens``: the choice's tokens generated up to this event (usage in every chunk, vLLM's
-# continuous_usage_stats), as the worker counted them when it decoded the event's text.
 
 
 class Generations:
@@ -296,23 +283,23 @@ class Generations:
                 if delta.token_ids or text or delta.logprobs:
                     gen.buffered += len(text)
                     gen.events.put_nowait(
-                        ("ids", choice.index, kind, text, delta.token_ids, delta.logprobs or None, tokens)
+                        ev.Ids(choice.index, kind, text, delta.token_ids, delta.logprobs or None, tokens)
                     )
             elif delta.logprobs:  # the delta's text goes with them (with parsers, its pieces follow)
                 gen.buffered += len(delta.text)
-                gen.events.put_nowait(("logprobs", choice.index, delta.text, delta.logprobs, tokens))
+                gen.events.put_nowait(ev.Logprobs(choice.index, delta.text, delta.logprobs, tokens))
             elif delta.text:
                 gen.buffered += len(delta.text)
-                gen.events.put_nowait(("text", choice.index, delta.text, tokens))
+                gen.events.put_nowait(ev.Text(choice.index, delta.text, tokens))
             for piece in pieces:
                 gen.buffered += len(piece.text)
                 if piece.kind == "call":
                     choice.tool_calls += 1
-                    gen.events.put_nowait(("call", choice.index, piece, tokens))
-                else:  # "content" and "text" events are the same thing
-                    gen.events.put_nowait(
-                        ("text" if piece.kind == "content" else piece.kind, choice.index, piece.text, tokens)
-                    )
+                    gen.events.put_nowait(ev.Call(choice.index, piece, tokens))
+                elif piece.kind == "reasoning":
+                    gen.events.put_nowait(ev.Reasoning(choice.index, piece.text, tokens))
+                else:  # "content" and "text" pieces are the same thing
+                    gen.events.put_nowait(ev.Text(choice.index, piece.text, tokens))
             if self.max_buffered and gen.buffered > self.max_buffered:
                 self._too_slow(gen)
                 continue
@@ -344,8 +331,7 @@ class Generations:
                     continue
                 reason = _openai_finish(choice)
                 gen.events.put_nowait(
-                    (
-                        "finish",
+                    ev.Finish(
                         choice.index,
                         reason,
                         tokens or choice.completion_tokens,
@@ -440,7 +426,7 @@ class Generations:
         if gen not in self.live:
             return
         self.cancel(gen, abort=abort, reason=reason)
-        gen.events.put_nowait(("error", error))
+        gen.events.put_nowait(ev.Failed(error))
 
     def cancel(self, gen: Generation, abort: bool = True, reason: str = "client_disconnect") -> None:
         """Stop a generation and free its state everywhere (client gone, error, shutdown)."""

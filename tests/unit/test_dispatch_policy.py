@@ -309,7 +309,7 @@ def test_an_idle_worker_takes_its_own_lane_before_another_steals_it():
 def test_the_conversation_key_follows_a_conversation_and_tells_apart_those_sharing_a_system_prompt():
     import json
 
-    from tokenmill.gateway.app import conversation_key
+    from tokenmill.gateway.apis import conversation_key
 
     system = {"role": "system", "content": "You are a coding agent. Follow the repository's rules. " * 200}  # 11 KB
 
@@ -343,7 +343,7 @@ def test_the_messages_conversation_key_hashes_the_system_field_and_the_first_use
     "messages"): the key follows a conversation's turns and tells apart system prompts and tasks."""
     import json
 
-    from tokenmill.gateway.app import conversation_key
+    from tokenmill.gateway.apis import conversation_key
 
     def body(system: str, task: str, turns: int) -> bytes:
         messages = [{"role": "user", "content": [{"type": "text", "text": task}]}]

@@ -8,9 +8,8 @@ import json
 import random
 import socket
 
-from tokenmill.gateway.app import conversation_key, responses_key
+from tokenmill.gateway.apis import conversation_key, responses_key
 from tokenmill.gateway.request_body import HEAD_BYTES, RequestBody
-
 from tokenmill.transport.pipe_link import PipeLink, pack_header
 
 
