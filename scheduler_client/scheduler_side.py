@@ -16,7 +16,7 @@ A subclass supplies the engine through a few hooks: :meth:`accept` (a validated 
 :meth:`abort`, :meth:`drop_session`, :meth:`has_request`, :meth:`welcome`, :meth:`stats`,
 and optionally :meth:`check` (extra validation), :meth:`background` (engine coroutines run
 while serving) and :meth:`on_teardown`. The simulated scheduler
-(``engines/simulated.py``) and the real engines (``engines/``) are both built on it.
+(``engines/simulated/``) and the real engines (``engines/``) are both built on it.
 """
 
 from __future__ import annotations
