@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 import zmq
+
 from tokenmill.engines.simulated.scheduler import DEFAULT_VOCAB_SIZE, SimulatedScheduler
 from tokenmill.scheduler_client.scheduler_side import read_curve_secret
 
