@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    """Test modules with something slow to start (test_output_parsers: vLLM's parsers;
+    """Test modules with something slow to start (test_output_parsers_vs_vllm: vLLM's parsers;
     test_vllm_engine and test_vllm_field_parity: the two vLLMs they share, tests/vllm_stack.py) start
     it now, so it loads while the tests before them run."""
     modules = {}

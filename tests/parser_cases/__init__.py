@@ -1,4 +1,4 @@
-"""Model outputs for the parser tests, one module per format (tests/engines/test_output_parsers.py runs them).
+"""Model outputs for the parser tests, one module per format (tests/unit/test_output_parsers.py and tests/engines/test_output_parsers_vs_vllm.py run them).
 
 Each module defines ``CASES``: a list of :class:`Case`. A case is checked three ways: against
 vLLM's own parser (the oracle), for chunking invariance (every cut of its text gives the same

@@ -1,158 +1,26 @@
-"""Tool-call and reasoning parsers: exact against vLLM's, chunking-invariant, and token-stream safe.
+"""Tool-call and reasoning parsers on their own, no process started: stated answers, chunking-invariant,
+token-stream safe, auto-detection from templates, hostile input. (Their comparison with vLLM's parsers,
+which needs vLLM's venv, is tests/engines/test_output_parsers_vs_vllm.py.)
 
-* ``test_matches_vllm``: every case's non-streamed result equals vLLM's parser on the same text
-  (names, parsed arguments, content, reasoning), or differs exactly as the case documents.
 * ``test_chunking_invariant``: cutting the text anywhere (hypothesis) gives the same pieces.
+* ``test_token_stream_through_the_detokenizer``: token IDs in frames of any size, through the worker's
+  detokenizer, give what a parse of the decoded text gives.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
-import subprocess
-import threading
 
 import pytest
+from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import vllm_env
+from tests.parse_case import make_parser, parse_chunks, summary
 from tests.parser_cases import Case, all_cases
-from tokenmill.tokenizer_workers.output_parsers import (
-    CALL,
-    CONTENT,
-    REASONING,
-    OutputParser,
-    join_pieces,
-    reasoning_parser_class,
-    tool_parser_class,
-)
+from tokenmill.tokenizer_workers.output_parsers import CALL, CONTENT, join_pieces
 
 CASES = all_cases()
-
-
-def make_parser(case: Case) -> OutputParser:
-    reasoning = reasoning_parser_class(case.reasoning_parser)(case.prompt) if case.reasoning_parser else None
-    tools = tool_parser_class(case.tool_parser)(case.tools) if case.tool_parser else None
-    return OutputParser(reasoning, tools)
-
-
-def parse_chunks(case: Case, chunks: list[str]) -> list:
-    parser = make_parser(case)
-    pieces = []
-    for chunk in chunks:
-        pieces += parser.feed(chunk)
-    pieces += parser.finish()
-    return [(k, (v.name, json.loads(v.arguments)) if k == CALL else v) for k, v in join_pieces(pieces)]
-
-
-def summary(pieces: list) -> dict:
-    """The non-streamed message: reasoning and content joined, calls in order."""
-    reasoning = "".join(v for k, v in pieces if k == REASONING)
-    content = "".join(v for k, v in pieces if k == CONTENT)
-    calls = [{"name": v[0], "arguments": v[1]} for k, v in pieces if k == CALL]
-    return {"reasoning": reasoning or None, "content": content or None, "tool_calls": calls}
-
-
-def markers(case: Case) -> list[str]:
-    if case.vllm_markers is not None:
-        return list(case.vllm_markers)
-    out = []
-    if case.tool_parser:
-        out += tool_parser_class(case.tool_parser).markers
-    if case.reasoning_parser:
-        out += reasoning_parser_class(case.reasoning_parser).markers
-    return out
-
-
-class _Oracle:
-    """vLLM's parsers over every case, in the vLLM venv, in one process. Importing vLLM there takes
-    half a minute, so conftest starts it as soon as collection shows test_matches_vllm will run: it
-    loads beside the tests that run first instead of holding up this module."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.thread: threading.Thread | None = None
-        self.out = ("", "")
-
-    def start(self) -> None:
-        if self.proc is not None or vllm_env.missing_reason():
-            return
-        lines = [
-            json.dumps(
-                {
-                    "tool_parser": c.tool_parser,
-                    "reasoning_parser": c.reasoning_parser,
-                    "tools": c.tools,
-                    "text": c.text,
-                    "markers": markers(c),
-                    "chat_template_kwargs": c.chat_template_kwargs,
-                },
-                ensure_ascii=False,
-            )
-            for c in CASES
-        ]
-        self.proc = subprocess.Popen(
-            [str(vllm_env.VLLM_PYTHON), str(vllm_env.ROOT / "tests" / "oracles" / "vllm_parsers.py")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        atexit.register(self.proc.kill)  # a session that ends early leaves no oracle behind
-
-        def talk() -> None:
-            self.out = self.proc.communicate("\n".join(lines) + "\n", timeout=600)
-
-        self.thread = threading.Thread(target=talk, name="vllm-parser-oracle", daemon=True)
-        self.thread.start()
-
-    def results(self) -> list[dict]:
-        self.start()
-        self.thread.join(660)
-        stdout, stderr = self.out
-        assert self.proc.returncode == 0, stderr[-3000:]
-        results = [json.loads(line) for line in stdout.splitlines() if line.strip()]
-        assert len(results) == len(CASES), stderr[-3000:]
-        return results
-
-
-ORACLE = _Oracle()
-
-
-def start_early(items) -> None:
-    """Called by conftest once collection is done (see _Oracle)."""
-    if any(item.name.startswith("test_matches_vllm") for item in items):
-        ORACLE.start()
-
-
-@pytest.fixture(scope="module")
-def vllm_results() -> dict:
-    reason = vllm_env.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    return {c.id: r for c, r in zip(CASES, ORACLE.results())}
-
-
-def _normalized(result: dict) -> dict:
-    return {
-        "reasoning": result.get("reasoning") or None,
-        "content": result.get("content") or None,
-        "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in result.get("tool_calls") or []],
-    }
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_matches_vllm(case: Case, vllm_results: dict) -> None:
-    ours = summary(parse_chunks(case, [case.text]))
-    theirs = vllm_results[case.id]
-    assert "error" not in theirs, f"vLLM's parser failed on {case.id}: {theirs['error']}"
-    theirs = _normalized(theirs)
-    if case.vllm_differs:
-        assert ours == case.expect, f"tokenmill's answer changed for {case.id}"
-        assert theirs != ours, f"vLLM now agrees on {case.id}; drop the documented difference: {case.vllm_differs}"
-    else:
-        assert ours == theirs
 
 
 STATED = [c for c in CASES if c.expect is not None]
@@ -295,7 +163,7 @@ def test_arguments_nested_too_deeply_come_back_as_content(name):
 
 
 def test_every_difference_from_vllm_is_documented():
-    doc = (vllm_env.ROOT / "docs" / "tool-calls.md").read_text(encoding="utf-8")
+    doc = (ROOT / "docs" / "tool-calls.md").read_text(encoding="utf-8")
     missing = [c.id for c in CASES if c.vllm_differs and f"`{c.id}`" not in doc]
     assert not missing, f"add these to docs/tool-calls.md: {missing}"
 
