@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from tokenmill.bench import streams as bench_streams
+from tokenmill.bench import stream_load
 from tokenmill.bench.common import add_common_options, cpu_seconds, process_role, process_tree, pss_kib, rnd, write_json
 from tokenmill.bench.frontloop import SMALL_CLIENTS, short_rows
 from tokenmill.bench.servers import ServeProcess
@@ -36,7 +36,7 @@ from tokenmill.bench.servers import ServeProcess
 def add_arguments(parser) -> None:
     add_common_options(parser)
     parser.add_argument("--workers", type=int, default=None, help="Tokenizer workers (default: as serve).")
-    bench_streams.add_level_options(parser, "1024,2048; quick 2048", "8; quick 3")
+    stream_load.add_level_options(parser, "1024,2048; quick 2048", "8; quick 3")
     parser.add_argument(
         "--gateway-counts", default="1,2", help="Comma-separated --gateways values to compare (default 1,2)."
     )
@@ -110,15 +110,15 @@ def run_node(gateways: int, args, levels: list[int], window: float, small_count:
     server = ServeProcess(
         "pool",
         workers,
-        itl_ms=bench_streams.EMISSION_MS,
-        extra=("--gateways", str(gateways), *bench_streams.serve_args(max(levels))),
+        itl_ms=stream_load.EMISSION_MS,
+        extra=("--gateways", str(gateways), *stream_load.serve_args(max(levels))),
     )
     try:
         gateway_pids(server, gateways)
         row["streams"] = []
         for streams in levels:
             print(f"gateways: {gateways} gateway(s), {streams} streams ...", file=sys.stderr, flush=True)
-            row["streams"].append(bench_streams.run_level(server, streams, window, 1, word_id))
+            row["streams"].append(stream_load.run_level(server, streams, window, 1, word_id))
     finally:
         server.close()
     return row
@@ -132,10 +132,10 @@ def run(args) -> int:
     levels = [int(x) for x in (args.levels or ("2048" if args.quick else "1024,2048")).split(",") if x]
     window = args.window or (3.0 if args.quick else 8.0)
     small_count = 300 if args.quick else 3000
-    word_id = bench_streams.echo_word_id()
+    word_id = stream_load.echo_word_id()
     report = {
         "cores": os.cpu_count(),
-        "emission_ms": bench_streams.EMISSION_MS,
+        "emission_ms": stream_load.EMISSION_MS,
         "window_s": window,
         "small_requests_per_level": small_count,
         "nodes": [],

@@ -18,7 +18,7 @@ import time
 
 from tokenmill.bench.common import pct, rnd
 from tokenmill.bench.servers import ServeProcess
-from tokenmill.bench.streams import EMISSION_MS, _client, echo_word_id, serve_args
+from tokenmill.bench.stream_load import EMISSION_MS, echo_word_id, serve_args, stream_client
 
 STREAMS = 256
 TOKENS = 400  # per stream: 8 s at 20 ms
@@ -35,7 +35,7 @@ def _round(server: ServeProcess, word_id: int, kill: bool) -> dict:
     ramp = min(2.0, 0.002 * STREAMS)
     procs = []
     for _ in range(2):
-        p = ctx.Process(target=_client, args=(server.port, STREAMS // 2, body, ramp, stop_at, 0.0, 0.0, out))
+        p = ctx.Process(target=stream_client, args=(server.port, STREAMS // 2, body, ramp, stop_at, 0.0, 0.0, out))
         p.start()
         procs.append(p)
     killed_at, victim = None, None

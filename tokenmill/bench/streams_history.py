@@ -15,7 +15,7 @@ import sys
 
 from tokenmill.bench.common import rnd
 from tokenmill.bench.servers import ServeProcess
-from tokenmill.bench.streams import EMISSION_MS, echo_word_id, print_report, run_level, serve_args
+from tokenmill.bench.stream_load import EMISSION_MS, echo_word_id, print_report, run_level, serve_args
 
 MODES = {"history": (), "no history": ("--stream-history-bytes", "0")}
 
