@@ -91,11 +91,13 @@ def add_arguments(parser) -> None:
     add_vllm_options(parser)
 
 
-# ---- the workload ----------------------------------------------------------------------------
+# ---- the conversations' load -----------------------------------------------------------------
 
 
 @dataclass
-class Workload:
+class ConversationLoad:
+    """The agent conversations replayed: how many, their turns, the tokens each turn appends, how many at once."""
+
     conversations: int
     turns: int
     min_tokens: int
@@ -104,7 +106,7 @@ class Workload:
     output_tokens: int
 
 
-def workload(args, engine: str) -> Workload:
+def conversation_load(args, engine: str) -> ConversationLoad:
     quick = args.quick
     if engine == "sim":
         conv, turns, lo, hi, conc = (5, 8, 800, 1600, 3) if quick else (9, 16, 1500, 3000, 4)
@@ -112,10 +114,10 @@ def workload(args, engine: str) -> Workload:
         conv, turns, lo, hi, conc = (5, 8, 150, 300, 3) if quick else (7, 12, 400, 800, 3)
     if args.append_tokens:
         lo, hi = (int(x) for x in args.append_tokens.split("-"))
-    return Workload(args.conversations or conv, args.turns or turns, lo, hi, args.concurrency or conc, 8)
+    return ConversationLoad(args.conversations or conv, args.turns or turns, lo, hi, args.concurrency or conc, 8)
 
 
-def transcripts(w: Workload) -> list[list[tuple[str, str]]]:
+def transcripts(w: ConversationLoad) -> list[list[tuple[str, str]]]:
     """Per conversation, per turn: (the tool output the user turn carries, the assistant's note after it).
     Consecutive slices of Python's standard library: every tool output is different text."""
     text = corpus(w.conversations * w.turns * w.max_tokens * 4 + 100_000)
@@ -386,7 +388,7 @@ def _turn(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
     }
 
 
-def replay(front: Front, run: int, scripts: list, w: Workload) -> tuple[list[list[dict]], float]:
+def replay(front: Front, run: int, scripts: list, w: ConversationLoad) -> tuple[list[list[dict]], float]:
     """Every conversation in its own thread, turn after turn; at most w.concurrency requests in flight."""
     results: list[list[dict]] = [[] for _ in scripts]
     gate = threading.BoundedSemaphore(w.concurrency)
@@ -408,7 +410,7 @@ def replay(front: Front, run: int, scripts: list, w: Workload) -> tuple[list[lis
     return results, time.perf_counter() - t0
 
 
-def tokenized(front: Front, run: int, scripts: list, w: Workload) -> list[list[list[int]]]:
+def tokenized(front: Front, run: int, scripts: list, w: ConversationLoad) -> list[list[list[int]]]:
     """The prompt token IDs of every turn, as the engines got them (after the replay: /tokenize warms
     the gateway's tokenization cache)."""
     out = []
@@ -488,7 +490,7 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    w = workload(args, engine)
+    w = conversation_load(args, engine)
     block, keep_last = (SIM_BLOCK, False) if engine == "sim" else (VLLM_BLOCK, True)
     scripts = transcripts(w)
     workdir = Path(tempfile.mkdtemp(prefix="tmdp-"))  # short: ipc paths are limited to ~100 bytes

@@ -143,7 +143,9 @@ REASONING_TEXTS: dict[str, tuple[Callable[[str], str], str, dict]] = {
 
 
 @dataclass
-class Workload:
+class ParserCase:
+    """One parser on one generated output, cut into the text each token adds, and what it must yield."""
+
     kind: str  # "tool" or "reasoning"
     name: str  # the parser's name in that registry
     size: int  # the nominal length in tokens
@@ -175,7 +177,7 @@ def sized(build: Callable[[int], str], tokens: int, tokenizer) -> tuple[int, str
     return chars, text, pieces
 
 
-def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
+def parser_cases(formats: set[str] | None, sizes: list[int]) -> list[ParserCase]:
     from tokenmill.tokenizer_workers.model import load_model
     from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -196,18 +198,18 @@ def workloads(formats: set[str] | None, sizes: list[int]) -> list[Workload]:
                     chars, text, pieces = sized(
                         lambda n, name=name: TOOL_TEXTS[name](file_args(source[:n])), size, tokenizer
                     )
-                    out.append(Workload(kind, name, size, text, pieces, "", {}, file_args(source[:chars])))
+                    out.append(ParserCase(kind, name, size, text, pieces, "", {}, file_args(source[:chars])))
                 else:
                     build, prompt, kwargs = REASONING_TEXTS[name]
                     chars, text, pieces = sized(lambda n, build=build: build(source[:n].strip()), size, tokenizer)
-                    out.append(Workload(kind, name, size, text, pieces, prompt, kwargs, source[:chars].strip()))
+                    out.append(ParserCase(kind, name, size, text, pieces, prompt, kwargs, source[:chars].strip()))
     return out
 
 
 # ---- tokenmill's side -----------------------------------------------------------------------
 
 
-def make_parser(w: Workload):
+def make_parser(w: ParserCase):
     from tokenmill.tokenizer_workers.output_parsers import ParserChoice, reasoning_parser_class, tool_parser_class
 
     if w.kind == "tool":
@@ -215,7 +217,7 @@ def make_parser(w: Workload):
     return ParserChoice(None, reasoning_parser_class(w.name)).make(None, w.prompt)
 
 
-def check(w: Workload) -> None:
+def check(w: ParserCase) -> None:
     """The parser must read the generated output as the generator meant it: a broken generator
     (or parser) would time a different path, so it fails the bench."""
     from tokenmill.tokenizer_workers.output_parsers import CALL, CONTENT, REASONING, join_pieces
@@ -238,7 +240,7 @@ def check(w: Workload) -> None:
         assert text[CONTENT] == ANSWER, f"{where}: wrong content {text[CONTENT][:200]!r}"
 
 
-def time_tokenmill(w: Workload) -> float:
+def time_tokenmill(w: ParserCase) -> float:
     """Microseconds per token: ``feed`` of every piece plus ``finish``, best of RUNS."""
     best = float("inf")
     for _ in range(RUNS):
@@ -255,7 +257,7 @@ def time_tokenmill(w: Workload) -> float:
 # ---- vLLM's side ----------------------------------------------------------------------------
 
 
-def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
+def run_vllm(cases: list[ParserCase]) -> tuple[str | None, dict]:
     """vLLM's version and {(kind, name, size): result} from parsers_vllm.py in the vLLM venv,
     or (None, {}) where there is no vLLM venv."""
     from tokenmill.tokenizer_workers.output_parsers import reasoning_parser_class, tool_parser_class
@@ -265,7 +267,7 @@ def run_vllm(loads: list[Workload]) -> tuple[str | None, dict]:
         print(f"no vLLM venv at {VLLM_VENV}: tokenmill only", file=sys.stderr)
         return None, {}
     cases = []
-    for w in loads:
+    for w in cases:
         cls = tool_parser_class(w.name) if w.kind == "tool" else reasoning_parser_class(w.name)
         cases.append(
             {
@@ -332,8 +334,8 @@ def run(args) -> int:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     formats = {f for f in (args.formats or "").split(",") if f} or None
     started = time.perf_counter()
-    loads = workloads(formats, sizes)
-    if not loads:
+    cases = parser_cases(formats, sizes)
+    if not cases:
         raise SystemExit(f"bench parsers: no format named {args.formats!r}")
     report: dict = {
         "tokens": sizes,
@@ -341,16 +343,16 @@ def run(args) -> int:
         "reasoning": {},
         "versions": {"tokenmill": importlib.metadata.version("tokenmill"), "vllm": None},
     }
-    for w in loads:
+    for w in cases:
         check(w)
         row = report[w.kind].setdefault(w.name, {"tokenmill_us_per_token": {}, "vllm_us_per_token": {}})
         row["tokenmill_us_per_token"][str(w.size)] = round(time_tokenmill(w), 3)
     print(f"tokenmill's parsers timed in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     notes = []
     if not args.no_vllm:
-        report["versions"]["vllm"], results = run_vllm(loads)
+        report["versions"]["vllm"], results = run_vllm(cases)
     if report["versions"]["vllm"]:
-        for w in loads:
+        for w in cases:
             r = results.get((w.kind, w.name, w.size), {"error": "no result"})
             report[w.kind][w.name]["vllm_us_per_token"][str(w.size)] = r.get("us_per_token")
             why = r.get("error") or r.get("skipped") or r.get("note")
