@@ -91,7 +91,9 @@ class _Link:
     streams: set = field(default_factory=set)  # request ids whose decoder state this gateway opened
 
 
-class Worker:
+class TokenizerWorker:
+    """The worker process itself: its IO thread's loop over the gateways' links, and its conversion threads."""
+
     HEARTBEAT_S = RemoteWorkerLink.HEARTBEAT_S
     HELLO_EVERY_S = RemoteWorkerLink.HELLO_EVERY_S
     MAX_PLACEMENTS = 65536  # conversations whose scheduler rank this worker remembers (oldest forgotten)
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     settings = msgspec.json.decode(os.environ.get(SETTINGS_ENV, "{}"), type=ConverterSettings)
     try:
-        worker = Worker(
+        worker = TokenizerWorker(
             args.index,
             args.link_fd,
             settings,

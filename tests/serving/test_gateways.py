@@ -230,7 +230,7 @@ def test_a_shared_worker_tells_each_gateway_when_others_jobs_hold_its_threads():
     of the others, and tells a gateway (WorkerBusy) only when that changes: busy while any thread
     converts another gateway's job, free when none does, never busy for its own jobs."""
     from tokenmill.tokenizer_workers import messages
-    from tokenmill.tokenizer_workers.worker import Worker, _Link
+    from tokenmill.tokenizer_workers.worker import TokenizerWorker, _Link
 
     class Sock:
         def __init__(self):
@@ -239,7 +239,7 @@ def test_a_shared_worker_tells_each_gateway_when_others_jobs_hold_its_threads():
         def send(self, data, flags=0):
             self.told.append(messages.from_worker.decode(data).busy)
 
-    worker = Worker(0, -1, None, conversion_threads=2)
+    worker = TokenizerWorker(0, -1, None, conversion_threads=2)
     a, b, c = (_Link(Sock(), name, 0, joined=True, beats=name != "a") for name in "abc")
     worker.links = [a, b, c]
 

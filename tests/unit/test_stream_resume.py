@@ -17,7 +17,7 @@ from tokenmill.tokenizer_workers.detokenizer import Detokenizer
 from tokenmill.tokenizer_workers.logprobs import TokenTexts
 from tokenmill.tokenizer_workers.resume import UnknownSpec, decode_spec, encode_spec
 from tokenmill.tokenizer_workers.settings import ConverterSettings
-from tokenmill.tokenizer_workers.worker import Worker
+from tokenmill.tokenizer_workers.worker import TokenizerWorker
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -108,7 +108,7 @@ def test_a_rebuilt_stream_goes_on_as_the_original(converter, kind, extra):
 
 
 def test_a_stream_that_cannot_be_rebuilt_fails_alone_with_a_reason(converter):
-    worker = Worker.__new__(Worker)
+    worker = TokenizerWorker.__new__(TokenizerWorker)
     worker.index, worker.converter = 0, converter
     worker.detokenizer = _detokenizer(converter)
     link = type("Link", (), {"beats": False})()

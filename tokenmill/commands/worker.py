@@ -54,7 +54,7 @@ def run(args) -> int:
 
     os.environ.update(ONE_BLAS_THREAD)  # before the worker's modules import numpy
     from tokenmill.tokenizer_workers.remote_link import RemoteWorkerLink
-    from tokenmill.tokenizer_workers.worker import Worker
+    from tokenmill.tokenizer_workers.worker import TokenizerWorker
 
     require_secure(args.connect, "The gateway's worker", args.insecure_tcp, bool(args.keys))
     logging.basicConfig(
@@ -66,7 +66,7 @@ def run(args) -> int:
     sys.setswitchinterval(0.001)  # as the gateway's own workers: detokenization never waits long
     link = RemoteWorkerLink(args.keys, args.model)
     logging.getLogger("tokenmill.worker").info("joining the gateway at %s as %s", args.connect, link.identity.decode())
-    Worker(
+    TokenizerWorker(
         -1,
         args.connect,
         None,
