@@ -497,7 +497,8 @@ class SchedulerServer:
                     ERR_UNSUPPORTED,
                     param,
                 )
-        self._validate_11(gen)
+        self._validate_ranges(gen)
+        self._validate_sampling_token_ids(gen)
         buf = extra[0].buffer
         if len(buf) != 4 * gen.prompt_token_count:
             raise Rejected(
@@ -574,8 +575,9 @@ class SchedulerServer:
                 param="images",
             ) from None
 
-    def _validate_11(self, gen: Generate) -> None:
-        """Ranges of the 1.1 fields (their use was checked against ``features`` already)."""
+    def _validate_ranges(self, gen: Generate) -> None:
+        """min_p, repetition_penalty, min_tokens, logprobs, prompt_logprobs, structured, priority and
+        cache_salt hold values the protocol allows (their use was checked against ``features`` already)."""
         s = gen.sampling
         if not 0.0 <= s.min_p <= 1.0:
             raise Rejected("sampling.min_p must be in [0, 1]", param="sampling.min_p")
@@ -583,6 +585,25 @@ class SchedulerServer:
             raise Rejected("sampling.repetition_penalty must be > 0", param="sampling.repetition_penalty")
         if s.min_tokens < 0:
             raise Rejected("sampling.min_tokens must be >= 0", param="sampling.min_tokens")
+        if gen.logprobs is not None and not 0 <= gen.logprobs <= self.max_logprobs:
+            raise Rejected(f"logprobs must be in [0, {self.max_logprobs}]", param="logprobs")
+        if gen.prompt_logprobs is not None and not 0 <= gen.prompt_logprobs <= self.max_logprobs:
+            raise Rejected(f"prompt_logprobs must be in [0, {self.max_logprobs}]", param="prompt_logprobs")
+        if gen.structured is not None:
+            kind = gen.structured.kind
+            if kind not in STRUCTURED_KINDS:
+                raise Rejected(f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}", param="structured")
+            if kind == "choice" and not gen.structured.choices:
+                raise Rejected("structured choice needs at least one choice", param="structured")
+        if not -(2**63) <= gen.priority < 2**63:
+            raise Rejected("priority must be a signed 64-bit integer", param="priority")
+        if gen.cache_salt is not None and not gen.cache_salt:
+            raise Rejected("cache_salt must not be empty", param="cache_salt")
+
+    def _validate_sampling_token_ids(self, gen: Generate) -> None:
+        """The sampling fields that name token IDs (logit_bias, allowed_token_ids, bad_words) name IDs
+        in the vocabulary, and logit_bias's biases lie in [-100, 100]."""
+        s = gen.sampling
         vocab_size = self.vocab_size
         for token, bias in s.logit_bias.items():
             if token < 0 or (vocab_size is not None and token >= vocab_size) or not -100.0 <= bias <= 100.0:
@@ -591,24 +612,6 @@ class SchedulerServer:
                     "biases in [-100, 100]",
                     param="sampling.logit_bias",
                 )
-        if gen.logprobs is not None and not 0 <= gen.logprobs <= self.max_logprobs:
-            raise Rejected(f"logprobs must be in [0, {self.max_logprobs}]", param="logprobs")
-        if gen.structured is not None:
-            kind = gen.structured.kind
-            if kind not in STRUCTURED_KINDS:
-                raise Rejected(f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}", param="structured")
-            if kind == "choice" and not gen.structured.choices:
-                raise Rejected("structured choice needs at least one choice", param="structured")
-        self._validate_12(gen)
-
-    def _validate_12(self, gen: Generate) -> None:
-        """Ranges of the 1.2 fields (their use was checked against ``features`` already)."""
-        if not -(2**63) <= gen.priority < 2**63:
-            raise Rejected("priority must be a signed 64-bit integer", param="priority")
-        if gen.cache_salt is not None and not gen.cache_salt:
-            raise Rejected("cache_salt must not be empty", param="cache_salt")
-        s = gen.sampling
-        vocab_size = self.vocab_size
         if s.allowed_token_ids is not None:
             if not s.allowed_token_ids:
                 raise Rejected("sampling.allowed_token_ids must not be empty", param="sampling.allowed_token_ids")
@@ -622,8 +625,6 @@ class SchedulerServer:
                     "sampling.bad_words must be non-empty sequences of token IDs in the vocabulary",
                     param="sampling.bad_words",
                 )
-        if gen.prompt_logprobs is not None and not 0 <= gen.prompt_logprobs <= self.max_logprobs:
-            raise Rejected(f"prompt_logprobs must be in [0, {self.max_logprobs}]", param="prompt_logprobs")
 
     # ------------------------------------------------------------------ stats
 
