@@ -12,9 +12,10 @@ import time
 from array import array
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from tokenmill.gateway import stream_events as ev
+from tokenmill.gateway.scheduler_ranks import SchedulerRanks
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.client import SchedulerUnavailable
 from tokenmill.tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
@@ -75,12 +76,30 @@ class Generation:
         return all(c.done for c in self.choices)
 
 
+class StreamHolders(Protocol):
+    """What the table asks of whoever holds its streams' decoders: the worker pool, or for the baselines'
+    modes an in-process converter (which never loses a worker)."""
+
+    def detokenize(self, owner: int, items: list[DetokItem]) -> None: ...
+    def ended(self, owner: int, request_id: str) -> None: ...
+    def release(self, owner: int, request_ids: list[str]) -> None: ...
+    def want_pixels(self, owner: int, request_id: str, content_hashes: list[str]) -> None: ...
+    def died_since(self, owner: int, deaths: int) -> bool: ...
+    def stream_owner(self, exclude: int) -> int | None: ...
+    def rehome(self, owner: int, affinity: int | None) -> None: ...
+    def resume(self, owner: int, streams: list[ResumeStream]) -> None: ...
+
+
 class Generations:
+    """Every live generation by request id. Made before the stream holders and the scheduler ranks, which
+    report to it (on_detok, on_outputs, ...); ``attach`` hands it both once they exist."""
+
     MAX_FAILOVERS = 3  # a request whose streams moved this often fails rather than move again
 
-    def __init__(self, conversion, scheduler, metrics=None, max_buffered: int = 0, history_cap: int = 0):
-        self.conversion = conversion  # WorkerPool or an in-process equivalent
-        self.scheduler = scheduler  # SchedulerRanks
+    conversion: StreamHolders
+    scheduler: SchedulerRanks
+
+    def __init__(self, metrics=None, max_buffered: int = 0, history_cap: int = 0):
         self.metrics = metrics
         self.max_buffered = max_buffered  # text a client may leave unread before its request is aborted (0: no limit)
         # bytes of token history one choice may hold to be resumable on another worker (0: no failover)
@@ -90,6 +109,10 @@ class Generations:
         self.live: set[Generation] = set()
         if metrics is not None:
             metrics.stream_history_bytes.set_function(lambda: self.history_bytes)
+
+    def attach(self, conversion: StreamHolders, scheduler: SchedulerRanks) -> None:
+        self.conversion = conversion
+        self.scheduler = scheduler
 
     def __len__(self) -> int:
         return len(self.live)
@@ -102,8 +125,7 @@ class Generations:
             self.by_request[choice.request_id] = (gen, choice)
             if self.history_cap and choice.resume is not None:
                 choice.history, choice.chunks, choice.inflight = bytearray(), array("I"), deque()
-        died_since = getattr(self.conversion, "died_since", None)
-        if died_since is not None and died_since(gen.owner, gen.owner_deaths):
+        if self.conversion.died_since(gen.owner, gen.owner_deaths):
             moving: dict[int, list[ResumeStream]] = defaultdict(list)
             self._move(gen, gen.owner, moving)  # it died between converting and now: move (or fail) at once
             for new_owner, streams in moving.items():

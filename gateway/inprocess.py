@@ -86,5 +86,17 @@ class InProcessConversion:
     def want_pixels(self, owner: int, request_id: str, content_hashes: list[str]) -> None:
         self.on_pixels(request_id, self.converter.pixel_frames(content_hashes))
 
+    def died_since(self, owner: int, deaths: int) -> bool:
+        return False  # this process converts and detokenizes: no worker to lose
+
+    def stream_owner(self, exclude: int) -> int | None:
+        return None
+
+    def rehome(self, owner: int, affinity: int | None) -> None:
+        pass
+
+    def resume(self, owner: int, streams) -> None:
+        raise RuntimeError("an in-process converter has no streams to move")
+
     def release(self, owner: int, request_ids) -> None:
         self.detokenizer.release(request_ids)

@@ -29,6 +29,7 @@ from tokenmill.gateway.http_protocol import protocol_class
 from tokenmill.gateway.listener import Acceptor, listen_sockets
 from tokenmill.gateway.metrics import Metrics
 from tokenmill.gateway.metrics_merge import merge_expositions
+from tokenmill.gateway.pool_settings import PoolSettings
 from tokenmill.gateway.scheduler_ranks import SchedulerRanks
 from tokenmill.gateway.settings import ServeSettings
 from tokenmill.gateway.siblings import MetricsExchange, SiblingGateways
@@ -107,6 +108,32 @@ class Gateway:
     def is_ready(self) -> bool:
         return not self.draining and self.conversion.alive > 0 and self.scheduler.connected
 
+    def pool_settings(self) -> PoolSettings:
+        """The workers' pool as the settings ask; gateways 1..N-1 of --gateways N spawn none: the node's
+        workers (gateway 0's) join each of them at its own endpoint."""
+        s = self.settings
+        return PoolSettings(
+            size=0 if self.sibling else s.workers,
+            max_queued=s.max_queued_conversions,
+            max_queued_bytes=s.max_queued_bytes,
+            conversion_timeout=s.conversion_timeout,
+            memory_limit_mb=s.worker_memory_limit_mb,
+            conversion_threads=s.conversion_threads,
+            conversion_nice=s.conversion_nice,
+            group_nice=s.worker_group_nice,
+            io_rt_priority=s.loop_rt_priority,
+            affinity=s.affinity,
+            quick_bytes=s.quick_conversion_bytes,
+            quick_turn_bytes=s.quick_turn_bytes,
+            remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index)
+            if self.sibling
+            else s.remote_workers,
+            remote_timeout=s.remote_worker_timeout,
+            attach=()
+            if self.sibling
+            else tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),
+        )
+
     def converter_settings(self) -> ConverterSettings:
         s = self.settings
         return ConverterSettings(
@@ -164,29 +191,13 @@ class Gateway:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])
         self.generations = Generations(
-            None, None, self.metrics, max_buffered=s.stream_buffer_limit, history_cap=s.stream_history_bytes
+            self.metrics, max_buffered=s.stream_buffer_limit, history_cap=s.stream_history_bytes
         )
         g = self.generations
-        if self.sibling:  # no workers of its own: the node's workers join it
-            self.conversion = WorkerPool(
-                0,
-                self.converter_settings(),
-                g.on_detok,
-                g.on_owner_lost,
-                max_queued=s.max_queued_conversions,
-                max_queued_bytes=s.max_queued_bytes,
-                conversion_timeout=s.conversion_timeout,
-                affinity=s.affinity,
-                quick_bytes=s.quick_conversion_bytes,
-                quick_turn_bytes=s.quick_turn_bytes,
-                metrics=self.metrics,
-                remote_endpoint=siblings.worker_endpoint(self.runtime_dir, self.index),
-                remote_timeout=s.remote_worker_timeout,
-            )
-        elif s.conversion_mode == "pool":
+        if self.sibling or s.conversion_mode == "pool":
             ctx = zmq.asyncio.Context.instance()
             remote_security = None
-            if s.remote_workers:
+            if s.remote_workers and not self.sibling:
                 require_secure(s.remote_workers, "The remote workers'", s.insecure_tcp, bool(s.curve_keys_dir))
                 if s.curve_keys_dir and s.remote_workers.startswith("tcp://"):
                     remote_security = RemoteWorkerSecurity(
@@ -195,26 +206,13 @@ class Gateway:
                         lambda reason: self.metrics.remote_worker_refusals.labels(reason=reason).inc(),
                     )
             self.conversion = WorkerPool(
-                s.workers,
+                self.pool_settings(),
                 self.converter_settings(),
                 g.on_detok,
                 g.on_owner_lost,
-                max_queued=s.max_queued_conversions,
-                max_queued_bytes=s.max_queued_bytes,
-                conversion_timeout=s.conversion_timeout,
-                memory_limit_mb=s.worker_memory_limit_mb,
-                conversion_threads=s.conversion_threads,
-                conversion_nice=s.conversion_nice,
-                group_nice=s.worker_group_nice,
-                io_rt_priority=s.loop_rt_priority,
-                affinity=s.affinity,
-                quick_bytes=s.quick_conversion_bytes,
-                quick_turn_bytes=s.quick_turn_bytes,
                 metrics=self.metrics,
-                remote_endpoint=s.remote_workers,
+                ctx=ctx,
                 remote_security=remote_security,
-                remote_timeout=s.remote_worker_timeout,
-                attach=tuple(siblings.worker_endpoint(self.runtime_dir, k) for k in range(1, s.gateways)),
             )
         else:  # the baselines' modes convert in this process: only they load the converter here
             from tokenmill.gateway.inprocess import InProcessConversion
@@ -231,7 +229,7 @@ class Gateway:
             curve=scheduler_keys,
             policy=s.dp_policy,
         )
-        g.conversion, g.scheduler = self.conversion, self.scheduler
+        g.attach(self.conversion, self.scheduler)
         self.conversion.on_pixels = g.on_pixels
         # several gateways in front of several ranks: each turn's rank goes to the conversation's worker,
         # which the other gateways also ask, so a turn finds its history whichever gateway takes it

@@ -28,6 +28,7 @@ import msgspec
 import zmq.asyncio
 
 from tokenmill.gateway.dispatch import Dispatcher, Job
+from tokenmill.gateway.pool_settings import PoolSettings
 from tokenmill.gateway.remote_workers import RemoteWorkers
 from tokenmill.gateway.request_body import RequestBody
 from tokenmill.gateway.worker_supervision import LocalWorkers, Worker
@@ -63,38 +64,24 @@ class _Conversion(Job):
 class WorkerPool:
     def __init__(
         self,
-        size: int,
+        pool: PoolSettings,
         settings: ConverterSettings,
         on_detok: Callable[[m.DetokOut], None],
         on_owner_lost: Callable[[int, set], None],
         *,
-        max_queued: int = 1024,
-        max_queued_bytes: int = 1 << 30,
-        conversion_timeout: float = 60.0,
-        memory_limit_mb: int = 0,
-        conversion_threads: int = 2,
-        conversion_nice: int = 0,
-        group_nice: int = 0,
-        io_rt_priority: int = 0,
-        affinity: bool = True,
-        quick_bytes: int = 8192,
-        quick_depth: int = 16,
-        quick_turn_bytes: int = 65536,
         metrics=None,
         ctx: zmq.asyncio.Context | None = None,
-        remote_endpoint: str | None = None,
         remote_security=None,
-        remote_timeout: float = 5.0,
-        attach: tuple[str, ...] = (),
     ):
+        size = pool.size
         self.size = size
         self.settings = settings
         self.on_detok = on_detok
         self.on_owner_lost = on_owner_lost
         self.on_pixels: Callable[[str, list | None], None] = lambda request_id, frames: None  # Generations'
-        self.max_queued = max_queued
-        self.max_queued_bytes = max_queued_bytes
-        self.conversion_timeout = conversion_timeout
+        self.max_queued = pool.max_queued
+        self.max_queued_bytes = pool.max_queued_bytes
+        self.conversion_timeout = pool.conversion_timeout
         self.metrics = metrics
         self.workers = [Worker(i, f"w{i}".encode()) for i in range(size)]
         self.by_identity = {w.identity: w for w in self.workers}
@@ -102,26 +89,21 @@ class WorkerPool:
             size,
             self._deliver,
             self._dispatch_later,
-            affinity=affinity,
-            quick_bytes=quick_bytes,
-            quick_depth=quick_depth,
-            quick_turn_bytes=quick_turn_bytes,
+            affinity=pool.affinity,
+            quick_bytes=pool.quick_bytes,
+            quick_depth=pool.quick_depth,
+            quick_turn_bytes=pool.quick_turn_bytes,
         )
         self.local = LocalWorkers(
             settings,
             self._on_message,
             lambda worker: self.policy.worker_starting(worker.index),
             self._on_worker_death,
-            memory_limit_mb=memory_limit_mb,
-            conversion_threads=conversion_threads,
-            conversion_nice=conversion_nice,
-            group_nice=group_nice,
-            io_rt_priority=io_rt_priority,
-            attach=attach,
+            pool,
             metrics=metrics,
         )
         self.remote = RemoteWorkers(
-            remote_endpoint,
+            pool.remote_endpoint,
             settings,
             self.workers,
             self.by_identity,
@@ -131,7 +113,7 @@ class WorkerPool:
             self._on_worker_death,
             size=size,
             security=remote_security,
-            timeout=remote_timeout,
+            timeout=pool.remote_timeout,
             ctx=ctx,
             metrics=metrics,
         )

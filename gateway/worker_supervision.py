@@ -19,6 +19,7 @@ from typing import Callable
 import msgspec
 import zmq
 
+from tokenmill.gateway.pool_settings import PoolSettings
 from tokenmill.process.procutil import ONE_BLAS_THREAD, child_env
 from tokenmill.tokenizer_workers.images import shared_memory
 from tokenmill.tokenizer_workers.settings import SETTINGS_ENV, ConverterSettings
@@ -75,25 +76,15 @@ class LocalWorkers:
         on_message: Callable[[PipeLink, bytes, list], None],
         on_spawn: Callable[[Worker], None],
         on_exit: Callable[[Worker], None],
+        pool: PoolSettings,
         *,
-        memory_limit_mb: int = 0,
-        conversion_threads: int = 2,
-        conversion_nice: int = 0,
-        group_nice: int = 0,
-        io_rt_priority: int = 0,
-        attach: tuple[str, ...] = (),
         metrics=None,
     ):
         self.settings = settings
         self.on_message = on_message
         self.on_spawn = on_spawn
         self.on_exit = on_exit
-        self.memory_limit_mb = memory_limit_mb
-        self.conversion_threads = conversion_threads  # of each worker this gateway spawns
-        self.conversion_nice = conversion_nice
-        self.group_nice = group_nice  # of each worker's session (autogroup)
-        self.io_rt_priority = io_rt_priority  # SCHED_FIFO for each worker's IO thread where permitted
-        self.attach = attach  # the node's other gateways (--gateways N), which each worker joins too
+        self.pool = pool  # each spawned worker's limits, threads, niceness and the gateways it joins
         self.metrics = metrics
         self.workers: list[Worker] = []  # those spawned here
         self.closing = False
@@ -126,16 +117,16 @@ class LocalWorkers:
                 "--index",
                 str(worker.index),
                 "--memory-limit-mb",
-                str(self.memory_limit_mb),
+                str(self.pool.memory_limit_mb),
                 "--conversion-threads",
-                str(self.conversion_threads),
+                str(self.pool.conversion_threads),
                 "--conversion-nice",
-                str(self.conversion_nice),
+                str(self.pool.conversion_nice),
                 "--group-nice",
-                str(self.group_nice),
+                str(self.pool.group_nice),
                 "--io-rt-priority",
-                str(self.io_rt_priority),
-                *(arg for endpoint in self.attach for arg in ("--attach", endpoint)),
+                str(self.pool.io_rt_priority),
+                *(arg for endpoint in self.pool.attach for arg in ("--attach", endpoint)),
                 env=env,
                 pass_fds=(theirs.fileno(),),
                 # a session of its own, so a scheduling group of its own (Linux autogroups): the CPU it
