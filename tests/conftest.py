@@ -69,7 +69,40 @@ def run_bench(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, s
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout)
-    return json.loads(out.read_text()), proc.stdout
+    report = json.loads(out.read_text())
+    problems = insane_figures(report)
+    assert not problems, "figures that cannot be right:\n" + "\n".join(problems)
+    return report, proc.stdout
+
+
+def insane_figures(report, path: str = "report") -> list[str]:
+    """What no measurement can give, wherever it stands in a bench report: a latency, duration, share or
+    rate below zero, or percentiles out of order (p50 <= p90 <= p99 <= max of one figure)."""
+    problems = []
+    if isinstance(report, dict):
+        for key, value in report.items():
+            where = f"{path}.{key}"
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if value != value:
+                    problems.append(f"{where} is NaN")
+                elif key.endswith(("_ms", "_s", "_per_s", "_share", "_ratio", "_mib")) and value < 0:
+                    problems.append(f"{where} = {value} < 0")
+            else:
+                problems += insane_figures(value, where)
+        for key in [k for k in report if "p99" in k]:  # gap_p99_ms, p99_ms, ...
+            head, tail = key.split("p99", 1)
+            ordered = [
+                (name, report[name])
+                for name in (f"{head}p50{tail}", f"{head}p90{tail}", key, f"{head}max{tail}")
+                if isinstance(report.get(name), (int, float))
+            ]
+            for (a, x), (b, y) in zip(ordered, ordered[1:]):
+                if x > y * 1.0001 + 1e-9:
+                    problems.append(f"{path}: {a} = {x} > {b} = {y}")
+    elif isinstance(report, list):
+        for i, item in enumerate(report):
+            problems += insane_figures(item, f"{path}[{i}]")
+    return problems
 
 
 def http(method: str, url: str, body=None, headers=None, timeout: float = 30.0):

@@ -1,5 +1,5 @@
 """`tokenmill bench gateways` runs end to end: one and two gateway processes on the same loads, every
-figure reported (values are not asserted, but both gateways must have been up and both nodes served)."""
+figure reported (figures sane, no speed asserted; both gateways must have been up and both nodes served)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`tokenmill bench streams` runs end to end and reports every figure (values are not asserted)."""
+"""`tokenmill bench streams` runs end to end and reports every figure, each one sane (conftest.run_bench)."""
 
 from __future__ import annotations
 
@@ -31,4 +31,6 @@ def test_bench_streams_json_has_every_row_and_key(tmp_path):
         assert ROW_KEYS <= set(row), sorted(ROW_KEYS - set(row))
         assert row["errors"] == [], row
         assert row["delivered_tokens_per_s"] > 0
+        if row["slow_read_ms"] == 0:  # readers that keep up read what the gateway got (window edges aside)
+            assert 0.9 <= row["delivered_ratio"] <= 1.1, row
     assert "pool / inline" in stdout
