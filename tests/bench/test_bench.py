@@ -1,4 +1,4 @@
-"""`tokenmill bench --quick` runs end to end and reports every figure , each one sane (conftest.run_bench checks every report; no speed is asserted)."""
+"""`tokenmill bench --quick` runs end to end and reports every figure, each one sane (conftest.run_bench checks every report; no speed is asserted)."""
 
 from __future__ import annotations
 
