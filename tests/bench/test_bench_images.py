@@ -34,10 +34,3 @@ def test_one_round_of_image_chats_reports_every_figure(tmp_path, monkeypatch):
     assert figures["health_p50_ms"] <= figures["health_p99_ms"] <= figures["health_max_ms"]
     if figures["cpu_stall_max_ms"] is not None:  # real-time watchers ran (root): the clear maximum is one of the probes
         assert figures["health_max_clear_ms"] <= figures["health_max_ms"]
-
-
-def test_the_net_ratio_takes_the_idle_rate_off_each_turn():
-    """1 s of first turns at 10 ms CPU, 0.5 s of resends at 3 ms, an idle front at 2 ms per s: (3 - 1) / (10 - 2)."""
-    assert img._net_ratio({"first": 0.010, "resend": 0.003}, {"first": 1.0, "resend": 0.5}, 0.002) == 0.25
-    assert img._net_ratio({"first": 0.010, "resend": 0.0005}, {"first": 1.0, "resend": 0.5}, 0.002) == 0.0
-    assert img._net_ratio({"first": 0.001, "resend": 0.0}, {"first": 1.0, "resend": 0.5}, 0.002) is None

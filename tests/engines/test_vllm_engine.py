@@ -591,7 +591,7 @@ def test_token_outside_the_vocabulary_is_a_clean_400(stack):
 def test_vllm_validation_errors_reach_the_client(stack):
     """stop_token_ids outside the vocabulary: the gateway's workers refuse them (naming the field), as
     vLLM's server does; a front end that does not check gets vLLM's own message from the engine in the
-    protocol's error, which the gateway turns into a 400 carrying it (tests/engines/test_engine_bridges.py)."""
+    protocol's error, which the gateway turns into a 400 carrying it (tests/unit/test_engine_bridges.py)."""
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "stop_token_ids": [200000]}
     t = _error(http("POST", stack.front.url + "/v1/completions", body))
     v = _error(http("POST", stack.vllm.url + "/v1/completions", body))

@@ -4,7 +4,7 @@ No processes and no event loop: a recorder stands in for the pool, noting which 
 delivered to and when the policy asks to run again, and a clock that stands still dates the jobs.
 Which jobs an idle worker takes from a busy worker's lane and which it leaves for their owner
 (rent or buy), quick jobs on the workers' IO threads, conversion threads, lost workers. The same
-policy runs with real workers in test_loop_isolation.py and test_segment_cache.py.
+policy runs with real workers in test_loop_isolation.py and test_segment_cache_served.py.
 """
 
 from __future__ import annotations

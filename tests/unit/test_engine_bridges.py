@@ -36,12 +36,10 @@ Protocol 1.1 in the fakes, with the shapes the real engines use:
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
 from protocol_client import AsyncProtocolClient
 
 from tokenmill.engines import MissingBackend, backend_module
@@ -1564,36 +1562,6 @@ def test_missing_backend_names_the_extra(monkeypatch):
         backend.prepare()
     with pytest.raises(ValueError, match="unknown backend"):
         backend_module("tensorrt")
-
-
-def test_engine_command_reports_a_missing_backend(tmp_path):
-    """`tokenmill engine --backend vllm` without vLLM: exit 2 and a line naming the extra."""
-    try:
-        import vllm  # noqa: F401
-
-        pytest.skip("vLLM is installed here")
-    except ImportError:
-        pass
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenmill.cli",
-            "engine",
-            "--backend",
-            "vllm",
-            "--model",
-            "x",
-            "--bind",
-            f"ipc://{tmp_path}/e.sock",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "pip install 'tokenmill[vllm]'" in proc.stderr
 
 
 def test_vllm_prompt_logprobs_kv_transfer_params_and_extra_args():
