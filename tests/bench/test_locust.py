@@ -90,7 +90,7 @@ def tokenmill():
 
 
 def test_every_user_class_runs_clean(tokenmill, tmp_path):
-    code, output, stats, failures = run_locust(tokenmill.url, tmp_path, users=8, run_time="15s")
+    code, output, stats, failures = run_locust(tokenmill.url, tmp_path, users=8, run_time="6s")
     listed = [f"{f['Method']} {f['Name']}: {f['Error']} x{f['Occurrences']}" for f in failures]
     assert not failures, "failed requests:\n" + "\n".join(listed)
     failed = {key: row["Failure Count"] for key, row in stats.items() if int(row["Failure Count"])}
