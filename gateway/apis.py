@@ -93,22 +93,13 @@ class Api:
 
     def framer(self, model: str, done, choices, response_id: str):
         """The writer of this API's response objects and stream events for one request."""
-        prompt_ids = None
-        if done.prompt_token_ids:  # vLLM's return_token_ids: each choice's prompt (choices are prompt-major)
-            per_prompt = len(done.choices) // len(done.prompt_token_ids)
-            prompt_ids = [done.prompt_token_ids[i // per_prompt] for i in range(len(done.choices))]
         return fmt.Framer(
             self.kind,
-            response_id,
-            int(time.time()),
-            model,
-            done.include_usage,
-            done.continuous_usage,
-            [c.prompt_tokens for c in choices],
-            prompt_ids,
-            done.token_ids,
-            done.functions,
-            done.role,
+            done.completion,
+            response_id=response_id,
+            created=int(time.time()),
+            model=model,
+            prompt_tokens=[c.prompt_tokens for c in choices],
         )
 
 
@@ -152,9 +143,7 @@ class Responses(Api):
         return "resp_" + super().public_id(scope, done, server_id)[5:]
 
     def framer(self, model: str, done, choices, response_id: str):
-        return ResponsesFramer(
-            response_id, int(time.time()), model, done.response_fields, done.custom_tools, done.tool_namespaces
-        )
+        return ResponsesFramer(response_id, int(time.time()), model, done.responses)
 
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = Api(), Completions(), Messages(), Responses()

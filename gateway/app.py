@@ -22,7 +22,7 @@ from tokenmill.gateway.generations import Choice, Generation
 from tokenmill.gateway.request_body import RequestBody
 from tokenmill.gateway.worker_pool import ConversionRejected
 from tokenmill.scheduler_client.client import SchedulerUnavailable
-from tokenmill.tokenizer_workers.messages import ApiError
+from tokenmill.tokenizer_workers.messages import ApiError, CompletionShape, Timing
 
 _json = msgspec.json.Encoder()
 _JSON = [(b"content-type", b"application/json")]
@@ -34,17 +34,17 @@ class BodyTooLarge(Exception):
     pass
 
 
-def timing_headers(done) -> list:
+def timing_headers(timing: Timing) -> list:
     """Server-Timing (ms) and cache figures of the conversion, for clients and benchmarks."""
     parts = [
-        f"queue;dur={done.queue_s * 1000:.3f}",
-        f"render;dur={done.render_s * 1000:.3f}",
-        f"tokenize;dur={done.tokenize_s * 1000:.3f}",
-        f"tokenize-cpu;dur={done.tokenize_cpu_s * 1000:.3f}",
+        f"queue;dur={timing.queue_s * 1000:.3f}",
+        f"render;dur={timing.render_s * 1000:.3f}",
+        f"tokenize;dur={timing.tokenize_s * 1000:.3f}",
+        f"tokenize-cpu;dur={timing.tokenize_cpu_s * 1000:.3f}",
     ]
     headers = [(b"server-timing", ", ".join(parts).encode())]
-    if done.cache is not None:
-        headers.append((b"x-tokenmill-cached-prompt-tokens", str(done.cache.cached_tokens).encode()))
+    if timing.cache is not None:
+        headers.append((b"x-tokenmill-cached-prompt-tokens", str(timing.cache.cached_tokens).encode()))
     return headers
 
 
@@ -282,11 +282,7 @@ class App:
                     c.request_id,
                     c.prompt_tokens,
                     c.counts_prompt,
-                    calls_finish="stop"
-                    if done.forced_calls == "named"
-                    else "function_call"
-                    if done.functions
-                    else "tool_calls",
+                    calls_finish=done.calls_finish,
                     resume=done.resume[i] if done.resume else None,
                 )
                 for i, c in enumerate(done.choices)
@@ -333,10 +329,10 @@ class App:
         try:
             if done.stream:
                 await self._stream(
-                    gen, framer, send, endpoint, timing_headers(done), extensions.get("tokenmill.write_paused")
+                    gen, framer, send, endpoint, timing_headers(done.timing), extensions.get("tokenmill.write_paused")
                 )
             else:
-                await self._collect(gen, framer, send, endpoint, timing_headers(done), done)
+                await self._collect(gen, framer, send, endpoint, timing_headers(done.timing), done.completion)
         finally:
             watcher.cancel()
             gw.generations.cancel(gen)  # no-op when it finished; frees everything otherwise
@@ -425,11 +421,19 @@ class App:
         )
 
     async def _collect(
-        self, gen: Generation, framer: fmt.Framer, send, endpoint: str, extra_headers=(), done=None
+        self,
+        gen: Generation,
+        framer: fmt.Framer,
+        send,
+        endpoint: str,
+        extra_headers=(),
+        shape: CompletionShape | None = None,
     ) -> None:
+        """The whole response at the end; ``shape``: what chat and completions responses show beyond the
+        text (None for the APIs that show none of it)."""
         texts = [[] for _ in gen.choices]
-        logprobs = [[] for _ in gen.choices] if done is not None and done.logprobs else None
-        token_ids = [[] for _ in gen.choices] if done is not None and done.token_ids else None
+        logprobs = [[] for _ in gen.choices] if shape is not None and shape.logprobs else None
+        token_ids = [[] for _ in gen.choices] if shape is not None and shape.token_ids else None
         reasoning = [[] for _ in gen.choices]
         calls = [[] for _ in gen.choices]
         reasons = ["stop"] * len(gen.choices)
@@ -471,14 +475,14 @@ class App:
                 return
         prompt_logprobs = kv_transfer_params = None
         if (
-            done is not None and done.prompt_logprobs
+            shape is not None and shape.prompt_logprobs
         ):  # each choice shows its prompt's (the first choice of it got them)
             prompt_logprobs, current = [], None
             for c in gen.choices:
                 if c.counts_prompt:
                     current = c.prompt_logprobs
                 prompt_logprobs.append(current)
-        if done is not None and done.kv_transfer_params or any(c.kv_transfer_params is not None for c in gen.choices):
+        if shape is not None and shape.kv_transfer_params or any(c.kv_transfer_params is not None for c in gen.choices):
             kv_transfer_params = (gen.choices[0].kv_transfer_params,)  # as vLLM: the first prompt's
         body = framer.full(
             ["".join(t) for t in texts],
@@ -487,7 +491,6 @@ class App:
             ["".join(r) for r in reasoning],
             calls,
             logprobs,
-            forced_calls=bool(done is not None and done.forced_calls),
             token_ids=token_ids,
             stop_reasons=stop_reasons,
             prompt_logprobs=prompt_logprobs,

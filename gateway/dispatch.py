@@ -175,9 +175,10 @@ class Dispatcher:
             job = None  # a remote worker's answer to a job that has moved on to another worker since
         else:
             self.jobs.pop(done.job_id, None)
-        cache = done.cache
+        timing = done.timing
+        cache = timing.cache if timing is not None else None
         if job is not None and cache is not None and cache.cached_tokens == 0 and len(job.body) >= 16384:
-            rate = (done.render_s + done.tokenize_s) / len(job.body)  # a cold conversion: what a move costs
+            rate = (timing.render_s + timing.tokenize_s) / len(job.body)  # a cold conversion: what a move costs
             self.cold_s_per_byte += 0.2 * (rate - self.cold_s_per_byte)
         worker = self.workers[index]
         if worker.running.pop(done.job_id, None) is None:

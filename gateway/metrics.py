@@ -347,14 +347,15 @@ class Metrics:
         self._child(self._success, reason).inc()
 
     def observe_conversion(self, done: ConvertDone, worker: int = 0) -> None:
-        if done.error is not None:
+        timing = done.timing
+        if done.error is not None or timing is None:
             return
-        self.worker_queue_wait.observe(done.queue_s)
-        if done.render_s:
-            self.render_seconds.observe(done.render_s)
-        self.tokenize_seconds.observe(done.tokenize_s)
-        self.tokenize_cpu_seconds.inc(done.tokenize_cpu_s)
-        cache = done.cache
+        self.worker_queue_wait.observe(timing.queue_s)
+        if timing.render_s:
+            self.render_seconds.observe(timing.render_s)
+        self.tokenize_seconds.observe(timing.tokenize_s)
+        self.tokenize_cpu_seconds.inc(timing.tokenize_cpu_s)
+        cache = timing.cache
         if cache is not None:
             self.cache_hits.inc(cache.hits)
             self.cache_misses.inc(cache.misses)

@@ -6,7 +6,7 @@ import uuid
 
 import msgspec
 
-from tokenmill.tokenizer_workers.messages import ApiError
+from tokenmill.tokenizer_workers.messages import ApiError, CompletionShape
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -85,35 +85,31 @@ class Framer:
     """Builds the response objects of one request: chat.completion(.chunk) or text_completion."""
 
     def __init__(
-        self,
-        kind: str,
-        request_id: str,
-        created: int,
-        model: str,
-        include_usage: bool,
-        continuous_usage: bool = False,
-        prompt_tokens: list[int] | None = None,
-        prompt_ids: list[bytes] | None = None,
-        token_ids: bool = False,
-        functions: bool = False,
-        role: str = "assistant",
+        self, kind: str, shape: CompletionShape, *, response_id: str, created: int, model: str, prompt_tokens: list[int]
     ):
+        """``shape``: what the request asked the response to show (the worker's); ``prompt_tokens``: per choice."""
         self.chat = kind == "chat"
-        self.id = request_id
+        self.id = response_id
         self.created = created
         self.model = model
-        self.include_usage = include_usage
+        self.include_usage = shape.include_usage
         # vLLM's continuous_usage_stats: every chunk of choice i carries the usage of its prompt
         # (prompt_tokens[i]) and of its tokens generated up to that chunk
-        self.continuous_usage = continuous_usage
-        self.prompt_tokens = prompt_tokens or []
+        self.continuous_usage = shape.continuous_usage
+        self.prompt_tokens = prompt_tokens
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         # vLLM's return_token_ids: each choice's prompt token IDs (a JSON array; None when not asked), and
         # whether its chunks and choices carry their generated token IDs
+        prompt_ids = None
+        if shape.prompt_token_ids:  # one per prompt: each choice's (choices are prompt-major)
+            per_prompt = len(prompt_tokens) // len(shape.prompt_token_ids)
+            prompt_ids = [shape.prompt_token_ids[i // per_prompt] for i in range(len(prompt_tokens))]
         self.prompt_ids = prompt_ids
-        self.functions = functions  # OpenAI's legacy functions: a call is message.function_call / delta.function_call
-        self.token_ids = token_ids
-        self.role = role  # chat: the answer's role (vLLM: the last message's with add_generation_prompt false)
+        # OpenAI's legacy functions: a call is message.function_call / delta.function_call
+        self.functions = shape.functions
+        self.token_ids = shape.token_ids
+        self.role = shape.role  # chat: the answer's role (vLLM: the last message's with add_generation_prompt false)
+        self.forced_calls = shape.forced_calls  # a message with calls has content "", not null
         self._prompt_ids_due = set(range(len(prompt_ids))) if prompt_ids is not None and not self.chat else set()
         self._templates: dict = {}  # (kind, index) -> [the chunk's bytes around its text, after its usage]
 
@@ -296,7 +292,6 @@ class Framer:
         reasoning=None,
         calls=None,
         logprobs=None,
-        forced_calls: bool = False,
         token_ids=None,
         stop_reasons=None,
         prompt_logprobs=None,
@@ -317,7 +312,7 @@ class Framer:
                         t,
                         reasoning[i] if reasoning else "",
                         calls[i] if calls else (),
-                        forced_calls,
+                        self.forced_calls,
                         self.functions,
                         self.role,
                     ),

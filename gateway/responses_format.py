@@ -13,7 +13,7 @@ import uuid
 
 import msgspec
 
-from tokenmill.tokenizer_workers.messages import ApiError
+from tokenmill.tokenizer_workers.messages import ApiError, ResponsesShape
 
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
@@ -41,15 +41,13 @@ class ResponsesFramer:
     chat = True  # App._stream opens the stream with role_chunk: here response.created and .in_progress
     include_usage = False  # the usage goes in the terminal event, not in a chunk of its own
 
-    def __init__(
-        self, response_id: str, created: int, model: str, fields: bytes | None, custom_tools=(), namespaces=None
-    ):
+    def __init__(self, response_id: str, created: int, model: str, shape: ResponsesShape):
         self.id = response_id
         self.created = created
         self.model = model
-        self.fields = fields or b"{}"  # the request fields the response repeats (the worker's JSON object)
-        self.custom_tools = frozenset(custom_tools)
-        self.namespaces = namespaces or {}  # ns__name -> ns: the call is answered as name in namespace ns
+        self.fields = shape.response_fields or b"{}"  # the request fields the response repeats (the worker's JSON)
+        self.custom_tools = frozenset(shape.custom_tools)
+        self.namespaces = shape.tool_namespaces  # ns__name -> ns: the call is answered as name in namespace ns
         self.sequence = 0
         self.output: list[dict] = []  # finished items, in order: the final response's output
         self.open: dict | None = None  # the text or reasoning item being streamed

@@ -28,7 +28,17 @@ from tokenmill.tokenizer_workers import openai_responses as responses
 from tokenmill.tokenizer_workers.chat_messages import ImageRef, to_template_messages
 from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError
 from tokenmill.tokenizer_workers.images.pipeline import ImageError, ImagePipeline, ProcessedImage, processor_for
-from tokenmill.tokenizer_workers.messages import ApiError, CacheReport, ChoicePlan, ConvertDone, ConvertJob, Limits
+from tokenmill.tokenizer_workers.messages import (
+    ApiError,
+    CacheReport,
+    ChoicePlan,
+    CompletionShape,
+    ConvertDone,
+    ConvertJob,
+    Limits,
+    ResponsesShape,
+    Timing,
+)
 from tokenmill.tokenizer_workers.model import Model, load_model
 from tokenmill.tokenizer_workers.output_parsers import OutputParser, ParserChoice, choose_parsers
 from tokenmill.tokenizer_workers.segment_cache import SegmentEncoder
@@ -236,9 +246,8 @@ class Converter:
         converted = responses.convert(body)
         conversion = self._chat(job, converted.chat)
         done = conversion.done
-        done.custom_tools = converted.custom_tools
-        done.tool_namespaces = converted.namespaces
-        done.response_fields = converted.echo
+        done.completion = None  # framed by the Responses framer, from this instead:
+        done.responses = ResponsesShape(converted.custom_tools, converted.namespaces, converted.echo)
         if converted.affinity is not None:  # the client's name for the conversation beats the messages' hash
             done.conversation = zlib.crc32(converted.affinity.encode())
         return conversion
@@ -247,7 +256,9 @@ class Converter:
         """Anthropic's /v1/messages: converted to the chat request (anthropic_messages.py), then the chat path."""
         req = am.parse(body)
         self._check_model(req.model)
-        return self._chat(job, am.to_chat_request(req, self._merge_inline_system()))
+        conversion = self._chat(job, am.to_chat_request(req, self._merge_inline_system()))
+        conversion.done.completion = None  # the Messages framer shows none of chat's extras
+        return conversion
 
     def _convert_count_tokens(self, job: ConvertJob, body: bytes) -> Conversion:
         """Anthropic's /v1/messages/count_tokens: the prompt /v1/messages would render, counted."""
@@ -261,7 +272,7 @@ class Converter:
         ids = self._expand_images(self.encode_chat(prompt)[0], images)[0]
         # as vLLM answers (and Anthropic's beta with context_management): nothing is cleared here
         body = _json.encode({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
-        return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
+        return Conversion(ConvertDone(job.job_id, body=body, timing=Timing(tokenize_s=time.perf_counter() - t0)))
 
     def _convert_messages_render(self, job: ConvertJob, body: bytes) -> Conversion:
         """/v1/messages/render (vLLM's route of that name): the prompt token IDs /v1/messages would send."""
@@ -284,7 +295,7 @@ class Converter:
         if refs:
             raise oa.InvalidRequest("Images are not rendered by this route.", refs[0].where)
         body = _json.encode({"token_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids)})
-        return Conversion(ConvertDone(job.job_id, body=body, tokenize_s=time.perf_counter() - t0))
+        return Conversion(ConvertDone(job.job_id, body=body, timing=Timing(tokenize_s=time.perf_counter() - t0)))
 
     def _merge_inline_system(self) -> bool:
         """Whether system messages inside a conversation must join the leading system prompt: the
@@ -330,9 +341,11 @@ class Converter:
             cpu = self.encode_cpu.stop(cpu)
         ids, items = self._expand_images(ids, images)
         t2 = time.perf_counter()
+        timing = Timing(render_s=t1 - t0, tokenize_s=t2 - t1, tokenize_cpu_s=cpu, cache=report)
         conversion = self._plan(
-            job, req, [ids], max_tokens, "messages", t1 - t0, t2 - t1, params, images=list(zip(items, images))
+            job, req, [ids], max_tokens, "messages", timing, params, images=list(zip(items, images))
         )
+        done, shape = conversion.done, conversion.done.completion
         echo = _chat_echo(req)
         for spec_ in conversion.detok:
             self._attach_parser(spec_, req, prompt, parse_tools, forced)
@@ -340,15 +353,14 @@ class Converter:
         if req.return_token_ids and not req.include_reasoning and any(s.parser for s in conversion.detok):
             for spec_ in conversion.detok:  # as vLLM: with a parser at work and the reasoning left out, the
                 spec_.token_ids = False  # generated IDs are not shown (they would tell the reasoning)
-            conversion.done.token_ids = False
-        conversion.done.fields = {"structured": "tool_choice"} if forced_spec is not None else fields
-        if forced is not None:
-            conversion.done.forced_calls = "named" if forced else "required"
-        conversion.done.functions = functions
-        conversion.done.role = _answer_role(req)
-        conversion.done.cache = report
-        conversion.done.tokenize_cpu_s = cpu
-        conversion.done.conversation = _conversation_key(req.messages)
+            shape.token_ids = False
+        done.fields = {"structured": "tool_choice"} if forced_spec is not None else fields
+        # forced: the named function (calls finish "stop", as OpenAI's), "" for "required", None when not forced
+        done.calls_finish = "stop" if forced else "function_call" if functions else "tool_calls"
+        shape.forced_calls = forced is not None
+        shape.functions = functions
+        shape.role = _answer_role(req)
+        done.conversation = _conversation_key(req.messages)
         return conversion
 
     def _convert_completion(self, job: ConvertJob, body: bytes) -> Conversion:
@@ -374,7 +386,8 @@ class Converter:
         if req.echo and not req.return_token_ids:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         t1 = time.perf_counter()
-        conversion = self._plan(job, req, id_lists, req.max_tokens, "prompt", 0.0, t1 - t0, params, echo, echo_logprobs)
+        timing = Timing(tokenize_s=t1 - t0)
+        conversion = self._plan(job, req, id_lists, req.max_tokens, "prompt", timing, params, echo, echo_logprobs)
         conversion.done.fields = fields
         return conversion
 
@@ -410,15 +423,15 @@ class Converter:
                 strs = [s for i, s in zip(ids, strs) for s in ([s] * (next(counts, 1) if i == pad else 1))]
             ids = self._expand_images(array("I", ids), images)[0].tolist()
         answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
-        tokenize_s = time.perf_counter() - t1
-        return Conversion(ConvertDone(job.job_id, body=_json.encode(answer), render_s=render_s, tokenize_s=tokenize_s))
+        timing = Timing(render_s=render_s, tokenize_s=time.perf_counter() - t1)
+        return Conversion(ConvertDone(job.job_id, body=_json.encode(answer), timing=timing))
 
     def _convert_detokenize(self, job: ConvertJob, body: bytes) -> Conversion:
         req: oa.DetokenizeRequest = oa.parse("detokenize", body)
         self._check_model(req.model)
         self._check_token_ids(req.tokens, "tokens")
         text = self.tokenizer.decode_batch([req.tokens], skip_special_tokens=False)[0]
-        return Conversion(ConvertDone(job.job_id, body=_json.encode({"prompt": text})))
+        return Conversion(ConvertDone(job.job_id, body=_json.encode({"prompt": text}), timing=Timing()))
 
     # ---- pieces ---------------------------------------------------------------------
 
@@ -624,8 +637,7 @@ class Converter:
         id_lists,
         max_tokens,
         what,
-        render_s,
-        tokenize_s,
+        timing: Timing,
         params: "_Generation",
         echo: list[str] | None = None,
         echo_logprobs: int | None = None,
@@ -723,16 +735,17 @@ class Converter:
             choices=choices,
             stream=req.stream,
             client_request_id=req.request_id,
-            include_usage=include_usage,
-            # as vLLM: continuous_usage_stats counts only with include_usage
-            continuous_usage=include_usage and req.stream_options.continuous_usage_stats,
-            render_s=render_s,
-            tokenize_s=tokenize_s,
-            logprobs=params.logprobs is not None,
-            prompt_token_ids=prompt_ids,
-            token_ids=bool(req.return_token_ids),
-            prompt_logprobs=params.prompt_logprobs is not None,
-            kv_transfer_params=params.kv_transfer_params is not None,
+            timing=timing,
+            completion=CompletionShape(
+                include_usage=include_usage,
+                # as vLLM: continuous_usage_stats counts only with include_usage
+                continuous_usage=include_usage and req.stream_options.continuous_usage_stats,
+                logprobs=params.logprobs is not None,
+                prompt_token_ids=prompt_ids,
+                token_ids=bool(req.return_token_ids),
+                prompt_logprobs=params.prompt_logprobs is not None,
+                kv_transfer_params=params.kv_transfer_params is not None,
+            ),
             frames_per_choice=2 + len(images),
             images_by_hash=[image.content_hash for _, image in images] if any(w != "pixels" for w in ways) else [],
             images_shm=ways.count("shm") * len(choices),

@@ -171,6 +171,49 @@ class ChoicePlan(msgspec.Struct, array_like=True):
     counts_prompt: bool = True  # False for the 2nd..nth choice of one prompt: usage counts a prompt once
 
 
+class Timing(msgspec.Struct, array_like=True):
+    """Where one conversion's time went: the gateway's Server-Timing header, its conversion metrics, and
+    its dispatch's estimate of what a cold conversion costs."""
+
+    render_s: float = 0.0
+    tokenize_s: float = 0.0
+    # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
+    tokenize_cpu_s: float = 0.0
+    queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
+    cache: CacheReport | None = None
+
+
+class CompletionShape(msgspec.Struct):
+    """What chat.completion and text_completion responses show beyond the text, as the request asked
+    (gateway/openai_format.py's Framer); the Messages and Responses APIs frame their own answers."""
+
+    include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
+    logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
+    # vLLM's return_token_ids: each prompt's token IDs as a JSON array (the choices are prompt-major, n per
+    # prompt); None when not asked. token_ids: the choices' generated IDs are shown (vLLM hides them when
+    # a parser is at work and include_reasoning is false)
+    prompt_token_ids: list[bytes] | None = None
+    token_ids: bool = False
+    functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
+    role: str = "assistant"  # chat: the answer's role (the last message's with add_generation_prompt false, as vLLM)
+    forced_calls: bool = False  # tool_choice forced the calls: a message with calls has content "" (as vLLM)
+    # vLLM's prompt_logprobs (non-streamed): the response carries them (chat: at the top, completions: per
+    # choice), null where the engine sent none; kv_transfer_params: the request passed some to the engine,
+    # so the response carries what the engine returned (null if nothing)
+    prompt_logprobs: bool = False
+    kv_transfer_params: bool = False
+
+
+class ResponsesShape(msgspec.Struct):
+    """What the Responses API's framer needs beyond the chat answer: the tools whose calls are
+    custom_tool_call items, and the request fields the response object repeats."""
+
+    custom_tools: list[str] = []
+    tool_namespaces: dict[str, str] = {}  # a namespace's function as the model saw it (ns__name) -> the namespace
+    response_fields: bytes | None = None  # a JSON object the gateway splices in as it is
+
+
 class ConvertDone(msgspec.Struct, tag="done"):
     """Result of a ConvertJob.
 
@@ -178,6 +221,8 @@ class ConvertDone(msgspec.Struct, tag="done"):
     ``Generate`` header, the prompt token frame and one pixel frame per image, which the gateway
     forwards as they are.
     For tokenize/detokenize, ``body`` is the finished JSON response.
+    What only some APIs read is in the shapes: ``completion`` for chat and completions, ``responses``
+    for the Responses API (None otherwise); ``timing`` for every answer but an error.
     """
 
     job_id: int
@@ -186,38 +231,17 @@ class ConvertDone(msgspec.Struct, tag="done"):
     choices: list[ChoicePlan] = []
     stream: bool = False
     client_request_id: str | None = None  # the request's own request_id (vLLM's): the response id's tail
-    include_usage: bool = False
-    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
-    logprobs: bool = False  # the choices carry logprobs (null in the response otherwise)
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
     # Generate fields -> the request fields they came from ("structured" -> "response_format", ...): an
     # engine's refusal of one names the request field in its 400
     fields: dict[str, str] = {}
-    forced_calls: str = ""  # tool_choice forced the calls: "required" or "named" (finish "stop", as OpenAI's)
-    # vLLM's return_token_ids: each prompt's token IDs as a JSON array (the choices are prompt-major, n per
-    # prompt); None when not asked. token_ids: the choices' generated IDs are shown (vLLM hides them when
-    # a parser is at work and include_reasoning is false)
-    prompt_token_ids: list[bytes] | None = None
-    token_ids: bool = False
-    functions: bool = False  # the request used OpenAI's legacy functions: answer with message.function_call
-    role: str = "assistant"  # chat: the answer's role (the last message's with add_generation_prompt false, as vLLM)
-    # vLLM's prompt_logprobs (non-streamed): the response carries them (chat: at the top, completions: per
-    # choice), null where the engine sent none; kv_transfer_params: the request passed some to the engine,
-    # so the response carries what the engine returned (null if nothing)
-    prompt_logprobs: bool = False
-    kv_transfer_params: bool = False
-    # the Responses API: the tools whose calls are custom_tool_call items, and the request fields the
-    # response object repeats (a JSON object the gateway splices in as it is)
-    custom_tools: list[str] = []
-    tool_namespaces: dict[str, str] = {}  # a namespace's function as the model saw it (ns__name) -> the namespace
-    response_fields: bytes | None = None
-    render_s: float = 0.0
-    tokenize_s: float = 0.0
-    # the worker process's CPU while tokenizing (all its threads), divided among concurrent encodings
-    tokenize_cpu_s: float = 0.0
-    queue_s: float = 0.0  # time between arrival at the worker and the start of conversion
-    cache: CacheReport | None = None
+    # the finish reason of a choice that ends in tool calls: "stop" when tool_choice named the function
+    # (as OpenAI's), "function_call" for OpenAI's legacy functions
+    calls_finish: str = "tool_calls"
+    timing: Timing | None = None
+    completion: CompletionShape | None = None
+    responses: ResponsesShape | None = None
     frames_per_choice: int = 2  # header, prompt, then one per image (protocol 1.2 images)
     # per choice: its detokenizer spec as bytes the gateway keeps without reading, so that another worker
     # can take the stream over if this one dies (tokenizer_workers/resume.py); empty: not resumable

@@ -414,7 +414,8 @@ class TokenizerWorker:
             log.exception("worker %d: conversion failed", self.index)
             conversion = converter._error(job, 500, f"Internal error while converting the request: {exc}")
             conversion.done.error.type = "InternalServerError"
-        conversion.done.queue_s = started - received
+        if conversion.done.timing is not None:  # (an error has none)
+            conversion.done.timing.queue_s = started - received
         return conversion
 
     def _send_results(self) -> None:

@@ -492,10 +492,18 @@ def test_the_framers_text_templates_give_the_bytes_the_dict_encoding_gives():
     import msgspec
 
     from tokenmill.gateway.openai_format import Framer
+    from tokenmill.tokenizer_workers.messages import CompletionShape
 
     for kind in ("chat", "completion"):
         for include_usage, continuous in ((False, False), (True, False), (True, True)):
-            framer = Framer(kind, "chatcmpl-x", 1796000000, 'model "with" quotes', include_usage, continuous, [5] * 8)
+            framer = Framer(
+                kind,
+                CompletionShape(include_usage=include_usage, continuous_usage=continuous),
+                response_id="chatcmpl-x",
+                created=1796000000,
+                model='model "with" quotes',
+                prompt_tokens=[5] * 8,
+            )
             for text in ("hi", 'a"b\\c\n\t', "日本語🙂", "", "@x@", "\u2028"):
                 for index in (0, 7):
                     usage = (

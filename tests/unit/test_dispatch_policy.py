@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 from tokenmill.gateway.dispatch import Dispatcher, Job
-from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone
+from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone, Timing
 
 _ids = itertools.count(1)
 
@@ -141,7 +141,7 @@ def test_the_cold_rate_follows_observed_cold_conversions():
     policy, _ = _policy()
     for i in range(30):
         job = _submit(policy, f"cold-{i}", 100_000, key=100 + i)
-        _done(policy, job, render_s=0.05, tokenize_s=0.25, cache=CacheReport(0, 1, 0, 25_000, 0, 0, 0))
+        _done(policy, job, timing=Timing(render_s=0.05, tokenize_s=0.25, cache=CacheReport(0, 1, 0, 25_000, 0, 0, 0)))
     assert abs(policy.cold_s_per_byte - 3e-6) < 1e-7  # 0.3 s per 100 kB
 
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.gateway.metrics import GAUGE_MERGE, Metrics
 from tokenmill.gateway.metrics_merge import merge_expositions, merge_families
-from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone
+from tokenmill.tokenizer_workers.messages import CacheReport, ConvertDone, Timing
 
 Series = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -52,18 +52,25 @@ def _gateways() -> list[Metrics]:
     a.observe_conversion(
         ConvertDone(
             1,
-            render_s=0.001,
-            tokenize_s=0.002,
-            tokenize_cpu_s=0.5,
-            queue_s=0.0001,
-            cache=CacheReport(2, 1, 40, 10, 0, 3, 1000),
+            timing=Timing(
+                render_s=0.001,
+                tokenize_s=0.002,
+                tokenize_cpu_s=0.5,
+                queue_s=0.0001,
+                cache=CacheReport(2, 1, 40, 10, 0, 3, 1000),
+            ),
         ),
         worker=0,
     )
     b.observe_conversion(
-        ConvertDone(2, tokenize_s=0.004, tokenize_cpu_s=0.25, cache=CacheReport(1, 0, 20, 0, 0, 5, 1500)), worker=0
+        ConvertDone(
+            2, timing=Timing(tokenize_s=0.004, tokenize_cpu_s=0.25, cache=CacheReport(1, 0, 20, 0, 0, 5, 1500))
+        ),
+        worker=0,
     )
-    b.observe_conversion(ConvertDone(3, tokenize_s=0.01, cache=CacheReport(0, 1, 0, 7, 0, 0, 700)), worker=1)
+    b.observe_conversion(
+        ConvertDone(3, timing=Timing(tokenize_s=0.01, cache=CacheReport(0, 1, 0, 7, 0, 0, 700))), worker=1
+    )
     for m, running, waiting, queued, busy, connected in ((a, 5, 1, 100, 2, 1), (b, 2, 0, 0, 1, 0), (c, 0, 3, 50, 0, 1)):
         m.num_requests_running.set(running)  # per process
         m.num_requests_waiting.set(waiting)
