@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from tokenmill.scheduler_client.protocol import frame_to_ids
-from tokenmill.tokenizer_workers.converter import DetokSpec
+from tokenmill.tokenizer_workers.conversion.plan import DetokSpec
 from tokenmill.tokenizer_workers.logprobs import (
     TokenTexts,
     chat_entries,

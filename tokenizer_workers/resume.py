@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.tokenizer_workers.converter import DetokSpec
+from tokenmill.tokenizer_workers.conversion.plan import DetokSpec
 
 VERSION = 1  # a worker refuses a spec of another version: that stream fails with a clear error
 

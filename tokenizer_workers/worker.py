@@ -412,7 +412,7 @@ class TokenizerWorker:
             conversion = converter.convert(job, body)
         except Exception as exc:  # a bug must answer the request, not kill the worker
             log.exception("worker %d: conversion failed", self.index)
-            conversion = converter._error(job, 500, f"Internal error while converting the request: {exc}")
+            conversion = converter.error(job, 500, f"Internal error while converting the request: {exc}")
             conversion.done.error.type = "InternalServerError"
         if conversion.done.timing is not None:  # (an error has none)
             conversion.done.timing.queue_s = started - received

@@ -385,7 +385,7 @@ def test_the_workers_conversation_key_follows_an_image_chat_without_encoding_its
     import base64
     import os
 
-    from tokenmill.tokenizer_workers.converter import _conversation_key
+    from tokenmill.tokenizer_workers.conversion.chat import conversation_key
 
     def url(data: bytes) -> str:
         return "data:image/png;base64," + base64.b64encode(data).decode()
@@ -398,14 +398,12 @@ def test_the_workers_conversation_key_follows_an_image_chat_without_encoding_its
         return messages
 
     one, two = os.urandom(3_000_000), os.urandom(3_000_000)
-    keys = {_conversation_key(chat(url(one), t)) for t in range(3)}
+    keys = {conversation_key(chat(url(one), t)) for t in range(3)}
     assert len(keys) == 1
-    assert _conversation_key(chat(url(two), 0)) not in keys
+    assert conversation_key(chat(url(two), 0)) not in keys
     same_ends = one[:1_000_000] + two[1_000_000:2_000_000] + one[2_000_000:]
-    assert _conversation_key(chat(url(same_ends), 0)) in keys  # only the ends of a long string count
-    assert _conversation_key([{"role": "user", "content": "a"}]) != _conversation_key(
-        [{"role": "user", "content": "b"}]
-    )
-    assert _conversation_key([{"role": "user", "content": ["a"]}]) != _conversation_key(
+    assert conversation_key(chat(url(same_ends), 0)) in keys  # only the ends of a long string count
+    assert conversation_key([{"role": "user", "content": "a"}]) != conversation_key([{"role": "user", "content": "b"}])
+    assert conversation_key([{"role": "user", "content": ["a"]}]) != conversation_key(
         [{"role": "user", "content": "a"}]
     )

@@ -9,7 +9,8 @@ import time
 
 from tokenmill.bench.common import corpus
 from tokenmill.tokenizer_workers import messages as m
-from tokenmill.tokenizer_workers.converter import Converter, EncodeCpu
+from tokenmill.tokenizer_workers.conversion.core import EncodeCpu
+from tokenmill.tokenizer_workers.converter import Converter
 from tokenmill.tokenizer_workers.settings import ConverterSettings
 
 

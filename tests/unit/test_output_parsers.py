@@ -68,7 +68,7 @@ def test_token_stream_through_the_detokenizer(tokenizer, case, data) -> None:
     """The worker's path: token IDs in frames of any size (cuts inside multi-byte characters too),
     DecodeStream, the parser; the joined pieces equal a parse of the decoded text."""
     from tokenmill.scheduler_client.protocol import ids_to_frame
-    from tokenmill.tokenizer_workers.converter import DetokSpec
+    from tokenmill.tokenizer_workers.conversion.plan import DetokSpec
     from tokenmill.tokenizer_workers.detokenizer import Detokenizer
     from tokenmill.tokenizer_workers.messages import DetokItem
 
