@@ -331,13 +331,17 @@ def test_without_session_header_requests_spread_by_least_connections(cluster):
     spread = {name: after[name] - before[name] for name in cluster.names}
     assert sum(spread.values()) == 6 and min(spread.values()) >= 2, spread
 
-    thread, stream = stream_in_thread(cluster, None, max_tokens=300)  # ~1.5 s on one node
+    thread, stream = stream_in_thread(cluster, None, max_tokens=600)  # ~3 s on one node
     busy = stream.node
     assert busy in cluster.names, stream.error
-    nodes = [cluster.chat(None)[1] for _ in range(4)]
+    answered = []  # (node, whether the stream still held its connection when the chat was answered)
+    for _ in range(4):
+        node = cluster.chat(None)[1]
+        answered.append((node, stream.finish is None and thread.is_alive()))
     thread.join(30)
     assert stream.error is None and stream.finish == "length"
-    assert nodes == [cluster.other(busy)] * 4, (busy, nodes)
+    during = [node for node, streaming in answered if streaming]  # (a loaded machine may outlast the stream)
+    assert during and during == [cluster.other(busy)] * len(during), (busy, answered)
 
 
 def test_planned_drain_through_the_admin_socket_moves_every_request(cluster):
