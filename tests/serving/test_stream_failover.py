@@ -31,7 +31,7 @@ from stream_replay import PARAGRAPH, kill_busiest, requests, run, write_replies
 @pytest.fixture(scope="module")
 def failover_server(tmp_path_factory):
     path = write_replies(tmp_path_factory.mktemp("replies") / "replies.jsonl")
-    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "15", "--sim-replies", path)
+    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "10", "--sim-replies", path)
     yield srv
     srv.stop()
 
