@@ -16,7 +16,7 @@ from typing import Any
 from tokenmill.gateway.settings import ServeSettings
 from tokenmill.tokenizer_workers.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
-__all__ = ["ServeSettings", "OPTIONS", "CHOICES", "add_arguments", "resolve", "as_dict"]
+__all__ = ["ServeSettings", "OPTIONS", "CHOICES", "add_arguments", "resolve", "as_dict", "reference"]
 
 
 def _bool(text: str) -> bool:
@@ -312,3 +312,60 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> ServeSettings:
 
 def as_dict(settings: ServeSettings) -> dict:
     return {f.name: getattr(settings, f.name) for f in fields(settings)}
+
+
+def _shown(value: Any) -> str:
+    if value is None or value == "":
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "{}"
+    return str(value)
+
+
+def reference() -> str:
+    """docs/serving/settings.md, from this table: every flag with its variable, TOML key, default and
+    meaning (tests/unit/test_settings_reference.py fails when the file and the table differ)."""
+    defaults = ServeSettings.__dataclass_fields__
+    lines = [
+        "# `tokenmill serve` settings",
+        "",
+        "Generated from the option table in `tokenmill/settings.py` by `python -m tokenmill.settings`;",
+        "`tests/unit/test_settings_reference.py` fails when this file and the code differ.",
+        "",
+        "Each setting is a flag, a `TOKENMILL_*` environment variable, or a key of the TOML file given",
+        "with `--config FILE` (the flag's name with underscores). A flag beats the variable, the variable",
+        "beats the file, the file beats the default. Boolean flags take no value (`--affinity`) or one",
+        "(`--affinity false`); variables and TOML take `true`/`false` (variables also `1`/`0`, `yes`/`no`).",
+        "",
+        "| Flag | Environment variable | TOML key | Default | Meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (_, text) in OPTIONS.items():
+        default = defaults[name].default
+        if name == "workers" and default == 0:
+            shown = "0 (CPU count minus one, at least one)"
+        else:
+            shown = _shown(default)
+        meaning = text
+        if name in CHOICES:
+            meaning += " One of: " + ", ".join(f"`{c}`" for c in CHOICES[name]) + "."
+        if name == "scheduler":
+            meaning += " Repeatable (a TOML list, or a comma-separated variable)."
+        lines.append(
+            f"| `--{name.replace('_', '-')}` | `TOKENMILL_{name.upper()}` | `{name}` | `{shown}` | "
+            f"{meaning.replace('|', chr(92) + '|')} |"
+        )
+    lines += [
+        "",
+        "Settings that older versions took and this one refuses, with the reason given:",
+        "",
+        *(f"- `{name}`: {why}." for name, why in REMOVED.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
