@@ -62,15 +62,15 @@ def responses_key(head: bytes, tail: bytes) -> int | None:
     return key
 
 
-def response_id(scope, prefix: str, done, server_id: str) -> str:
-    """The response's id, as vLLM makes it: chatcmpl-/cmpl- followed by the X-Request-Id header, else
-    the body's request_id; the server's own id when the client gave neither."""
+def id_tail(scope, done, own: str) -> str:
+    """What follows the prefix of a response's id, as vLLM makes it: the X-Request-Id header, else the
+    body's request_id, else the server's own (``own``)."""
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            return f"{prefix}-{value.decode('latin-1')}"
+            return value.decode("latin-1")
     if done.client_request_id is not None:
-        return f"{prefix}-{done.client_request_id}"
-    return server_id
+        return done.client_request_id
+    return own
 
 
 class Api:
@@ -78,14 +78,15 @@ class Api:
 
     kind = "chat"  # the workers' request kind (ConvertJob.kind)
     prefix = "chatcmpl"  # of the response id, and of the scheduler's request ids
+    separator = "-"  # between the prefix and the rest: OpenAI's chatcmpl-/cmpl-, Anthropic's msg_, resp_
 
     def affinity(self, body: RequestBody) -> int | None:
         """The conversation's key for the workers' dispatch (None: no conversation to keep together)."""
         return conversation_key(body.head())
 
-    def public_id(self, scope, done, server_id: str) -> str:
-        """The response's id as the API's clients expect it."""
-        return response_id(scope, self.prefix, done, server_id)
+    def public_id(self, scope, done, own: str) -> str:
+        """The response's id as the API's clients expect it (``own``: the server's id without its prefix)."""
+        return f"{self.prefix}{self.separator}{id_tail(scope, done, own)}"
 
     def pinger(self, body: RequestBody, send, interval: float, headers) -> anthropic.Pinger | None:
         """Something that keeps the client's stream alive while the prompt converts (None: nothing)."""
@@ -116,12 +117,10 @@ class Messages(Api):
 
     kind = "messages"
     prefix = "msg"
+    separator = "_"
 
     def affinity(self, body: RequestBody) -> int | None:
         return conversation_key(body.head(), system_field=True)
-
-    def public_id(self, scope, done, server_id: str) -> str:
-        return super().public_id(scope, done, server_id).replace("msg-", "msg_", 1)
 
     def pinger(self, body: RequestBody, send, interval: float, headers) -> anthropic.Pinger | None:
         return anthropic.Pinger(send, interval, headers) if anthropic.wants_stream(body) else None
@@ -135,12 +134,10 @@ class Responses(Api):
 
     kind = "responses"
     prefix = "resp"
+    separator = "_"
 
     def affinity(self, body: RequestBody) -> int | None:
         return responses_key(body.head(), body.tail(4096))
-
-    def public_id(self, scope, done, server_id: str) -> str:
-        return "resp_" + super().public_id(scope, done, server_id)[5:]
 
     def framer(self, model: str, done, choices, response_id: str):
         return ResponsesFramer(response_id, int(time.time()), model, done.responses)

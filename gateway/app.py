@@ -254,7 +254,8 @@ class App:
                 retry_after=2,
             )
             return
-        request_id = f"{api.prefix}-{uuid.uuid4().hex}"  # the scheduler's ids: unique whatever the client says
+        own_id = uuid.uuid4().hex
+        request_id = f"{api.prefix}-{own_id}"  # the scheduler's ids: unique whatever the client says
         pinger = api.pinger(body, send, gw.settings.messages_ping_interval, _SSE)
         if pinger is not None:
             send = pinger.send
@@ -325,7 +326,7 @@ class App:
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(ev.DISCONNECTED))
-        framer = api.framer(gw.model_name, done, gen.choices, api.public_id(scope, done, request_id))
+        framer = api.framer(gw.model_name, done, gen.choices, api.public_id(scope, done, own_id))
         try:
             if done.stream:
                 await self._stream(
