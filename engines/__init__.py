@@ -1,7 +1,7 @@
-"""Real inference engines behind the tokenmill scheduler protocol (docs/engines.md).
+"""Real inference engines behind the tokenmill scheduler protocol (docs/engines/tokenmill-engine.md).
 
 ``tokenmill engine --backend {transformers,sglang,vllm} --bind ENDPOINT`` runs one engine
-in its own process and serves the scheduler side of docs/scheduler-protocol.md, so that
+in its own process and serves the scheduler side of docs/engines/scheduler-protocol.md, so that
 ``tokenmill serve --scheduler ENDPOINT`` can use it exactly like the simulated scheduler.
 
 * :mod:`tokenmill.engines.bridge` — the protocol side shared by every backend (sessions, validation,

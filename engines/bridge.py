@@ -641,7 +641,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--curve-secret-key-file",
         metavar="FILE",
         default=None,
-        help="act as a ZeroMQ CURVE server with this secret key (docs/scheduler-protocol.md §8)",
+        help="act as a ZeroMQ CURVE server with this secret key (docs/engines/scheduler-protocol.md §8)",
     )
     for name in BACKENDS:
         group = parser.add_argument_group(f"{name} backend")

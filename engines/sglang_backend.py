@@ -17,7 +17,7 @@ serialised: all requests are in the engine together, and chunks come back to the
 event loop with ``call_soon_threadsafe``. ``close()`` shuts the engine down first, then
 stops the loop and joins the thread.
 
-Sampling parameters (docs/engines.md has the table): temperature (0 is greedy in SGLang),
+Sampling parameters (docs/engines/tokenmill-engine.md has the table): temperature (0 is greedy in SGLang),
 top_p, top_k (0 -> -1, SGLang's "disabled"), presence/frequency penalties and
 ``max_new_tokens`` map one to one. ``stop_token_ids`` become SGLang's ``stop_token_ids``.
 SGLang's ``ignore_eos`` also disables ``stop_token_ids``, so with ``ignore_eos`` the bridge

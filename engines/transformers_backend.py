@@ -8,7 +8,7 @@ eos_token_id=<stop_token_ids>, temperature=..., top_k=..., top_p=...)``, receive
 step's outputs through ``register_result_handler`` (delivered on the engine server's event
 loop with ``call_soon_threadsafe``) and cancels with ``cancel_request``.
 
-Sampling (see docs/engines.md for the table): the manager is built with ``do_sample=True``
+Sampling (see docs/engines/tokenmill-engine.md for the table): the manager is built with ``do_sample=True``
 and per-request temperature, top-k and top-p processors, and every request sets all three:
 
 * ``temperature`` 0 (greedy) -> temperature 1, top-k 1, top-p 1: only the arg-max token

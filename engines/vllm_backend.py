@@ -17,7 +17,7 @@ default; it costs a second at start-up and nothing per request). ``--engine-arg
 skip_tokenizer_init=true`` starts vLLM without one (for a checkpoint without tokenizer files);
 the engine then does not offer the ``structured.*`` features.
 
-Sampling parameters (docs/engines.md has the table) map one to one: temperature (0 is
+Sampling parameters (docs/engines/tokenmill-engine.md has the table) map one to one: temperature (0 is
 greedy), top_p, top_k (0 -> -1, "disabled"), seed (per request), presence/frequency
 penalties, ``max_new_tokens`` -> ``max_tokens``, ``stop_token_ids``; protocol 1.1's min_p,
 repetition_penalty, min_tokens (capped at max_tokens), logit_bias, ``logprobs`` ->

@@ -1,4 +1,4 @@
-"""The wire protocol between tokenmill and a GPU scheduler (see docs/scheduler-protocol.md).
+"""The wire protocol between tokenmill and a GPU scheduler (see docs/engines/scheduler-protocol.md).
 
 Typed msgspec Structs, encoded as MessagePack maps with a ``type`` tag so that an
 engine written in any language can implement the scheduler side from the doc alone.
@@ -223,7 +223,7 @@ class Stats(msgspec.Struct, tag="stats"):
 
     num_running: int
     num_waiting: int
-    # Optional engine counters (docs/scheduler-protocol.md §3.7); None: not reported.
+    # Optional engine counters (docs/engines/scheduler-protocol.md §3.7); None: not reported.
     peak_running: int | None = None  # most requests running at once since the scheduler started
     cancelled_total: int | None = None  # requests the engine has cancelled (abort, front end gone) since start
 

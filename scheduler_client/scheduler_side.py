@@ -1,4 +1,4 @@
-"""The scheduler side of docs/scheduler-protocol.md, without the engine: a reusable ROUTER server.
+"""The scheduler side of docs/engines/scheduler-protocol.md, without the engine: a reusable ROUTER server.
 
 :class:`SchedulerServer` owns everything a scheduler needs besides generating tokens:
 
@@ -55,7 +55,7 @@ from tokenmill.scheduler_client.protocol import (
 )
 from tokenmill.transport.loop_socket import LoopSocket
 
-# Error codes a scheduler sends (docs/scheduler-protocol.md §6 lists them).
+# Error codes a scheduler sends (docs/engines/scheduler-protocol.md §6 lists them).
 ERR_BAD_REQUEST = "bad_request"
 ERR_UNKNOWN_MESSAGE = "unknown_message"
 ERR_VERSION_MISMATCH = "version_mismatch"
@@ -129,7 +129,7 @@ def configure_router(
     heartbeat_timeout_ms: int = 10000,
     curve_secret_key: bytes | str | None = None,
 ) -> None:
-    """The ROUTER options of docs/scheduler-protocol.md §1, §5 and §8."""
+    """The ROUTER options of docs/engines/scheduler-protocol.md §1, §5 and §8."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished front end raises EHOSTUNREACH
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a front end with a fixed routing id may reconnect

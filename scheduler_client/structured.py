@@ -1,7 +1,7 @@
 """The engine-independent checks of a structured-output spec (protocol 1.1 ``Generate.structured``).
 
 The engine decides what a spec means: its grammar backend compiles it, and a spec it cannot compile
-comes back as an ``error`` with ``param`` ``"structured"`` (docs/scheduler-protocol.md §3.1). What
+comes back as an ``error`` with ``param`` ``"structured"`` (docs/engines/scheduler-protocol.md §3.1). What
 holds for every engine is checked here, in the tokenizer workers, before a request leaves: the kind
 is known, JSON is valid where the kind is JSON text, ``choice`` is a non-empty list of strings, and
 the spec stays under the size and nesting limits below. No regex, grammar or JSON Schema dialect is
@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenmill.scheduler_client.protocol import STRUCTURED_KINDS, Structured
 
-# The documented limits (docs/request-fields.md): far above any real spec, low enough that no
+# The documented limits (docs/api/request-fields.md): far above any real spec, low enough that no
 # backend is handed something that can exhaust its stack or memory before it compiles anything.
 MAX_SPEC_CHARS = 256 * 1024  # the spec text (a schema's JSON, a regex, a grammar, a whitespace pattern)
 MAX_CHOICES = 4096  # entries of a choice list ...

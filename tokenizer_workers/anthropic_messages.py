@@ -43,7 +43,7 @@ _BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacte
 
 class MessagesRequest(msgspec.Struct):
     """The Messages API body; fields it defines that have no effect here are decoded (so a wrong
-    type is a 400) and ignored (docs/request-fields.md says why)."""
+    type is a 400) and ignored (docs/api/request-fields.md says why)."""
 
     model: str | None = None
     messages: list[Any] | None = None
@@ -354,7 +354,7 @@ def to_chat_request(
         parallel_tool_calls=parallel,
         reasoning_effort=_reasoning_effort(req),
         # thinking enabled turns the template's thinking switch on (vLLM only sets a budget, which
-        # leaves a template that defaults to off without thinking: docs/agent-apis.md)
+        # leaves a template that defaults to off without thinking: docs/api/agent-apis.md)
         chat_template_kwargs={"enable_thinking": True} if (req.thinking or {}).get("type") == "enabled" else None,
         response_format=_response_format(req.output_config),
     )

@@ -135,7 +135,7 @@ def convert(body: bytes) -> Converted:
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    """Fields this server cannot honour, refused by name (docs/request-fields.md says why)."""
+    """Fields this server cannot honour, refused by name (docs/api/request-fields.md says why)."""
     if req.store:
         raise oa.InvalidRequest(
             "store: true is not supported: this server keeps no responses (send store: false, and the "

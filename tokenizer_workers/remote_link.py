@@ -74,7 +74,7 @@ class RemoteWorkerLink:
                     raise SystemExit(
                         f"the gateway refused this worker's CURVE key {self.public_key} (status "
                         f"{event['value']}): add its public key to the gateway's authorized_workers "
-                        "directory (docs/security.md)"
+                        "directory (docs/operations/security.md)"
                     )
                 log.error(
                     "CURVE handshake with the gateway failed (%s): is gateway.key the gateway's public key?",

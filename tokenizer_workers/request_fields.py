@@ -5,7 +5,7 @@ A client that asks for JSON must not get prose without a word, so a field this s
 honour is refused unless it holds its default value (``response_format: {"type": "text"}``,
 ``logit_bias: {}``, ``min_p: 0``, ...), which many client libraries send on every request.
 Fields not listed here (another vendor's extensions) are ignored, as vLLM ignores them.
-docs/request-fields.md is this table for people; a test keeps the two in step and sends every
+docs/api/request-fields.md is this table for people; a test keeps the two in step and sends every
 refused field to a running server.
 """
 

@@ -1,4 +1,4 @@
-"""A simulated GPU scheduler: the scheduler side of docs/scheduler-protocol.md without a GPU.
+"""A simulated GPU scheduler: the scheduler side of docs/engines/scheduler-protocol.md without a GPU.
 
 It binds a ZeroMQ ROUTER, answers Hello with Welcome, and "generates" tokens for Generate
 requests with a simple performance model, so that tests and benchmarks can run the whole front
@@ -45,7 +45,7 @@ __all__ = [
     "resolve_model_dir",
     "run",
     "scheduler_from_args",
-    # the error codes this scheduler sends (docs/scheduler-protocol.md lists them)
+    # the error codes this scheduler sends (docs/engines/scheduler-protocol.md lists them)
     "ERR_BAD_REQUEST",
     "ERR_DUPLICATE",
     "ERR_UNKNOWN_MESSAGE",

@@ -7,7 +7,7 @@ sentence from a fixed English paragraph (:data:`PALETTE_TEXT`) so that demo outp
 without one, uniformly from ``[0, vocab_size)`` minus the request's stop token IDs. ``--mode echo``
 repeats the prompt instead. ``--replies FILE`` scripts the output (:mod:`.replies`): a request whose
 prompt contains a reply's ``match`` generates that reply's text, then the model's EOS
-(docs/scheduler-protocol.md §10).
+(docs/engines/scheduler-protocol.md §10).
 
 The sampling fields are handled by :class:`TokenSampler`'s ``next_token_*`` methods, the scheduler
 picking one per request at admission (a request that asks for none of them takes

@@ -17,7 +17,7 @@ validation come from :class:`~tokenmill.scheduler_client.scheduler_side.Schedule
 Which token each step emits is :mod:`.sampling`'s; the logprobs that come with it, :mod:`.logprobs`'.
 
 ``Welcome.features`` lists everything in ``protocol.FEATURES``; without a tokenizer, all but the
-``structured.*`` ones; ``priority`` only with ``--scheduling priority`` (docs/scheduler-protocol.md §10.3).
+``structured.*`` ones; ``priority`` only with ``--scheduling priority`` (docs/engines/scheduler-protocol.md §10.3).
 Structured requests are checked at admission: a spec llguidance refuses is refused with its message
 (``bad_request``, ``param`` "structured"). ``structured.disable_any_whitespace`` /
 ``structured.whitespace_pattern`` (listed with a tokenizer): a JSON constraint is compiled without

@@ -22,7 +22,7 @@ start_early = vllm_stack.start_early
 stack = vllm_stack.module_fixture()
 
 CHAT = [{"role": "user", "content": "Hello!"}]
-# vLLM 0.32 no longer defines the guided_* fields and ignores them (docs/request-fields.md); tokenmill honours them
+# vLLM 0.32 no longer defines the guided_* fields and ignores them (docs/api/request-fields.md); tokenmill honours them
 VLLM_IGNORES = {r.id for r in ROWS if any(key.startswith("guided_") for key in r.body)}
 
 
@@ -45,7 +45,7 @@ def test_spec_as_vllm(answers, row):
         pytest.skip("vLLM 0.32 ignores guided_* fields")
     (vs, va), (ts, ta) = answers[row.id]
     assert (vs >= 400) == (ts >= 400), (row.id, vs, va, ts, ta)
-    # the row's vllm column (docs/engines.md's table of differences) says what vLLM's server does
+    # the row's vllm column (docs/api/structured-outputs.md's table of differences) says what vLLM's server does
     assert (vs >= 400) == ((row.vllm or row.llguidance) == REFUSED), (row.id, vs, va)
     if vs >= 400:
         assert ts == 400 and ta["error"]["param"] == row.param, (row.id, ta)

@@ -11,10 +11,11 @@ collected the tests, so that they load while the other modules run; they run wit
 settings, so the same prompt IDs and sampling parameters give the same tokens. The tests
 check that what a client sees is the same on both: /tokenize IDs, greedy and seeded sampled
 completions (streamed and not), usage and finish reasons; that every difference is one of the
-documented ones (docs/engines.md, "A real vLLM in the tests"), asserted as that difference; and
+documented ones (docs/engines/tokenmill-engine.md, "Where answers differ from vLLM's own server"),
+asserted as that difference; and
 the bridge's contract with the real engine: client disconnects abort inside vLLM, over-long
 prompts and out-of-vocabulary IDs are clean 400s, vLLM's own validation reaches the client,
-`stop_token_ids` / `ignore_eos` as docs/scheduler-protocol.md says, protocol 1.1 straight over
+`stop_token_ids` / `ignore_eos` as docs/engines/scheduler-protocol.md says, protocol 1.1 straight over
 the scheduler protocol (logprobs, structured outputs, min_tokens, logit_bias, ... against what
 vLLM's own server returns for the same request), and an engine killed mid-stream (the last
 test: it costs another engine start).
@@ -352,7 +353,7 @@ def test_greedy_chat_equals_vllm(stack):
 def test_tools_without_tool_choice(stack):
     """Tools in a request that leaves tool_choice unset ("auto"): both servers run the deepseek_v31 parser
     (tests/vllm_stack.py) and answer alike. (Without a tool-call parser vLLM refuses it, 400, where
-    tokenmill answers as with "none": docs/request-fields.md; the stack no longer shows that.)"""
+    tokenmill answers as with "none": docs/api/request-fields.md; the stack no longer shows that.)"""
     body = dict(CONVERSATIONS["tools"], max_tokens=4, temperature=0)
     v = chat(stack.v, ids=True, **body)
     t = chat(stack.t, **body)
@@ -448,7 +449,7 @@ def test_stop_token_ids_end_the_request_like_vllm(stack):
 
 def test_ignore_eos_goes_past_eos_like_vllm(stack):
     """ignore_eos: the model's EOS no longer stops it (finish "length"); an explicit stop_token_ids
-    entry still does, EOS included (docs/scheduler-protocol.md §3.2)."""
+    entry still does, EOS included (docs/engines/scheduler-protocol.md §3.2)."""
     body = {"prompt": "Time to say goodbye", "max_tokens": 4, "temperature": 0}  # the cue: next comes EOS
     requests = streamed_and_not(complete, **body, ignore_eos=True)
     requests += streamed_and_not(complete, **body, ignore_eos=True, skip_special_tokens=False)

@@ -3,7 +3,7 @@ and to `tokenmill serve` in front of `tokenmill engine --backend vllm`, both on 
 model (the stack tests/vllm_stack.py starts once per session, shared with tests/engines/test_vllm_engine.py),
 gives the same response, ids and timestamps aside.
 
-One row of ROWS per honoured request field (docs/request-fields.md, "Honoured"): a request body,
+One row of ROWS per honoured request field (docs/api/request-fields.md, "Honoured"): a request body,
 sent to both servers as it is (plain HTTP, streamed and not where it matters), both answers
 normalised, then compared whole. A row's known differences are listed on it (Diff: where, what
 each side answers, why) and asserted as differences, so the row fails when either side changes.
@@ -278,7 +278,7 @@ class Diff:
 @dataclass(frozen=True)
 class Row:
     name: str
-    fields: tuple  # the request fields (docs/request-fields.md) it checks
+    fields: tuple  # the request fields (docs/api/request-fields.md) it checks
     endpoint: str  # "chat" or "completions"
     body: dict
     streams: tuple = (False, True)
@@ -324,13 +324,13 @@ FUNCTIONS = (
 )
 STOP_TOKEN_TEXT = (
     "tokenmill's text is the decode of the tokens it counts, the stop token's included; vLLM's "
-    "detokenizer leaves the stopping token out (docs/engines.md)"
+    "detokenizer leaves the stopping token out (docs/engines/tokenmill-engine.md)"
 )
 
 
 UTF8_TAIL = (
     "the generated tokens end inside a UTF-8 sequence: tokenmill's text is the decode of its tokens "
-    "(ending in U+FFFD), vLLM drops the bytes its detokenizer held back (docs/engines.md)"
+    "(ending in U+FFFD), vLLM drops the bytes its detokenizer held back (docs/engines/tokenmill-engine.md)"
 )
 
 
@@ -861,7 +861,7 @@ ROWS = [
                 lambda text: text.startswith("[{"),
                 "the forced call's JSON cut by max_tokens (this random model writes whitespace inside the "
                 "array): vLLM drops the unfinished call's text, tokenmill returns it as content, as it does "
-                "with every broken call (docs/tool-calls.md)",
+                "with every broken call (docs/api/tool-calls.md)",
             ),
         ),
     ),
@@ -980,8 +980,8 @@ ROWS = [
 
 
 def test_rows_cover_the_honoured_fields():
-    """Every field of docs/request-fields.md's Honoured table has a row here."""
-    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    """Every field of docs/api/request-fields.md's Honoured table has a row here."""
+    doc = (ROOT / "docs" / "api" / "request-fields.md").read_text()
     table = doc.split("## Honoured", 1)[1].split("\n## ", 1)[0]
     named = set()
     for line in table.splitlines()[4:]:
@@ -1025,11 +1025,11 @@ def _common_trace(v: dict, t: dict) -> None:
 def _reasoning_details(v, t) -> None:
     """Two differences of every chat answer, asserted here: vLLM, run with a reasoning parser (the stack's,
     tests/vllm_stack.py), writes usage.completion_tokens_details {"reasoning_tokens": N} (and in each
-    streamed usage), which tokenmill leaves out (docs/request-fields.md, "Where tokenmill differs");
+    streamed usage), which tokenmill leaves out (docs/api/request-fields.md, "Where tokenmill differs");
     tokenmill writes a message's reasoning as `reasoning_content` too."""
     if isinstance(v, dict):
         if isinstance(t, dict) and "reasoning_content" in t and "reasoning_content" not in v:
-            # tokenmill writes the reasoning under both names, vLLM 0.32 under "reasoning" (docs/tool-calls.md)
+            # tokenmill writes the reasoning under both names, vLLM 0.32 under "reasoning" (docs/api/tool-calls.md)
             assert t.pop("reasoning_content") == t.get("reasoning") == v.get("reasoning"), (v, t)
         details = v.pop("completion_tokens_details", MISSING)
         if details is not MISSING:

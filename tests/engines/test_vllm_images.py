@@ -317,8 +317,8 @@ def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
     """Every case through both servers: the same prompt token IDs (placeholders expanded alike), the same
     greedy tokens and finish reason; and the images reach the model (different images, different
     outputs). The texts are equal too, but where the tokens end inside a UTF-8 character: tokenmill's
-    text is the tokens' decode, vLLM's drops the bytes it held back (docs/engines.md, "A real vLLM in
-    the tests")."""
+    text is the tokens' decode, vLLM's drops the bytes it held back (docs/engines/tokenmill-engine.md,
+    "Where answers differ from vLLM's own server")."""
     vllm, _, front = stack
     tokenizer = Tokenizer.from_file(str(EARLY.root / NAME / "tokenizer.json"))
     outputs = {}

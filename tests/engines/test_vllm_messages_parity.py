@@ -3,7 +3,7 @@ server and to `tokenmill serve` in front of `tokenmill engine --backend vllm`, o
 random model (the session stack of tests/vllm_stack.py), greedy. The prompt is the same when
 both count the same tokens (`/v1/messages/count_tokens` and `usage.input_tokens`) and the greedy
 answers are equal block for block, and the streams event for event; ids aside, and the
-differences docs/agent-apis.md lists asserted as differences (ping events; signatures are compared
+differences docs/api/agent-apis.md lists asserted as differences (ping events; signatures are compared
 only as present: vLLM draws them at random). The prompts' token IDs are compared through both
 servers' /v1/messages/render. Both run the deepseek_v31 tool-call and deepseek_r1 reasoning parsers
 (the ones that fit the tiny model's template), so rows with tools, tool_choice and thinking compare
@@ -130,7 +130,7 @@ def stream(url: str, body: dict) -> list[tuple[str, dict]]:
 
 
 def normal(message: dict) -> dict:
-    # Anthropic writes stop_sequence: null on every message; vLLM leaves the key out (docs/agent-apis.md)
+    # Anthropic writes stop_sequence: null on every message; vLLM leaves the key out (docs/api/agent-apis.md)
     message = {k: v for k, v in message.items() if k != "id" and not (k == "stop_sequence" and v is None)}
     usage = message.get("usage") or {}
     message["usage"] = {k: usage.get(k) for k in ("input_tokens", "output_tokens")}
@@ -195,7 +195,7 @@ def _forced_unconstrained(v: dict, t: dict, row: str) -> None:
 
 def _undeclared_call(v: dict, t: dict, row: str) -> None:
     """A call of a tool the request does not declare (no tools here; the model calls weather after a tool
-    result): tokenmill's text is the call's markup word for word (docs/tool-calls.md, "A call to a
+    result): tokenmill's text is the call's markup word for word (docs/api/tool-calls.md, "A call to a
     function the request did not declare is content"); vLLM's parser takes it away, leaving ""."""
     assert _text(v) == "" and _text(t).startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather"), (v, t)
 
@@ -233,7 +233,7 @@ def test_messages_as_vllm(stack, row):
     assert t["usage"]["input_tokens"] == v_count[1]["input_tokens"]
     v_events = stream(v_url, body)
     t_events = stream(t_url, body)
-    # Anthropic's ping: tokenmill sends one after message_start, vLLM none (docs/agent-apis.md)
+    # Anthropic's ping: tokenmill sends one after message_start, vLLM none (docs/api/agent-apis.md)
     assert "ping" not in [n for n, _ in v_events] and "ping" in [n for n, _ in t_events]
     assert merged([normal_event(n, d) for n, d in t_events if n != "ping"]) == merged(
         [normal_event(n, d) for n, d in v_events]

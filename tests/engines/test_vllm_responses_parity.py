@@ -6,7 +6,7 @@ The prompts are compared through what both report and what depends on every prom
 prompt's token count (`usage.input_tokens`) and the greedy answer (a random model's greedy text
 changes with any prompt token), item by item; streams event type by event type. Where vLLM departs
 from OpenAI's published behaviour, tokenmill follows OpenAI and the difference is asserted here
-(docs/request-fields.md, "Where tokenmill differs from vLLM 0.32 on /v1/responses").
+(docs/api/request-fields.md, "Where tokenmill differs from vLLM 0.32 on /v1/responses").
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_prompt_ids_as_vllm(stack, name):
     assert t["token_ids"] == v["token_ids"]
 
 
-# Rows where tokenmill follows OpenAI and vLLM 0.32 does not (docs/request-fields.md): a forced tool_choice
+# Rows where tokenmill follows OpenAI and vLLM 0.32 does not (docs/api/request-fields.md): a forced tool_choice
 # ("required", a named function) constrains tokenmill's output to the call's JSON; vLLM's /v1/responses
 # leaves it unconstrained (its chat path constrains it), so its answer is the model's free text.
 DIFFS = {"tools required", "tools named"}

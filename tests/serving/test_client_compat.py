@@ -105,7 +105,7 @@ NOT_YET = {
     ),
     "openai-python:completions.best_of_2": (
         "best_of",
-        f"field best_of refused by tokenmill (docs/request-fields.md); {_VLLM_IGNORES}",
+        f"field best_of refused by tokenmill (docs/api/request-fields.md); {_VLLM_IGNORES}",
     ),
     "openai-python:chat.modalities_audio": (
         "audio",

@@ -4,7 +4,7 @@ The config under test is the shipped file with only its addresses, log target, a
 daemon/chroot/user lines changed (render_config); its health-check and retry settings are the real ones.
 Which node served a request is read from each node's own /metrics (tokenmill_requests_total of
 /v1/chat/completions, status 200) and from the X-Tokenmill-Node header the config adds; the first
-test checks that the two agree. docs/cross-node.md describes what these tests pin down.
+test checks that the two agree. docs/operations/cross-node.md describes what these tests pin down.
 """
 
 from __future__ import annotations

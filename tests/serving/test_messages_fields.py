@@ -1,4 +1,4 @@
-"""docs/request-fields.md's Anthropic Messages table, walked against a running server: every field
+"""docs/api/request-fields.md's Anthropic Messages table, walked against a running server: every field
 the Messages body defines is listed, every listed field with a sample value is answered (honoured
 or accepted), and the values this server cannot honour are 400s naming the field."""
 
@@ -75,7 +75,7 @@ REFUSED = [
 
 def rows() -> dict[str, str]:
     """field -> kind, from the table."""
-    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    doc = (ROOT / "docs" / "api" / "request-fields.md").read_text()
     table = doc.split("## Anthropic Messages", 1)[1].split("\n## ", 1)[0]
     out = {}
     for line in table.splitlines():

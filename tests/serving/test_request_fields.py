@@ -1,5 +1,5 @@
 """Every request field OpenAI or vLLM defines is honoured, accepted without effect, or refused with a
-400 naming it (tokenizer_workers/request_fields.py, docs/request-fields.md): never silently dropped."""
+400 naming it (tokenizer_workers/request_fields.py, docs/api/request-fields.md): never silently dropped."""
 
 from __future__ import annotations
 
@@ -54,19 +54,19 @@ DEFAULTS = {
 
 def test_the_table_the_struct_and_the_docs_agree():
     assert set(NON_DEFAULT) == set(REFUSED)
-    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    doc = (ROOT / "docs" / "api" / "request-fields.md").read_text()
     listed = set(re.findall(r"`([a-z_]+)`", doc))
     honoured = (set(oa.ChatCompletionRequest.__struct_fields__) | set(oa.CompletionRequest.__struct_fields__)) - set(
         RefusableFields.__struct_fields__
     )
     missing = (set(REFUSED) | set(IGNORED) | honoured) - listed
-    assert not missing, f"docs/request-fields.md does not list {sorted(missing)}"
+    assert not missing, f"docs/api/request-fields.md does not list {sorted(missing)}"
 
 
 def test_the_honoured_table_says_what_vllm_does():
-    """docs/request-fields.md's Honoured table has a "vLLM 0.32" column, filled in on every row
+    """docs/api/request-fields.md's Honoured table has a "vLLM 0.32" column, filled in on every row
     (tests/engines/test_vllm_field_parity.py checks what it says against vLLM's own server)."""
-    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    doc = (ROOT / "docs" / "api" / "request-fields.md").read_text()
     table = doc.split("## Honoured", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert [c.strip() for c in rows[0].strip("|").split("|")] == ["field", "endpoints", "notes", "vLLM 0.32"]

@@ -195,7 +195,7 @@ def test_reasoning_items(server):
 
 
 def test_incomplete_on_max_output_tokens_streamed(server):
-    """OpenAI ends such a stream with response.incomplete (vLLM with response.completed: docs/agent-apis.md);
+    """OpenAI ends such a stream with response.incomplete (vLLM with response.completed: docs/api/agent-apis.md);
     the openai client's get_final_response() wants response.completed, so the terminal event's response is read."""
     with server.client().responses.stream(model=MODEL, input="Tell me a long story.", max_output_tokens=5) as stream:
         events = list(stream)

@@ -1,4 +1,4 @@
-"""docs/request-fields.md's /v1/responses table, walked against a running server: every field of the
+"""docs/api/request-fields.md's /v1/responses table, walked against a running server: every field of the
 request struct is listed, every refused field is refused with a 400 naming it, every other field is
 answered (never a silent drop of something that would change the output)."""
 
@@ -58,7 +58,7 @@ ACCEPTED_AS = {"store": False, "include": ["reasoning.encrypted_content"], "trun
 
 def table() -> dict[str, str]:
     """field -> its row's tokenmill cell, from the /v1/responses section of the docs."""
-    doc = (ROOT / "docs" / "request-fields.md").read_text()
+    doc = (ROOT / "docs" / "api" / "request-fields.md").read_text()
     section = doc.split("## /v1/responses", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     rows = {}
     for line in section.splitlines():

@@ -1,6 +1,6 @@
 """Clients that read slowly, stop reading, dribble their headers, or sit idle.
 
-Each is bounded by a documented setting (docs/security.md, "The HTTP API"): a slow reader's
+Each is bounded by a documented setting (docs/operations/security.md, "The HTTP API"): a slow reader's
 text is coalesced into fewer SSE events and none of it is lost; a reader that falls more
 than --stream-buffer-limit characters behind is aborted at the scheduler, counted, and
 disconnected; a request head must be complete within --header-timeout; an idle

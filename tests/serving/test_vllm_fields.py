@@ -1011,7 +1011,7 @@ def test_functions_answer_in_openais_legacy_shape(scripted):
 
 
 def test_docs_list_functions_among_the_differences_from_vllm():
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "request-fields.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api" / "request-fields.md").read_text()
     differences = doc.split("### Where tokenmill still differs from vLLM 0.32", 1)[1]
     assert "`functions`" in differences and "`function_call`" in differences and "ignores" in differences
 

@@ -163,9 +163,9 @@ def test_arguments_nested_too_deeply_come_back_as_content(name):
 
 
 def test_every_difference_from_vllm_is_documented():
-    doc = (ROOT / "docs" / "tool-calls.md").read_text(encoding="utf-8")
+    doc = (ROOT / "docs" / "api" / "tool-calls.md").read_text(encoding="utf-8")
     missing = [c.id for c in CASES if c.vllm_differs and f"`{c.id}`" not in doc]
-    assert not missing, f"add these to docs/tool-calls.md: {missing}"
+    assert not missing, f"add these to docs/api/tool-calls.md: {missing}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

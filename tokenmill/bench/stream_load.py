@@ -238,7 +238,7 @@ def run_level(
 
 def serve_args(streams: int) -> tuple:
     """``tokenmill serve`` flags for this benchmark: the echo scheduler with room for every stream, and a
-    fixed send buffer (docs/security.md) so that slow readers back up soon."""
+    fixed send buffer (docs/operations/security.md) so that slow readers back up soon."""
     return (
         "--sim-mode",
         "echo",

@@ -67,7 +67,7 @@ def require_secure(endpoint: str, what: str, insecure_ok: bool, have_keys: bool)
     if endpoint.startswith("tcp://") and not (insecure_ok or have_keys):
         raise InsecureEndpoint(
             f"{what} endpoint {endpoint} is tcp:// without CURVE keys. Give --curve-keys-dir (see "
-            f"docs/security.md; `tokenmill curve-keys DIR` makes them), or --insecure-tcp on a trusted network."
+            f"docs/operations/security.md; `tokenmill curve-keys DIR` makes them), or --insecure-tcp on a trusted network."
         )
 
 
