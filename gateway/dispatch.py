@@ -20,7 +20,7 @@ would cost more than they do).
 A turn of a conversation whose cache a worker holds waits for that worker at most as long as
 converting it afresh would take (rent or buy; a short request: no time at all). A conversation no
 worker holds goes to the worker the consistent-hash ring gives it, unless that worker already has
-more than 1.25 times its share of the load. docs/front-end-cost.md has the measurements.
+more than 1.25 times its share of the load. docs/design/components.md has the measurements.
 """
 
 from __future__ import annotations

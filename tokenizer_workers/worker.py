@@ -16,7 +16,7 @@ Threads of two kinds, so that streams keep flowing while long prompts convert:
 
 The conversion threads run ``--conversion-nice`` steps below this process's CPU priority
 (per thread), and so do the tokenizers thread-pool threads the first creates. The default, 0,
-shares the CPU with an engine that keeps cores busy (docs/front-end-cost.md, "A busy engine"):
+shares the CPU with an engine that keeps cores busy (docs/design/cpu-sharing.md):
 below it, a long prompt waited seconds for the leftovers of an engine's busy cores.
 
 Started by the gateway as ``python -m tokenmill.tokenizer_workers.worker --link-fd FD --index N``,

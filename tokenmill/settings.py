@@ -82,7 +82,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         int,
         "Niceness (0-19) the workers' conversion threads add to their process's. 0 shares the "
         "CPU evenly with an engine that keeps cores busy; above 0, conversion takes what the "
-        'engine leaves (docs/front-end-cost.md, "A busy engine").',
+        "engine leaves (docs/design/cpu-sharing.md).",
     ),
     "worker_group_nice": (
         int,
@@ -90,7 +90,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "set where permitted (root, CAP_SYS_NICE, or systemd's LimitNICE=); 0 leaves the kernel's. "
         "Below 0 a long prompt takes the cores from an engine that keeps them busy while it converts, "
         "as vLLM's own server does, and an idle worker costs nothing. No effect inside a cgroup with "
-        'the cpu controller (use the unit\'s CPUWeight=) (docs/front-end-cost.md, "A busy engine").',
+        "the cpu controller (use the unit's CPUWeight=) (docs/design/cpu-sharing.md).",
     ),
     "scheduler": (
         str,
@@ -116,7 +116,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "remote_workers": (
         str,
         "Endpoint (tcp://ADDR:PORT) where tokenizer workers on other hosts join the pool "
-        "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/security.md).",
+        "(`tokenmill worker --connect`); CURVE keys from --curve-keys-dir (docs/operations/security.md).",
     ),
     "remote_worker_timeout": (
         float,
@@ -164,7 +164,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "insecure_tcp": (_bool, "Allow tcp:// scheduler or remote-worker endpoints without CURVE encryption."),
     "curve_keys_dir": (
         str,
-        "Directory with CURVE keys for a tcp:// scheduler, and for remote workers (see docs/security.md).",
+        "Directory with CURVE keys for a tcp:// scheduler, and for remote workers (see docs/operations/security.md).",
     ),
     "tokenize_cache_bytes": (
         int,
@@ -185,7 +185,10 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Hand processed images to a scheduler on this host as files in /dev/shm that it maps (protocol "
         "images.shm), not in frames through the gateway; used only where the scheduler lists the feature.",
     ),
-    "image_fetch": (_bool, "Fetch http(s) image URLs (off: only base64 data: URLs are taken; docs/security.md)."),
+    "image_fetch": (
+        _bool,
+        "Fetch http(s) image URLs (off: only base64 data: URLs are taken; docs/operations/security.md).",
+    ),
     "image_fetch_timeout": (float, "Seconds one image fetch may take in all, redirects included."),
     "image_fetch_max_bytes": (int, "Largest image body fetched from a URL."),
     "image_fetch_max_redirects": (int, "Redirects one image fetch may follow (each hop's address checked again)."),
@@ -243,7 +246,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "sim_replies": (
         str,
         'Simulated scheduler: script replies from a JSONL file of {"match": "...", "text": "..."} '
-        "(docs/scheduler-protocol.md §10).",
+        "(docs/engines/scheduler-protocol.md §10).",
     ),
     "log_level": (str, "debug, info, warning or error."),
 }
@@ -277,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 REMOVED = {  # settings earlier versions took: why they are gone, for an operator upgrading a config file
     "worker_endpoint": "is no longer a setting: the gateway reaches the workers it spawns over a socket pair, "
-    "which needs no endpoint; workers on other hosts join with remote_workers (docs/security.md)",
+    "which needs no endpoint; workers on other hosts join with remote_workers (docs/operations/security.md)",
 }
 
 

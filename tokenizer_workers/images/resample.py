@@ -11,7 +11,7 @@ point that stays exact: the weights carry the shift as a power of two, every par
 exact multiple of it below 2**24 units (float32; values centred on 128 where that needs it; float64
 for steep downscales), and a clamp and a truncation make the floor. The products go through BLAS
 one band of outputs at a time: 0.8x Pillow's CPU at Qwen2-VL's usual scales, 1.1-1.2x for ~2-3x
-downscales (docs/front-end-cost.md); memory stays bounded by going through the rows in stripes.
+downscales (docs/design/images.md); memory stays bounded by going through the rows in stripes.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ same tokenizer workers, the simulated scheduler), each taking the same loads:
 
 * **small requests**: ~50-token chats, ``max_tokens`` 1, a zero-latency scheduler, 8 and 64 keep-alive
   clients (as ``tokenmill bench``): requests/s and latency p50. Per request the gateway's share of the
-  CPU is the largest of the three processes (docs/front-end-cost.md).
+  CPU is the largest of the three processes (docs/design/components.md).
 * **streams**: hundreds of concurrent streams at a 20 ms emission interval (as ``tokenmill bench
   streams``; default 1024 and 2048, quick 2048): delivered tokens/s, inter-token gap p99, /health p99
   and the CPU of the gateways, the workers and the scheduler. One gateway's loop is the first
-  bottleneck here (docs/front-end-cost.md), so this is where a second one can pay.
+  bottleneck here (docs/design/benchmarks.md), so this is where a second one can pay.
 * **cost**, measured on the idle node before any load: its memory (PSS summed over its processes, so
   pages shared between them count once), its CPU while idle, the time from start to every gateway
   answering, and the latency of a ``/metrics`` scrape (with several gateways one scrape gathers and

@@ -3,7 +3,7 @@
 A short request crosses this link four times (the job, its conversion, a detokenization
 batch, its text). Over ZeroMQ each crossing woke libzmq's I/O thread on both sides, and on
 a busy node every wake-up is a context switch: a round trip cost ~70 µs of CPU where a
-plain socket pair costs ~15 µs (docs/front-end-cost.md). Here a message is one
+plain socket pair costs ~15 µs (docs/design/components.md). Here a message is one
 ``writev`` on the gateway's loop and one ``sendmsg`` from the worker's IO thread, and the
 pair needs no endpoint in the filesystem and admits nobody else: only the child holds the
 other end. Workers on other hosts and the node's other gateways keep ZeroMQ (CURVE,
