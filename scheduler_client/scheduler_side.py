@@ -234,7 +234,7 @@ class SchedulerServer:
         raise NotImplementedError
 
     def has_request(self, identity: bytes, request_id: str) -> bool:
-        """Whether this session's ``request_id`` is in flight (for duplicate detection)."""
+        """Whether the front end ``identity`` has ``request_id`` in flight (for duplicate detection)."""
         raise NotImplementedError
 
     def check(self, gen: Generate) -> None:
@@ -257,7 +257,7 @@ class SchedulerServer:
         raise NotImplementedError
 
     def drop_session(self, identity: bytes) -> int:
-        """Free every request of this session silently (new Hello, or the front end is gone). Returns how many."""
+        """Free every request of the front end ``identity`` silently (new Hello, or the front end is gone). Returns how many."""
         raise NotImplementedError
 
     def on_teardown(self) -> None:

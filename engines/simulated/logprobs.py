@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tokenmill.engines.simulated.request import SimulatedRequest
 from tokenmill.engines.simulated.sampling import UNSEEDED, TokenSource
@@ -40,6 +40,18 @@ def logprob_key(generate: Generate, prompt_bytes: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(b"logprobs" + salt + prompt_bytes, digest_size=8).digest(), "little")
 
 
+def _distinct_ids(pool: list[int], vocab: int, start: int, chosen: int) -> Iterator[int]:
+    """Alternatives to ``chosen``, each once: through the palette from ``start``, then the vocabulary."""
+    taken = {chosen}
+    j = 0
+    while True:
+        other = pool[(start + j) % len(pool)] if j < len(pool) else (start + j) % vocab
+        j += 1
+        if other not in taken:
+            taken.add(other)
+            yield other
+
+
 class MadeUpLogprobs:
     """Logprobs for generated and prompt tokens, their alternatives drawn from the served palette (else vocabulary)."""
 
@@ -64,19 +76,11 @@ class MadeUpLogprobs:
         lp = math.log(min(p, 1.0 - p))
         pool = self.alternatives
         vocab = self.tokens.vocab_size
-        taken = {token}
-        start = h % (len(pool) if pool else vocab)
-        j = 0
+        others = _distinct_ids(pool, vocab, h % (len(pool) if pool else vocab), token)
         for _ in range(n - 1):
             h = _mix64(h)
             lp -= _LN2 + 0.7 * ((h >> 11) * (1.0 / (1 << 53)))
-            while True:  # the next distinct ID: through the palette, then the vocabulary
-                other = pool[(start + j) % len(pool)] if j < len(pool) else (start + j) % vocab
-                j += 1
-                if other not in taken:
-                    break
-            taken.add(other)
-            top_ids.append(other)
+            top_ids.append(next(others))
             top_lps.append(lp)
 
     def for_prompt(self, prompt: Sequence[int], n: int) -> PromptLogprobs:
@@ -108,20 +112,9 @@ class MadeUpLogprobs:
             ranks.append(rank)
             if not n:
                 continue
-            start = g % (len(pool) if pool else vocab)
-            j = 0
-            taken = {token}
+            others = _distinct_ids(pool, vocab, g % (len(pool) if pool else vocab), token)
             for place in range(1, n + 1):
-                if place == rank:
-                    other = token
-                else:
-                    while True:  # the next distinct ID: through the palette, then the vocabulary
-                        other = pool[(start + j) % len(pool)] if j < len(pool) else (start + j) % vocab
-                        j += 1
-                        if other not in taken:
-                            break
-                    taken.add(other)
-                top_ids.append(other)
+                top_ids.append(token if place == rank else next(others))
                 top_lps.append(values[place - 1])
         return PromptLogprobs(
             floats_to_bytes(lps),
