@@ -20,6 +20,7 @@ class PoolSettings:
     # niceness (autogroup), SCHED_FIFO priority of its IO thread (0: none)
     memory_limit_mb: int = 0
     conversion_threads: int = 2
+    tokenizer_threads: int = 0  # the tokenizers library's thread pool (RAYON_NUM_THREADS; 0: the library's, every CPU)
     conversion_nice: int = 0
     group_nice: int = 0
     io_rt_priority: int = 0

@@ -119,6 +119,7 @@ class Gateway:
             conversion_timeout=s.conversion_timeout,
             memory_limit_mb=s.worker_memory_limit_mb,
             conversion_threads=s.conversion_threads,
+            tokenizer_threads=s.tokenizer_threads,
             conversion_nice=s.conversion_nice,
             group_nice=s.worker_group_nice,
             io_rt_priority=s.loop_rt_priority,

@@ -14,6 +14,18 @@ def _default_workers() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+def _default_tokenizer_threads() -> int:
+    """The tokenizers pool each local worker encodes a long prompt's pieces on: as the environment's
+    RAYON_NUM_THREADS says, else the CPUs this process may use minus one, which stays the engine's.
+    Beside an engine that keeps the cores busy, a pool of every core took the engine's share on each
+    of them, and its streams' tokens waited (docs/design/cpu-sharing.md)."""
+    configured = os.environ.get("RAYON_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, cpus - 1)
+
+
 @dataclass
 class ServeSettings:
     model: str | None = None
@@ -25,8 +37,9 @@ class ServeSettings:
     loop_rt_priority: int = 1  # SCHED_FIFO for each event-loop thread where permitted (0: never); else the slice
     workers: int = 0  # 0: CPU count minus one, at least one
     conversion_threads: int = 2  # per worker
+    tokenizer_threads: int = 0  # the tokenizers library's pool in each local worker (0: CPUs allowed minus one)
     conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
-    worker_group_nice: int = -10  # each worker's scheduling group (autogroup) where permitted (0: leave)
+    worker_group_nice: int = -6  # each worker's scheduling group (autogroup) where permitted (0: leave)
     scheduler: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
@@ -91,6 +104,10 @@ class ServeSettings:
             raise SystemExit("gateways: at least 1")
         if self.conversion_threads < 1:
             raise SystemExit("conversion_threads: at least 1")
+        if self.tokenizer_threads < 0:
+            raise SystemExit("tokenizer_threads: 0 (CPUs allowed minus one) or more")
+        if not self.tokenizer_threads:
+            self.tokenizer_threads = _default_tokenizer_threads()
         if not 0 <= self.conversion_nice <= 19:
             raise SystemExit("conversion_nice: 0 to 19")
         if not -20 <= self.worker_group_nice <= 19:

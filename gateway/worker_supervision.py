@@ -95,6 +95,8 @@ class LocalWorkers:
         if worker not in self.workers:
             self.workers.append(worker)
         env = child_env() | ONE_BLAS_THREAD
+        if self.pool.tokenizer_threads:  # read once, when the worker's first encode starts the pool
+            env["RAYON_NUM_THREADS"] = str(self.pool.tokenizer_threads)
         env[SETTINGS_ENV] = msgspec.json.encode(self.settings).decode()
         self.on_spawn(worker)
         worker.started = time.monotonic()

@@ -78,6 +78,12 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Requests each tokenizer worker converts at once, one thread each, sharing its "
         "tokenization cache: a long prompt starts beside another instead of waiting for it.",
     ),
+    "tokenizer_threads": (
+        int,
+        "Threads of the tokenizers library's pool in each local tokenizer worker, which encodes a long "
+        "prompt's pieces in parallel (0 = RAYON_NUM_THREADS if set, else the CPUs allowed minus one: "
+        "one core stays the engine's, whose streams otherwise wait while a long prompt converts).",
+    ),
     "conversion_nice": (
         int,
         "Niceness (0-19) the workers' conversion threads add to their process's. 0 shares the "

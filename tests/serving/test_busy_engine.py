@@ -11,6 +11,8 @@ import time
 import pytest
 from conftest import ROOT, Server, http
 
+from tokenmill.gateway.settings import ServeSettings
+
 
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (0 once it is gone)."""
@@ -187,7 +189,7 @@ def test_the_threads_that_move_streams_run_real_time_where_permitted_and_convers
     so do ZeroMQ's threads, which carry its frames to and from the engine, and each worker's IO thread,
     which detokenizes every stream. The loop's other helper threads and the conversion threads stay
     SCHED_OTHER; each worker's scheduling group (its session) weighs more than an engine's
-    (--worker-group-nice, -10). Where real-time is not permitted, the loop falls back to the short slice
+    (--worker-group-nice). Where real-time is not permitted, the loop falls back to the short slice
     (the test above) and nothing else changes."""
     probe = subprocess.run(
         [sys.executable, "-c", "from tokenmill.process.procutil import request_realtime as r; print(r(1))"],
@@ -220,7 +222,7 @@ def test_the_threads_that_move_streams_run_real_time_where_permitted_and_convers
         converting = {tid: p for tid, p in worker_policies.items() if _comm(worker, tid).startswith("tm-convert")}
         assert len(converting) >= 2 and set(converting.values()) == {(os.SCHED_OTHER, 0)}, worker_policies
         if os.path.exists(f"/proc/{worker}/autogroup"):
-            assert _group_nice(worker) == -10 and _group_nice(gateway) == 0
+            assert _group_nice(worker) == ServeSettings().worker_group_nice < 0 and _group_nice(gateway) == 0
         assert http("GET", server.url + "/health")[0] == 200
     finally:
         server.stop()
@@ -295,3 +297,35 @@ def test_a_send_to_an_engine_that_does_not_read_fails_at_once_instead_of_waiting
         dealer.close(0)
         engine.close(0)
         ctx.term()
+
+
+def _thread_names(pid: int) -> list[str]:
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+def test_tokenizer_threads_size_each_workers_pool_and_default_to_the_cpus_less_one():
+    """The tokenizers pool is born by the first conversion thread (it inherits its name, tm-convert-0):
+    with --tokenizer-threads 3 a worker converting a long prompt runs 3 pool threads beside its 2
+    conversion threads; by default, one per CPU allowed less one, which stays the engine's."""
+    sized = Server("--tokenizer-threads", "3", "--conversion-threads", "2")
+    default = Server("--conversion-threads", "1", env={"RAYON_NUM_THREADS": ""})
+    try:
+        counts = {}
+        for name, server in (("sized", sized), ("default", default)):
+            server.client().chat.completions.create(
+                model="deepseek-v4", max_tokens=1, messages=[{"role": "user", "content": "word " * 20000}]
+            )
+            worker = _child(server, b"tokenmill.tokenizer_workers.worker")
+            counts[name] = sum(n.startswith("tm-convert") for n in _thread_names(worker))
+        assert counts["sized"] == 2 + 3, counts
+        assert counts["default"] == 1 + max(1, len(os.sched_getaffinity(0)) - 1), counts
+    finally:
+        sized.stop()
+        default.stop()
+    refused = Server("--tokenizer-threads", "-1", ready=False)
+    assert refused.proc.wait(60) != 0
+    assert "tokenizer_threads" in refused.read_output()

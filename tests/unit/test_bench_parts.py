@@ -60,3 +60,27 @@ def test_the_net_ratio_takes_the_idle_rate_off_each_turn():
     assert img._net_ratio({"first": 0.010, "resend": 0.003}, {"first": 1.0, "resend": 0.5}, 0.002) == 0.25
     assert img._net_ratio({"first": 0.010, "resend": 0.0005}, {"first": 1.0, "resend": 0.5}, 0.002) == 0.0
     assert img._net_ratio({"first": 0.001, "resend": 0.0}, {"first": 1.0, "resend": 0.5}, 0.002) is None
+
+
+def test_busy_stream_targets_are_judged_on_the_medians_and_on_every_run_pair():
+    from tokenmill.bench.vllm import BUSY_TARGETS, busy_targets
+
+    def row(conversion, gap, p99, peak):
+        return {"conversion_wall_s": conversion, "stream_gap_p99_ms": gap, "health_p99_ms": p99, "health_max_ms": peak}
+
+    vllm_runs = [row(3.0, 10.0, 20.0, 50.0), row(2.0, 8.0, 16.0, 40.0)]
+    ours = [row(1.5, 12.0, 1.0, 5.0), row(2.5, 6.0, 6.0, 4.0)]
+    report = {
+        "runs": {"vllm": {"busy_stream": vllm_runs}, "tokenmill": {"busy_stream": ours}},
+        "vllm": {"busy_stream": row(2.5, 9.0, 18.0, 45.0)},
+        "tokenmill": {"busy_stream": row(2.0, 9.0, 3.5, 4.5)},
+    }
+    got = {t["figure"]: t for t in busy_targets(report)}
+    assert set(got) == {figure for figure, _ in BUSY_TARGETS}
+    assert got["conversion_wall_s"]["met"] and got["conversion_wall_s"]["pairs_met"] == 1  # 2.5 s > 2.0 s in pair 2
+    assert got["stream_gap_p99_ms"]["ratio"] == 1.0 and got["stream_gap_p99_ms"]["met"]  # no worse: equal passes
+    assert got["stream_gap_p99_ms"]["pairs_met"] == 1  # 12 > 10 in the first pair
+    assert got["health_p99_ms"]["met"] and got["health_p99_ms"]["pairs_met"] == 1  # 6 / 16 is not 4x lower
+    assert got["health_max_ms"]["met"] and got["health_max_ms"]["pairs"] == 2 and got["health_max_ms"]["pairs_met"] == 2
+    report["tokenmill"]["busy_stream"]["stream_gap_p99_ms"] = 9.5
+    assert not {t["figure"]: t for t in busy_targets(report)}["stream_gap_p99_ms"]["met"]
