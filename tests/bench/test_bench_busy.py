@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import pytest
 from conftest import run_bench
 
 
@@ -69,3 +74,72 @@ def test_one_stream_kept_alive_while_long_prompts_convert_reports_sane_figures_a
     assert threads[("tm-gateway", "tm-gateway")]["cpu_s"] > 0
     assert all(t["cpu_s"] >= 0 and t["wait_s"] >= 0 for t in row["threads"])
     assert row["threads_s"] > 0
+
+
+_SLEEP_WITH_CHILD = """
+import os, sys, time
+name, cpus = sys.argv[1], sys.argv[2]
+if os.fork() == 0:
+    if name:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    time.sleep(60)
+    os._exit(0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs two CPUs")
+def test_split_cores_puts_each_engine_on_the_model_workers_cpus_and_each_front_end_on_the_others():
+    """`tokenmill bench vllm --split-cores` on stand-ins for the two stacks' process trees: vLLM's API
+    server with a model worker below it (bound to one CPU, as vLLM's OpenMP binding does), tokenmill's
+    engine bridge, and tokenmill serve with a worker below it."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from tokenmill.bench.common import process_tree
+    from tokenmill.bench.vllm import Stacks
+
+    engine_cpu = min(os.sched_getaffinity(0))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SLEEP_WITH_CHILD, name, cpus], stdout=subprocess.PIPE, text=True)
+        for name, cpus in (("VLLM::Worker", str(engine_cpu)), ("", ""), ("tm-worker-0", ""))
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        trees = [list(process_tree(p.pid)) for p in procs]
+        deadline = time.monotonic() + 10
+        while any(len(t) < 2 for t in trees) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            trees = [list(process_tree(p.pid)) for p in procs]
+        model_worker = trees[0][1]
+        while _comm(model_worker) != "VLLM::Worker" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stacks = Stacks.__new__(Stacks)
+        stacks.procs = [SimpleNamespace(pid=p.pid) for p in procs]
+        split = stacks.split_cores()
+        front = set(os.sched_getaffinity(0)) - {engine_cpu}
+        assert split == {"engine": [engine_cpu], "front": sorted(front)}
+        api, bridge, serve = (p.pid for p in procs)
+        for pid in (model_worker, *trees[1]):  # vLLM's engine below its API server; tokenmill's bridge tree
+            assert os.sched_getaffinity(pid) == {engine_cpu}, pid
+        for pid in (api, *trees[2]):  # vLLM's API server; tokenmill serve and its worker
+            assert os.sched_getaffinity(pid) == front, pid
+    finally:
+        for p in procs:
+            for pid in process_tree(p.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(10)
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()

@@ -26,7 +26,9 @@ the start of every long message, so no cache of either side can serve it):
   gaps within each stream, the gaps across stream boundaries (a slow start of the next stream counts),
   the stream's tokens per second during the rounds and as a share of its rate just before, and every
   thread of each stack by role over the rounds (CPU, run-queue wait, switches:
-  ``tokenmill.bench.threads``);
+  ``tokenmill.bench.threads``), and each target (:data:`BUSY_TARGETS`) met or missed, per run pair;
+  ``--split-cores`` runs it (and every scenario) with each engine on cores of its own, as on a GPU
+  node, instead of sharing every core with its front end;
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
   (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
   instead of one long stream: the engine decodes on the same cores and new requests keep
@@ -59,6 +61,7 @@ from tokenmill.bench.common import (
     free_port,
     health_prober,
     pct,
+    process_tree,
     ratio,
     request,
     rnd,
@@ -89,6 +92,13 @@ def add_arguments(parser) -> None:
         help="Comma-separated subset of the scenarios to run (default all): " + ", ".join(FIGURES) + ".",
     )
     add_busy_load_options(parser)
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="Give each stack's engine processes the CPUs vLLM bound its model worker to, and the front "
+        "processes the others, as on a GPU node whose engine threads have cores of their own (default: "
+        "everything shares every core).",
+    )
     group = parser.add_argument_group(
         "images", "The image scenario, run on its own on a tiny Qwen2-VL: tokenmill.bench.images."
     )
@@ -200,6 +210,33 @@ class Stacks:
         self.front_pids = {"vllm": self.procs[0].pid, "tokenmill": self.procs[-1].pid}
         self.stack_pids = {"vllm": [self.procs[0].pid], "tokenmill": [p.pid for p in self.procs[1:]]}
 
+    def split_cores(self) -> dict[str, list[int]]:
+        """Each stack's engine (vLLM's engine core and model worker below its API server; tokenmill's
+        engine bridge and everything below it) on the CPUs vLLM bound its model worker to, and the front
+        ends (vLLM's API server process; tokenmill serve, its gateway and workers) on the others. Every
+        thread is moved; threads started later inherit their creator's CPUs."""
+        if len(self.procs) != 3:
+            raise RuntimeError("--split-cores needs tokenmill in front of a vLLM engine")
+        api, bridge, serve = (p.pid for p in self.procs)
+        engine = [pid for pid in process_tree(api) if pid != api] + list(process_tree(bridge))
+        workers = [pid for pid in engine if _comm(pid).startswith("VLLM::Worker")]
+        if not workers:
+            raise RuntimeError("no vLLM model worker process to take the engine's CPUs from")
+        engine_cpus = set().union(*(os.sched_getaffinity(pid) for pid in workers))
+        front_cpus = set(os.sched_getaffinity(0)) - engine_cpus
+        if not front_cpus:
+            raise RuntimeError(
+                f"vLLM's model workers are bound to every CPU ({sorted(engine_cpus)}): none left to split"
+            )
+        for pids, cpus in ((engine, engine_cpus), ([api, *process_tree(serve)], front_cpus)):
+            for pid in pids:
+                for tid in _tasks(pid):
+                    try:
+                        os.sched_setaffinity(tid, cpus)
+                    except OSError:  # gone meanwhile
+                        pass
+        return {"engine": sorted(engine_cpus), "front": sorted(front_cpus)}
+
     def ready(self) -> bool:
         for proc in self.procs:
             proc.check_alive()
@@ -219,6 +256,21 @@ class Stacks:
                 proc.proc.terminate()  # all at once: each shuts down while the others do
         for proc in self.procs:
             proc.stop(30, leftovers=True)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
 
 
 # ---- client processes ----------------------------------------------------------------------------
@@ -573,6 +625,9 @@ def run(args) -> int:
         stacks = Stacks(str(python), model, workdir)
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
+        split = stacks.split_cores() if args.split_cores else None
+        if split:
+            print(f"engines on CPUs {split['engine']}, front ends on CPUs {split['front']}", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
         pid_of = {port: stacks.front_pids[side] for side, port in ports.items()}  # the front processes
         roots_of = {ports[side]: pids for side, pids in stacks.stack_pids.items()}  # each side's whole stack
@@ -626,6 +681,7 @@ def run(args) -> int:
         if "busy_stream" in chosen:
             report["busy_stream_targets"] = busy_targets(report)
         report["versions"] = _versions(python)
+        report["split_cores"] = split
         print_table(report, repeat)
         write_json(args.json, report)
         return 0
@@ -667,6 +723,9 @@ def run_images(args, python: Path) -> int:
         )
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
+        split = stacks.split_cores() if args.split_cores else None
+        if split:
+            print(f"engines on CPUs {split['engine']}, front ends on CPUs {split['front']}", flush=True)
         ports = {"vllm": stacks.vllm_port, "tokenmill": stacks.tokenmill_port}
         for port in ports.values():
             img.warm_up(port, NAME)
@@ -727,6 +786,9 @@ def print_table(report: dict, repeat: int, figures: dict | None = None) -> None:
         f"\ntokenmill bench vllm: vLLM {v['vllm']}'s own server vs tokenmill in front of the same engine "
         f"({v['cores']} cores; medians of {repeat} alternating run(s) each; ratio = tokenmill / vLLM)"
     )
+    if report.get("split_cores"):
+        split = report["split_cores"]
+        print(f"engines on CPUs {split['engine']}, front ends on CPUs {split['front']} (--split-cores)")
     print(
         f"{'scenario':>13} {'figure':>20} {'vLLM':>10} {'tokenmill':>10} {'ratio':>8}   {'vLLM runs':>17} {'tokenmill runs':>17}"
     )
