@@ -380,10 +380,12 @@ class Gateway:
         shutdown = ApiError(
             503, "The server is shutting down; the request was aborted.", "ServiceUnavailableError", None, "shutdown"
         )
+        aborted = self.conversion.busy or self.conversion.queued or len(self.generations)
         self.conversion.fail_pending(shutdown)
         for gen in list(self.generations.live):
             self.generations.fail(gen, shutdown, reason="shutdown")
-        await asyncio.sleep(0.05)  # let handlers write those errors
+        if aborted:
+            await asyncio.sleep(0.05)  # let handlers write those errors
 
     async def close(self) -> None:
         if self.siblings is not None:

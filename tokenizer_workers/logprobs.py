@@ -14,11 +14,10 @@ to N for chat (N + 1 for completions, which OpenAI defines as "the top N and the
 
 from __future__ import annotations
 
-import json
-
 import msgspec
 
 from tokenmill.scheduler_client.protocol import bytes_to_floats, frame_to_ids
+from tokenmill.tokenizer_workers.model import tokenizer_part
 
 _json = msgspec.json.Encoder()
 _FLOOR = -9999.0
@@ -52,7 +51,7 @@ class TokenTexts:
 def _space_marker(tokenizer) -> str | None:
     """The Metaspace replacement character of a SentencePiece-style tokenizer ("▁"), else None."""
     try:
-        pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+        pre = tokenizer_part(tokenizer.pre_tokenizer)
     except Exception:
         return None
     for part in [pre, *(pre.get("pretokenizers") or [])]:

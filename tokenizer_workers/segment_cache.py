@@ -19,7 +19,6 @@ pieces first, so the recurring history of conversations outlives one-off text.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import threading
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from tokenmill.tokenizer_workers.model import tokenizer_part
 from tokenmill.tokenizer_workers.prompt_prefixes import Prompt, PromptPrefixes, Reuse
 
 log = logging.getLogger("tokenmill.segment_cache")
@@ -153,8 +153,8 @@ class SegmentEncoder:
 
     def _splitter(self) -> re.Pattern | None:
         tokens = list(self.tokenizer.get_added_tokens_decoder().items())
-        config = json.loads(self.tokenizer.to_str())
-        has_normalizer = bool(config.get("normalizer") and config["normalizer"].get("normalizers", [None]))
+        normalizer = tokenizer_part(self.tokenizer.normalizer)
+        has_normalizer = bool(normalizer and normalizer.get("normalizers", [None]))
         plain = []
         for tid, tok in tokens:
             if tok.lstrip or tok.rstrip or tok.single_word or (tok.normalized and has_normalizer):
