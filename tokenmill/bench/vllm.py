@@ -218,8 +218,8 @@ class Stacks:
         if len(self.procs) != 3:
             raise RuntimeError("--split-cores needs tokenmill in front of a vLLM engine")
         api, bridge, serve = (p.pid for p in self.procs)
-        engine = [pid for pid in process_tree(api) if pid != api] + list(process_tree(bridge))
-        workers = [pid for pid in engine if _comm(pid).startswith("VLLM::Worker")]
+        engine = {pid: name for pid, name in process_tree(api).items() if pid != api} | process_tree(bridge)
+        workers = [pid for pid, name in engine.items() if name.startswith("VLLM::Worker")]
         if not workers:
             raise RuntimeError("no vLLM model worker process to take the engine's CPUs from")
         engine_cpus = set().union(*(os.sched_getaffinity(pid) for pid in workers))
@@ -256,14 +256,6 @@ class Stacks:
                 proc.proc.terminate()  # all at once: each shuts down while the others do
         for proc in self.procs:
             proc.stop(30, leftovers=True)
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _tasks(pid: int) -> list[int]:
