@@ -9,7 +9,9 @@ in its own process and serves the scheduler side of docs/engines/scheduler-proto
 * :mod:`tokenmill.engines.transformers_backend` — HuggingFace transformers continuous batching
   (runs on CPU; ``--random-weights`` builds a tiny model for tests and demos);
 * :mod:`tokenmill.engines.sglang_backend` — ``sglang.Engine`` driven on its own event-loop thread;
-* :mod:`tokenmill.engines.vllm_backend` — vLLM's ``AsyncLLM``.
+* :mod:`tokenmill.engines.vllm_backend` — vLLM's ``AsyncLLM``;
+* :mod:`tokenmill.engines.http_backend` — an unmodified ``vllm serve --enable-scale-out`` over its
+  token-in/token-out HTTP API (``tokenmill serve --engine-url`` starts one per server).
 
 Each backend's library is an optional extra (``pip install 'tokenmill[transformers]'``,
 ``'tokenmill[sglang]'``, ``'tokenmill[vllm]'``) and is imported only when that backend is
@@ -27,6 +29,8 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "transformers": ("tokenmill.engines.transformers_backend", "transformers"),
     "sglang": ("tokenmill.engines.sglang_backend", "sglang"),
     "vllm": ("tokenmill.engines.vllm_backend", "vllm"),
+    # an unmodified engine server over HTTP: no engine library here, aiohttp is a dependency of tokenmill
+    "http": ("tokenmill.engines.http_backend", ""),
 }
 
 

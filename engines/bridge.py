@@ -708,9 +708,10 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from tokenmill.process.procutil import set_process_name, take_descendants_along
+        from tokenmill.process.procutil import die_with_supervisor, set_process_name, take_descendants_along
 
         set_process_name("tm-engine")
+        die_with_supervisor()  # started by a gateway (--engine-url): gone with it
         take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine
     except ImportError:  # pragma: no cover
         pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ import zmq.asyncio
 
 from tokenmill.gateway import siblings
 from tokenmill.gateway.app import App
+from tokenmill.gateway.engine_bridges import EngineBridges
 from tokenmill.gateway.generations import Generations
 from tokenmill.gateway.http_protocol import protocol_class
 from tokenmill.gateway.listener import Acceptor, listen_sockets
@@ -98,6 +100,7 @@ class Gateway:
         self.runtime_dir: str | None = None
         self._own_runtime_dir = False
         self.simulator: asyncio.subprocess.Process | None = None
+        self.engine_bridges: EngineBridges | None = None  # with --engine-url
         self.lag_samples = array("f")
 
     @property
@@ -188,6 +191,10 @@ class Gateway:
                 log.info("removed %d image file(s) of exited processes from /dev/shm", removed)
         if self.sibling:
             endpoints = self.sibling["schedulers"]
+        elif s.engine_urls:
+            self.engine_bridges = EngineBridges(s.engine_urls, self.runtime_dir, self._bridge_args())
+            endpoints = self.engine_bridges.endpoints
+            self.engine_bridges.start()
         elif not endpoints:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])
@@ -250,6 +257,16 @@ class Gateway:
         self._lag_task = asyncio.create_task(self._measure_loop_lag())
         interval = systemd_notify.watchdog_interval()
         self._watchdog_task = asyncio.create_task(systemd_notify.pet_watchdog(interval)) if interval else None
+
+    def _bridge_args(self) -> list[str]:
+        """What every engine bridge needs to check its server against what this gateway serves."""
+        s = self.settings
+        args = ["--model", s.model or "default"]
+        if s.chat_template:
+            args += ["--chat-template", s.chat_template]
+        if s.default_chat_template_kwargs:
+            args += ["--chat-template-kwargs", json.dumps(s.default_chat_template_kwargs)]
+        return args
 
     async def _start_simulator(self, endpoint: str) -> None:
         s = self.settings
@@ -398,6 +415,8 @@ class Gateway:
             self._watchdog_task.cancel()
         await self.scheduler.close()
         await self.conversion.close()
+        if self.engine_bridges is not None:
+            await self.engine_bridges.close()
         if self.simulator is not None and self.simulator.returncode is None:
             self.simulator.terminate()
             try:

@@ -41,6 +41,7 @@ class ServeSettings:
     conversion_nice: int = 0  # added to the worker's niceness for its conversion threads
     worker_group_nice: int = -6  # each worker's scheduling group (autogroup) where permitted (0: leave)
     scheduler: str | None = None
+    engine_url: str | None = None  # engine servers over HTTP, comma-separated (one bridge process each)
     chat_template: str | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None
@@ -125,12 +126,26 @@ class ServeSettings:
                 "--gateways above 1 takes the node's own worker pool only: not with --remote-workers "
                 "(remote workers join one gateway) nor with --conversion-mode inline/thread"
             )
+        if self.engine_url and self.scheduler:
+            raise SystemExit("engine_url and scheduler: name the engines one way (each --engine-url is a rank)")
+        urls = self.engine_urls
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise SystemExit(f"engine_url: {url!r} is not an http:// or https:// URL")
+        repeated = sorted({u for u in urls if urls.count(u) > 1})
+        if repeated:
+            raise SystemExit(f"engine_url: {', '.join(repeated)} listed more than once")
         endpoints = self.scheduler_endpoints
         duplicates = sorted({e for e in endpoints if endpoints.count(e) > 1})
         if duplicates:
             raise SystemExit(
                 f"scheduler: {', '.join(duplicates)} listed more than once; each data-parallel rank is one endpoint"
             )
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engine servers reached over HTTP, one data-parallel rank each ([] : none)."""
+        return [u.strip().rstrip("/") for u in (self.engine_url or "").split(",") if u.strip()]
 
     @property
     def scheduler_endpoints(self) -> list[str]:

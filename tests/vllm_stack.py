@@ -211,10 +211,33 @@ class Stack:
     tokenizer: Tokenizer
     started_s: float
     standby: Engine | None = None  # a second engine, started with the stack, for the kill test to bring in
+    _http_front: Server | None = None
 
     def __post_init__(self) -> None:
         self.v = self.vllm.client()  # one client each: their connections are reused
         self.t = self.front.client()
+
+    @property
+    def http_front(self) -> Server:
+        """`tokenmill serve --engine-url` in front of the stack's own vLLM server (its token-in API,
+        --enable-scale-out), with the same settings as `front`; started on first use."""
+        if self._http_front is None:
+            self._http_front = Server(
+                "--model",
+                str(self.model),
+                "--engine-url",
+                self.vllm.url,
+                "--served-model-name",
+                NAME,
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--workers",
+                "1",
+                *PARSERS,
+                timeout=120,
+            )
+            EARLY.procs.append(self._http_front)
+        return self._http_front
 
 
 class _EarlyStart:

@@ -103,6 +103,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Scheduler endpoint (ipc:// or tcp://); repeat the flag, or separate with commas, for "
         "data-parallel ranks (each request goes to one). Default: start the simulated scheduler.",
     ),
+    "engine_url": (
+        str,
+        "An engine server to serve from over its token-in/token-out HTTP API (vllm serve "
+        "--enable-scale-out), e.g. http://10.0.0.5:8000; repeat the flag, or separate with commas, "
+        "for replicas (each a data-parallel rank). Each gets a bridge process on this host, which "
+        "checks the server's model and tokenization first. Instead of --scheduler.",
+    ),
     "chat_template": (str, "Chat template file that overrides the model's."),
     "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
     "served_model_name": (str, "Model name clients must use. Default: the model directory's name."),
@@ -278,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{text} [env {env}; default: {default if default not in (None, '') else 'none'}]"
         if kind is _bool:
             parser.add_argument(flag, dest=name, nargs="?", const=True, type=_bool, default=None, help=help_text)
-        elif name == "scheduler":
+        elif name in ("scheduler", "engine_url"):
             parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), help=help_text)
@@ -311,8 +318,9 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> ServeSettings:
         flag = getattr(args, name, None)
         if flag is not None:
             values[name] = flag
-    if isinstance(values.get("scheduler"), list):  # repeated --scheduler, or a TOML list
-        values["scheduler"] = ",".join(values["scheduler"])
+    for repeatable in ("scheduler", "engine_url"):  # a repeated flag, or a TOML list
+        if isinstance(values.get(repeatable), list):
+            values[repeatable] = ",".join(values[repeatable])
     for name, allowed in CHOICES.items():
         if name in values and values[name] not in allowed:
             raise SystemExit(f"{name} must be one of {allowed}, got {values[name]!r}")

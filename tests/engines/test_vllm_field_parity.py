@@ -1060,25 +1060,49 @@ def compare(v: dict, t: dict, row: Row, stream: bool) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def answers(stack):
-    """Every row's request to vLLM's server, then every row's to tokenmill (one server at a time: an idle
-    vLLM keeps polling its queues for a second after a request, which slows the other server's next one
-    on 2 cores), once per module: {(row name, stream): (vLLM's, tokenmill's)}."""
+#: the front ends checked: tokenmill in front of `tokenmill engine --backend vllm` (vLLM's engine in-process),
+#: and tokenmill in front of the same vLLM server's token-in HTTP API (`tokenmill serve --engine-url`)
+FRONTS = ("bridge", "http")
+#: fields the token-in HTTP API cannot carry (engines/http_backend.py): there tokenmill answers a 400 naming them
+HTTP_REFUSED = ("bad_words",)
+_vllm_answers: dict = {}
+
+
+@pytest.fixture(scope="module", params=FRONTS)
+def answers(stack, request):
+    """Every row's request to vLLM's server (once for both front ends), then every row's to tokenmill (one
+    server at a time: an idle vLLM keeps polling its queues for a second after a request, which slows the other
+    server's next one on 2 cores): {(row name, stream): (vLLM's, tokenmill's)}."""
     t0 = time.monotonic()
+    front = stack.front if request.param == "bridge" else stack.http_front
     todo = [(row, s) for row in ROWS if not row.skip for s in row.streams]
-    vs = {(row.name, s): _ask(stack.vllm.url, row, s) for row, s in todo}
-    ts = {(row.name, s): _ask(stack.front.url, row, s) for row, s in todo}
-    print(f"\n{len(todo)} requests to each server in {time.monotonic() - t0:.1f} s")
-    return {key: (vs[key], ts[key]) for key in vs}
+    for row, s in todo:
+        if (row.name, s) not in _vllm_answers:
+            _vllm_answers[row.name, s] = _ask(stack.vllm.url, row, s)
+    ts = {(row.name, s): _ask(front.url, row, s) for row, s in todo}
+    print(f"\n{len(todo)} requests to tokenmill ({request.param}) in {time.monotonic() - t0:.1f} s")
+    return request.param, {key: (_vllm_answers[key], ts[key]) for key in ts}
+
+
+def _refused_over_http(row: Row) -> str | None:
+    """The field of the row's body that tokenmill refuses in front of an engine's HTTP API, if any."""
+    return next((f for f in HTTP_REFUSED if f in row.body), None)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.name for row in ROWS])
-def test_field_as_vllm(answers, row):
+def test_field_as_vllm(answers, row, stack):
     if row.skip:
         pytest.skip(row.skip)
+    front, answered = answers
+    refused = _refused_over_http(row) if front == "http" else None
     for stream in row.streams:
-        v, t = answers[row.name, stream]
+        v, t = answered[row.name, stream]
         if row.check is not None:
             assert row.check(v), f"{row.name}: vLLM's answer does not show what the row is about: {v}"
+        if refused:
+            assert t == {"status": 400}, t
+            path = "/v1/chat/completions" if row.endpoint == "chat" else "/v1/completions"
+            _, _, error = post(stack.http_front.url, path, row.body)
+            assert error["error"]["param"] == refused, error
+            continue
         compare(v, t, row, stream)

@@ -1,0 +1,695 @@
+"""The http backend: an unmodified engine server's token-in/token-out HTTP API behind the protocol.
+
+``tokenmill engine --backend http --engine-url http://HOST:PORT`` speaks the scheduler protocol on
+its socket and, for every request, HTTP to a server the operator already runs. One flavour today:
+
+* **vllm** — ``vllm serve ... --enable-scale-out``: ``POST /inference/v1/generate`` takes the
+  prompt's token IDs and vLLM's ``SamplingParams`` as JSON and streams the new token IDs as
+  server-sent events; ``POST /inference/v1/abort_requests`` stops a request by the ID the server
+  gave it (``request_id`` of its events). Without ``--enable-scale-out`` those paths answer 403,
+  and the bridge refuses to start with a message that says so.
+
+**At start** (and so after every restart, since the gateway starts the bridge again when it exits)
+the bridge waits for the server to answer, then checks it: it serves a model (the first of
+``/v1/models`` is the one requests name) and its token-in API is on; its ``max_model_len`` becomes
+the Welcome's; and a fixed canary conversation rendered and tokenized by tokenmill (the model
+directory and chat template the gateway serves) must give the same prompt token IDs as the server's
+own ``/v1/chat/completions/render``. A server that fails a check is refused (exit status 2) with
+what differs, as a version skew or another model would make every prompt wrong without an error.
+
+**Requests.** The protocol's fields map to vLLM's SamplingParams keys one to one (temperature,
+top_p, top_k, seed, penalties, min_p, min_tokens, logit_bias, allowed_token_ids, stop_token_ids,
+structured outputs, extra_args), ``cache_salt`` goes at the top level. As in the in-process vLLM
+backend, ``ignore_eos`` is always set and the front end's ``stop_token_ids`` (the model's EOS among
+them unless the client asked otherwise) end the request, and ``detokenize`` is off: vLLM's server
+decodes nothing. What this API cannot carry is not listed in Welcome's features, so the gateway
+answers a request that uses it with a 400 naming the field: ``bad_words`` (the API takes only
+strings, which vLLM tokenizes itself; the protocol carries token sequences),
+``kv_transfer_params``, ``priority`` (vLLM's default scheduling ignores it), images, and the
+structured-output whitespace options (vLLM's grammar backends ignore them per request).
+
+**Prompt logprobs.** vLLM's token-in API returns them only in a whole answer, so a request that
+asks for them goes unstreamed: its tokens arrive together, at the end.
+
+**Logprobs.** vLLM's token-mode logprobs list the sampled token first, then the top candidates,
+cut to the requested count N, so a sampled token outside the top N pushes out the N-th candidate.
+Where the sampled token cannot rank below the first (greedy, and nothing that changes the choice:
+no logit_bias, allowed_token_ids, constraint, penalty or min_tokens), the bridge asks for N and
+the answer is exactly what vLLM's own server returns; elsewhere it asks for N + 1 (where the
+server allows it: its ``--max-logprobs``, found at start) and keeps the N best by rank, where
+candidates with equal logprobs may come in another order than vLLM's own server gives them (its
+top-k breaks ties differently for another k).
+
+**Aborts.** A request the front end aborts, or that ends here first (a stop token the bridge
+enforces), is aborted on the server explicitly with ``abort_requests``, and its connection is closed
+(which vLLM also takes as an abort). **Failures.** A 4xx answer before the first token is the
+engine refusing the request (an ``error`` to the front end, with the field where vLLM names it); an
+error event, a malformed event or a dropped connection mid-stream ends that request with
+``finish_reason`` ``"error"``. When the server stops answering its health check, :meth:`watch`
+returns, the bridge exits, and the gateway starts it again: the new one waits for the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.scheduler_client.protocol import (
+    FEATURE_DISABLE_ANY_WHITESPACE,
+    FEATURE_IMAGES,
+    FEATURE_IMAGES_BY_HASH,
+    FEATURE_IMAGES_SHM,
+    FEATURE_KV_TRANSFER_PARAMS,
+    FEATURE_PRIORITY,
+    FEATURE_WHITESPACE_PATTERN,
+    FEATURES,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+)
+
+log = logging.getLogger("tokenmill.engine.http")
+
+FLAVOURS = ("auto", "vllm")
+GENERATE = "/inference/v1/generate"
+ABORT = "/inference/v1/abort_requests"
+RENDER = "/v1/chat/completions/render"
+#: what every tokenmill checks its engine's tokenization with (a user turn with text beyond ASCII)
+CANARY = {
+    "messages": [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "Zürich, 東京 and naïve café: spell them back, please."},
+    ]
+}
+UNSUPPORTED = frozenset(
+    {
+        "bad_words",
+        FEATURE_KV_TRANSFER_PARAMS,
+        FEATURE_PRIORITY,
+        FEATURE_IMAGES,
+        FEATURE_IMAGES_BY_HASH,
+        FEATURE_IMAGES_SHM,
+        FEATURE_DISABLE_ANY_WHITESPACE,
+        FEATURE_WHITESPACE_PATTERN,
+    }
+)
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+# vLLM's parameter names in its validation errors -> the protocol's fields
+_PARAMS = {
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "seed": "sampling.seed",
+    "min_p": "sampling.min_p",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "min_tokens": "sampling.min_tokens",
+    "logit_bias": "sampling.logit_bias",
+    "allowed_token_ids": "sampling.allowed_token_ids",
+    "logprobs": "logprobs",
+    "max_tokens": "max_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "structured_outputs": "structured",
+    "cache_salt": "cache_salt",
+}
+
+
+class EngineRefused(ValueError):
+    """The server answers but cannot be served from: not a token-in server, another model or tokenization."""
+
+
+# ----------------------------------------------------------------------------- vLLM's events
+
+
+class _Top(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class _Position(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_logprobs: list[_Top] = []
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_Position] = []
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    finish_reason: str | None = None
+    token_ids: list[int] = []
+    logprobs: _Logprobs | None = None
+
+
+class _Error(msgspec.Struct):
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
+
+
+class _Event(msgspec.Struct):
+    request_id: str | None = None
+    choices: list[_Choice] = []
+    error: _Error | None = None
+
+
+class _PromptEntry(msgspec.Struct):
+    logprob: float
+    rank: int | None = None
+
+
+class _Answer(msgspec.Struct):
+    """A whole (unstreamed) answer: what a request with prompt logprobs gets."""
+
+    request_id: str | None = None
+    choices: list[_Choice] = []
+    prompt_logprobs: list[dict[int, _PromptEntry] | None] | None = None
+
+
+_events = msgspec.json.Decoder(_Event)
+_answers = msgspec.json.Decoder(_Answer)
+_errors = msgspec.json.Decoder(dict[str, _Error])
+
+
+def top_candidates(position: _Position, n: int) -> tuple[list[int], list[float]]:
+    """The N best of a position's candidates by rank (the sampled token counted once, among them only
+    if it is one of the N best)."""
+    seen: dict[int, _Top] = {}
+    for entry in position.top_logprobs:
+        seen.setdefault(entry.token_id, entry)
+    best = sorted(seen.values(), key=lambda e: e.rank if e.rank is not None else 1 << 62)[:n]
+    return [e.token_id for e in best], [e.logprob for e in best]
+
+
+def prompt_arrays(positions: list[dict[int, _PromptEntry] | None], prompt: list[int], top_n: int):
+    """vLLM's prompt logprobs (None, then per position a map of the prompt token and the top N) -> the
+    protocol's (logprobs, ranks, top IDs, top logprobs) for positions 1 .. len(prompt) - 1."""
+    values: list[float] = []
+    ranks: list[int] = []
+    ids: list[int] = []
+    tops: list[float] = []
+    for token, position in zip(prompt[1:], positions[1:], strict=False):
+        position = position or {}
+        own = position.get(token)
+        values.append(own.logprob if own is not None else -9999.0)
+        ranks.append(int(own.rank) if own is not None and own.rank is not None else 0)
+        if top_n:
+            best = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 62)
+            for token_id, entry in best[:top_n]:
+                ids.append(int(token_id))
+                tops.append(entry.logprob)
+    return values, ranks, ids, tops
+
+
+def to_chunk(choice: _Choice, top_n: int | None) -> Chunk:
+    """One choice of a vLLM event -> a Chunk (its logprobs per token, the top N best first)."""
+    finish = error = None
+    if choice.finish_reason is not None:
+        finish = _FINISH.get(choice.finish_reason)
+        if finish is None:
+            finish, error = FINISH_ERROR, f"vLLM finished the request with {choice.finish_reason!r}"
+    chunk = Chunk(choice.token_ids, finish, error)
+    if top_n is not None:
+        positions = choice.logprobs.content if choice.logprobs is not None else []
+        chunk.logprobs = [p.logprob for p in positions]
+        if top_n:
+            ids: list[int] = []
+            values: list[float] = []
+            for position in positions:
+                top_ids, top_values = top_candidates(position, top_n)
+                ids += top_ids
+                values += top_values
+            chunk.top_ids, chunk.top_logprobs = ids, values
+    return chunk
+
+
+# ----------------------------------------------------------------------------- the backend
+
+
+class HTTPBackend(Backend):
+    """An engine server reached over HTTP, on the bridge's event loop."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        flavour: str = "auto",
+        model_dir: str | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict | None = None,
+        canary: bool = True,
+        wait_s: float = 0.0,
+        health_interval_s: float = 1.0,
+        health_failures: int = 3,
+    ) -> None:
+        if flavour not in FLAVOURS:
+            raise ValueError(f"--engine-flavour must be one of {', '.join(FLAVOURS)}")
+        self.url = url.rstrip("/")
+        self.flavour = flavour
+        self.model_dir = model_dir
+        self.chat_template = chat_template
+        self.template_kwargs = template_kwargs or {}
+        self.canary = canary
+        self.wait_s = wait_s  # 0: wait for the server as long as it takes
+        self.health_interval_s = health_interval_s
+        self.health_failures = health_failures
+        self.model = ""  # the served name requests carry
+        self.max_logprobs = 20  # what Welcome announces
+        self.server_logprobs = 20  # what the server allows
+        self._nonce = secrets.token_hex(4)  # request IDs unique across every front end of the server
+        self._session: Any = None
+        self._engine_ids: dict[str, str] = {}  # rid -> the server's ID for it (from its first event)
+        self._running: set[str] = set()
+        self._aborting: set[str] = set()
+        self._peak = 0
+        self._cancelled = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HTTPBackend:
+        if not args.engine_url:
+            raise ValueError("the http backend needs --engine-url")
+        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+        return cls(
+            args.engine_url,
+            flavour=args.engine_flavour,
+            model_dir=None if args.model in (None, "default") else args.model,
+            chat_template=args.chat_template,
+            template_kwargs=kwargs,
+            canary=not args.no_canary,
+            wait_s=args.engine_wait_s,
+        )
+
+    # ------------------------------------------------------------------ start: wait, check, describe
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> tuple[int, bytes]:
+        """One blocking request (start-up only): (status, body); OSError when the server does not answer."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def prepare(self) -> None:
+        started = time.monotonic()
+        said = 0.0
+        while True:
+            try:
+                status, body = self._call("GET", "/v1/models", timeout=10)
+                if status == 200:
+                    break
+                why = f"GET /v1/models answered {status}"
+            except (OSError, ValueError) as exc:
+                why = str(getattr(exc, "reason", exc))
+            waited = time.monotonic() - started
+            if self.wait_s and waited >= self.wait_s:
+                raise EngineRefused(f"{self.url} did not answer within {self.wait_s:g} s ({why})")
+            if waited - said >= 10 or not said:
+                log.info("waiting for the engine at %s (%s)", self.url, why)
+                said = waited or 1e-9
+            time.sleep(0.5)
+        models = json.loads(body).get("data") or []
+        if not models:
+            raise EngineRefused(f"{self.url}/v1/models lists no model")
+        self.model = str(models[0]["id"])
+        max_model_len = models[0].get("max_model_len")
+        status, body = self._call("POST", ABORT, {"request_ids": []})
+        if status == 403 or status == 404:
+            raise EngineRefused(
+                f"{self.url} has no token-in API ({ABORT} answered {status}): start vLLM with "
+                f"`vllm serve ... --enable-scale-out`; {_message(body)}"
+            )
+        if status != 200:
+            raise EngineRefused(f"{self.url}{ABORT} answered {status}: {_message(body)}")
+        self.server_logprobs = self._probe_max_logprobs()
+        self.max_logprobs = min(20, self.server_logprobs)
+        if self.canary:
+            self._check_canary()
+        version = ""
+        try:
+            status, body = self._call("GET", "/version", timeout=10)
+            version = json.loads(body).get("version", "") if status == 200 else ""
+        except (OSError, ValueError):
+            pass
+        log.info(
+            "engine at %s: vLLM %s, model %s, max_model_len %s, max logprobs %d%s",
+            self.url,
+            version or "(version unknown)",
+            self.model,
+            max_model_len,
+            self.max_logprobs,
+            ", canary tokenization equal" if self.canary else "",
+        )
+        self._info = EngineInfo(
+            name=f"vllm-http:{self.model}@{self.url}",
+            vocab_size=None,  # vLLM checks prompt IDs against its vocabulary itself (a 400 names the ID)
+            max_running_requests=None,
+            max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
+            features=frozenset(FEATURES) - UNSUPPORTED,
+            max_logprobs=self.max_logprobs,
+        )
+
+    def _probe_max_logprobs(self) -> int:
+        """The most logprobs per token the server allows (its --max-logprobs, at most the protocol's 20),
+        read from its refusal of one token asked with 21."""
+        status, body = self._call(
+            "POST",
+            GENERATE,
+            {
+                "request_id": f"tokenmill-probe-{self._nonce}",
+                "token_ids": [0],
+                "model": self.model,
+                "sampling_params": {"max_tokens": 1, "logprobs": 21, "detokenize": False},
+            },
+        )
+        if status == 200:
+            return 21  # more than the protocol's ceiling: N + 1 always fits
+        message = _message(body)
+        allowed = [int(word) for word in message.replace(":", " ").replace(".", " ").split() if word.isdigit()]
+        if "max allowed" in message and allowed:
+            return allowed[-1]
+        log.warning("could not learn the engine's logprobs limit (%s %s); assuming 20", status, message)
+        return 20
+
+    def _check_canary(self) -> None:
+        """Refuse a server whose tokenization of the canary conversation differs from tokenmill's."""
+        from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
+        from tokenmill.tokenizer_workers.model import load_model
+
+        model = load_model(self.model_dir, chat_template_file=self.chat_template)
+        templates = ChatTemplates(model.templates, model.special_tokens)
+        conversation = {**CANARY, "add_generation_prompt": True, "template_kwargs": self.template_kwargs}
+        ours = model.tokenizer.encode(render_conversation(templates, conversation), add_special_tokens=False).ids
+        status, body = self._call(
+            "POST",
+            RENDER,
+            {"model": self.model, **CANARY, "max_tokens": 1, "chat_template_kwargs": self.template_kwargs or None},
+        )
+        if status != 200:
+            raise EngineRefused(f"{self.url}{RENDER} answered {status}: {_message(body)}")
+        theirs = json.loads(body).get("token_ids")
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs or [], strict=False)) if a != b), None)
+            at = at if at is not None else min(len(ours), len(theirs or []))
+            raise EngineRefused(
+                f"the engine at {self.url} ({self.model}) tokenizes the canary conversation differently from "
+                f"tokenmill's model ({self.model_dir or 'the embedded default'}): {len(theirs or [])} tokens there, "
+                f"{len(ours)} here, first difference at token {at} (there {(theirs or [])[at : at + 4]}, here "
+                f"{ours[at : at + 4]}). Serve the same model directory and chat template on both sides."
+            )
+
+    async def start(self) -> None:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def watch(self) -> None:
+        """Return when the server has failed ``health_failures`` health checks in a row."""
+        import aiohttp
+
+        failures = 0
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                ok = False
+            failures = 0 if ok else failures + 1
+            if failures >= self.health_failures:
+                log.error("the engine at %s failed %d health checks in a row", self.url, failures)
+                return
+
+    # ------------------------------------------------------------------ requests
+
+    def sampling_params(self, request: EngineRequest) -> dict[str, Any]:
+        s = request.sampling
+        params: dict[str, Any] = {
+            "n": 1,
+            "max_tokens": request.max_new_tokens,
+            "temperature": float(s.temperature),
+            "top_p": float(s.top_p),
+            "top_k": int(s.top_k) if s.top_k > 0 else -1,
+            "presence_penalty": float(s.presence_penalty),
+            "frequency_penalty": float(s.frequency_penalty),
+            "min_p": float(s.min_p),
+            "repetition_penalty": float(s.repetition_penalty),
+            "min_tokens": min(int(s.min_tokens), request.max_new_tokens),
+            "stop_token_ids": list(request.stop_token_ids),
+            "ignore_eos": True,  # stop exactly at stop_token_ids (the front end put EOS there)
+            "detokenize": False,
+        }
+        if s.seed is not None:
+            params["seed"] = int(s.seed)
+        if s.logit_bias:
+            params["logit_bias"] = {str(int(t)): float(b) for t, b in s.logit_bias.items()}
+        if s.allowed_token_ids is not None:
+            params["allowed_token_ids"] = [int(t) for t in s.allowed_token_ids]
+        if request.logprobs is not None:
+            top = int(request.logprobs)
+            # N + 1 unless the sampled token is the top one (see the module's docstring)
+            params["logprobs"] = top if top == 0 or _sampled_is_top(request) else min(top + 1, self.server_logprobs)
+        if request.structured is not None:
+            from tokenmill.engines.vllm_backend import structured_outputs
+
+            params["structured_outputs"] = structured_outputs(request.structured)
+        if request.extra_args:
+            params["extra_args"] = dict(request.extra_args)
+        if request.prompt_logprobs is not None:
+            params["prompt_logprobs"] = int(request.prompt_logprobs)
+        return params
+
+    def body(self, request: EngineRequest) -> bytes:
+        body: dict[str, Any] = {
+            "request_id": f"{request.rid}-{self._nonce}",
+            "model": self.model,
+            "token_ids": request.prompt,
+            "sampling_params": self.sampling_params(request),
+            # vLLM's token-in API returns prompt logprobs only in a whole answer
+            "stream": request.prompt_logprobs is None,
+        }
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
+        return msgspec.json.encode(body)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        rid = request.rid
+        body = self.body(request)
+        self._running.add(rid)
+        self._peak = max(self._peak, len(self._running))
+        finished = False
+        try:
+            try:
+                response = await self._session.post(
+                    self.url + GENERATE, data=body, headers={"Content-Type": "application/json"}
+                )
+            except (aiohttp.ClientError, OSError) as exc:
+                finished = True
+                yield Chunk(finish=FINISH_ERROR, error=f"the engine at {self.url} did not take the request: {exc}")
+                return
+            async with response:
+                if response.status != 200:
+                    finished = True
+                    text = await response.read()
+                    message = _message(text)
+                    if 400 <= response.status < 500 and response.status not in (408, 429):
+                        raise EngineRejected(message, param=_param_of(text))
+                    yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
+                    return
+                if request.prompt_logprobs is not None:
+                    finished = True
+                    yield await self._whole(response, request)
+                    return
+                sent = 0
+                try:
+                    async for line in response.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            break
+                        event = _events.decode(data)
+                        if event.request_id is not None and rid not in self._engine_ids:
+                            self._engine_ids[rid] = event.request_id
+                        if event.error is not None:
+                            finished = True
+                            code = event.error.code
+                            if sent == 0 and str(code) == "400":
+                                raise EngineRejected(event.error.message, param=_PARAMS.get(event.error.param or ""))
+                            yield Chunk(
+                                finish=FINISH_ERROR, error=f"the engine failed the request: {event.error.message}"
+                            )
+                            return
+                        for choice in event.choices:
+                            chunk = to_chunk(choice, request.logprobs)
+                            sent += len(chunk.token_ids)
+                            finished = chunk.finish is not None
+                            yield chunk
+                            if finished:
+                                return
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                    finished = True
+                    yield Chunk(finish=FINISH_ERROR, error=f"the connection to the engine at {self.url} broke: {exc}")
+                    return
+                except msgspec.DecodeError as exc:
+                    yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")
+                    return
+            finished = True
+            yield Chunk(finish=FINISH_ERROR, error="the engine ended the stream without a finish reason")
+        finally:
+            if not finished:
+                await self.abort(rid)
+            self._running.discard(rid)
+            self._engine_ids.pop(rid, None)
+            self._aborting.discard(rid)
+
+    async def _whole(self, response, request: EngineRequest) -> Chunk:
+        """An unstreamed answer as one chunk (every token, the prompt's logprobs)."""
+        import aiohttp
+
+        try:
+            answer = _answers.decode(await response.read())
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            return Chunk(finish=FINISH_ERROR, error=f"the connection to the engine at {self.url} broke: {exc}")
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed answer: {exc}")
+        if len(answer.choices) != 1 or answer.choices[0].finish_reason is None:
+            return Chunk(finish=FINISH_ERROR, error="the engine's answer has no finished choice")
+        chunk = to_chunk(answer.choices[0], request.logprobs)
+        if answer.prompt_logprobs is not None:
+            chunk.prompt_logprobs = prompt_arrays(answer.prompt_logprobs, request.prompt, int(request.prompt_logprobs))
+        return chunk
+
+    async def abort(self, rid: str) -> None:
+        """Abort on the server by the ID it gave the request (or the one it would give it)."""
+        import aiohttp
+
+        if rid not in self._running or rid in self._aborting:
+            return
+        self._aborting.add(rid)
+        engine_id = self._engine_ids.get(rid) or f"generate-tokens-{rid}-{self._nonce}"
+        self._cancelled += 1
+        try:
+            async with self._session.post(
+                self.url + ABORT, json={"request_ids": [engine_id]}, timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
+                if resp.status != 200:
+                    log.warning(
+                        "aborting %s on %s: %s %s", engine_id, self.url, resp.status, _message(await resp.read())
+                    )
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("aborting %s on %s failed: %s", engine_id, self.url, exc)
+
+    def load(self) -> EngineLoad:
+        running = len(self._running)
+        self._peak = max(self._peak, running)
+        return EngineLoad(num_running=running, peak_running=self._peak, cancelled_total=self._cancelled)
+
+
+def _sampled_is_top(request: EngineRequest) -> bool:
+    """Whether the sampled token is always the one with the best raw logprob: greedy, nothing changing it."""
+    s = request.sampling
+    return (
+        s.temperature == 0
+        and not s.logit_bias
+        and s.allowed_token_ids is None
+        and request.structured is None
+        and s.presence_penalty == 0
+        and s.frequency_penalty == 0
+        and s.repetition_penalty == 1.0
+        and not s.min_tokens
+    )
+
+
+def _message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (or the body itself, cut short)."""
+    try:
+        error = _errors.decode(body).get("error")
+        if error is not None and error.message:
+            return error.message
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text[:500] or "(no body)"
+
+
+def _param_of(body: bytes) -> str | None:
+    try:
+        error = _errors.decode(body).get("error")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return _PARAMS.get(error.param or "") if error is not None else None
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def from_args(args: argparse.Namespace) -> HTTPBackend:
+    """The backend ``tokenmill engine --backend http`` asked for."""
+    return HTTPBackend.from_args(args)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.description = (
+        "An unmodified engine server over its token-in/token-out HTTP API (vllm serve --enable-scale-out). "
+        "--model and --chat-template name what tokenmill serves, for the canary check."
+    )
+    group.add_argument("--engine-url", default=None, metavar="URL", help="the engine server, e.g. http://10.0.0.5:8000")
+    group.add_argument(
+        "--engine-flavour",
+        default="auto",
+        choices=FLAVOURS,
+        help="the server's API (auto: detect; default %(default)s)",
+    )
+    group.add_argument(
+        "--engine-wait-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="give up (exit status 2) if the server has not answered within S seconds (0: wait as long as it takes)",
+    )
+    group.add_argument("--chat-template", default=None, metavar="FILE", help="the chat template tokenmill serves")
+    group.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the template variables tokenmill adds to every request",
+    )
+    group.add_argument(
+        "--no-canary",
+        action="store_true",
+        help="skip the canary check of the server's tokenization (for a server without /v1/chat/completions/render)",
+    )
