@@ -274,6 +274,7 @@ class HTTPBackend(Backend):
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
         self.model = ""  # the served name requests carry
+        self.vocab_limit = 1 << 32  # generated IDs must be below it: the served tokenizer's size (set at start)
         self.max_logprobs = 20  # what Welcome announces
         self.server_logprobs = 20  # what the server allows
         self._nonce = secrets.token_hex(4)  # request IDs unique across every front end of the server
@@ -348,6 +349,10 @@ class HTTPBackend(Backend):
         self.max_logprobs = min(20, self.server_logprobs)
         if self.canary:
             self._check_canary()
+        else:
+            from tokenmill.tokenizer_workers.model import load_model
+
+            self.vocab_limit = load_model(self.model_dir).tokenizer.get_vocab_size(with_added_tokens=True)
         version = ""
         try:
             status, body = self._call("GET", "/version", timeout=10)
@@ -400,6 +405,7 @@ class HTTPBackend(Backend):
         from tokenmill.tokenizer_workers.model import load_model
 
         model = load_model(self.model_dir, chat_template_file=self.chat_template)
+        self.vocab_limit = model.tokenizer.get_vocab_size(with_added_tokens=True)
         templates = ChatTemplates(model.templates, model.special_tokens)
         conversation = {**CANARY, "add_generation_prompt": True, "template_kwargs": self.template_kwargs}
         ours = model.tokenizer.encode(render_conversation(templates, conversation), add_special_tokens=False).ids
@@ -555,6 +561,9 @@ class HTTPBackend(Backend):
                             return
                         for choice in event.choices:
                             chunk = to_chunk(choice, request.logprobs)
+                            if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
+                                yield self._outside(chunk)
+                                return
                             sent += len(chunk.token_ids)
                             finished = chunk.finish is not None
                             yield chunk
@@ -589,9 +598,19 @@ class HTTPBackend(Backend):
         if len(answer.choices) != 1 or answer.choices[0].finish_reason is None:
             return Chunk(finish=FINISH_ERROR, error="the engine's answer has no finished choice")
         chunk = to_chunk(answer.choices[0], request.logprobs)
+        if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
+            return self._outside(chunk)
         if answer.prompt_logprobs is not None:
             chunk.prompt_logprobs = prompt_arrays(answer.prompt_logprobs, request.prompt, int(request.prompt_logprobs))
         return chunk
+
+    def _outside(self, chunk: Chunk) -> Chunk:
+        """The error for a chunk with a token ID the served tokenizer does not have (a mismatched engine)."""
+        token = max(chunk.token_ids)
+        return Chunk(
+            finish=FINISH_ERROR,
+            error=f"the engine sent token ID {token}, outside the served tokenizer's vocabulary of {self.vocab_limit}",
+        )
 
     async def abort(self, rid: str) -> None:
         """Abort on the server by the ID it gave the request (or the one it would give it)."""

@@ -526,6 +526,11 @@ class App:
         if len(ranks) > 1:  # data-parallel: which ranks serve, and why the others do not
             state["scheduler_ranks"] = ranks
             state["missing_ranks"] = [r["endpoint"] for r in ranks if not r["connected"] or r["refused"]]
+        if gw.engine_bridges is not None:  # --engine-url: which engine servers serve
+            state["engines"] = [
+                {"url": url, "connected": r["connected"] and not r["refused"]}
+                for url, r in zip(gw.engine_bridges.urls, ranks, strict=False)
+            ]
         await self.respond(send, 200 if state["ready"] else 503, _json.encode(state), "/ready")
 
     async def state(self, scope, receive, send) -> None:

@@ -86,8 +86,16 @@ class EngineBridges:
                 log.warning("the bridge to %s ended (%s); starting it again in %.1f s", self.urls[index], how, pause)
             await asyncio.sleep(pause)
 
-    def pids(self) -> list[int | None]:
-        return [p.pid if p is not None and p.returncode is None else None for p in self.processes]
+    def state(self) -> list[dict]:
+        """Each bridge's URL, process (None while it waits to start again) and past exits (GET /debug/state)."""
+        return [
+            {
+                "url": url,
+                "pid": p.pid if p is not None and p.returncode is None else None,
+                "exits": [how for i, how in self.exits if i == index],
+            }
+            for index, (url, p) in enumerate(zip(self.urls, self.processes, strict=True))
+        ]
 
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True

@@ -344,6 +344,7 @@ class Gateway:
             "conversions_in_flight": len(getattr(self.conversion, "jobs", ())),
             "scheduler_connected": self.scheduler.connected,
             "scheduler_ranks": self.scheduler.state(),
+            "engine_bridges": self.engine_bridges.state() if self.engine_bridges is not None else [],
             "draining": self.draining,
             "workers": self.conversion.state() if hasattr(self.conversion, "state") else [],
             "parsers": self.conversion.parsers,

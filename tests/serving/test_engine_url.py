@@ -1,0 +1,273 @@
+"""`tokenmill serve --engine-url` in front of engine servers' token-in HTTP API, here the stand-in of
+tests/fake_vllm_server.py (vLLM 0.32's shapes; tests/engines/test_vllm_field_parity.py runs the same path
+against a real `vllm serve --enable-scale-out`): streams, explicit aborts on the server (client hang-up,
+a stop string the workers matched, shutdown), the start-up checks (no token-in API, another
+tokenization), replicas (one killed and started again), and an engine's faults (malformed events,
+token IDs outside the vocabulary, a dropped connection, no engine at all)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT, Server, free_port, http
+from faultutil import wait_until
+
+from tokenmill.bench.servers import ProcessHandle
+
+MODEL = "deepseek-v4"
+HELLO = [{"role": "user", "content": "Tell me about the mill wheel and the river"}]
+
+
+class FakeEngine(ProcessHandle):
+    def __init__(self, *args: str, port: int | None = None, itl_ms: float = 20.0, wait: bool = True) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            "fake vLLM",
+            [
+                sys.executable,
+                str(ROOT / "tests" / "fake_vllm_server.py"),
+                "--port",
+                str(self.port),
+                "--itl-ms",
+                str(itl_ms),
+                *args,
+            ],
+            cwd=ROOT,
+            new_session=True,
+        )
+        if wait:
+            wait_until(lambda: self.up(), 30, what="the fake engine answering")
+
+    def up(self) -> bool:
+        try:
+            return http("GET", self.url + "/health", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def state(self) -> dict:
+        return http("GET", self.url + "/fake/state")[2]
+
+    def mode(self, mode: str) -> None:
+        assert http("POST", self.url + "/fake/mode", {"mode": mode})[0] == 200
+
+
+def serve(*urls: str, ready: bool = True, **kw) -> Server:
+    args = ["--workers", "1"]
+    for url in urls:
+        args += ["--engine-url", url]
+    return Server(*args, ready=ready, **kw)
+
+
+def ranks(front: Server) -> list[dict]:
+    return http("GET", front.url + "/debug/state")[2]["scheduler_ranks"]
+
+
+@pytest.fixture
+def engine():
+    fake = FakeEngine()
+    yield fake
+    fake.stop()
+
+
+def test_chat_streams_from_the_engine_and_the_request_carries_the_protocol_fields(engine):
+    front = serve(engine.url)
+    try:
+        client = front.client()
+        text = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=MODEL,
+                messages=HELLO,
+                max_tokens=12,
+                stream=True,
+                temperature=0.5,
+                seed=11,
+                top_p=0.9,
+                extra_body={"min_p": 0.05, "cache_salt": "tenant-a"},
+            )
+            if chunk.choices
+        )
+        assert text  # the fake echoes the prompt's tokens: the template's text comes back
+        body = engine.state()["last_body"]
+        params = body["sampling_params"]
+        assert body["stream"] is True and body["cache_salt"] == "tenant-a" and body["model"] == "fake-model"
+        assert (params["max_tokens"], params["temperature"], params["seed"], params["top_p"], params["min_p"]) == (
+            12,
+            0.5,
+            11,
+            0.9,
+            0.05,
+        )
+        assert params["ignore_eos"] is True and params["detokenize"] is False
+        assert params["stop_token_ids"]  # the model's EOS: the bridge ends the request there
+        assert body["request_id"].startswith("tm")
+        # a field the token-in API cannot carry is refused, naming it
+        status, _, error = http(
+            "POST",
+            front.url + "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "bad_words": ["river"]},
+        )
+        assert status == 400 and error["error"]["param"] == "bad_words", error
+    finally:
+        assert front.stop() == 0
+
+
+def _stream_until_tokens(front: Server, n: int, **body):
+    """Open a stream and read until ``n`` content chunks came; returns the open response (to close)."""
+    client = httpx.Client(timeout=30)
+    request = client.build_request(
+        "POST",
+        front.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 2000, "stream": True, **body},
+    )
+    response = client.send(request, stream=True)
+    assert response.status_code == 200
+    seen = 0
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: ") and '"content"' in line:
+            seen += 1
+            if seen >= n:
+                break
+    return client, response
+
+
+def test_a_client_hanging_up_a_stop_string_and_a_shutdown_each_abort_the_request_on_the_engine(engine):
+    front = serve(engine.url)
+    try:
+        client, response = _stream_until_tokens(front, 3)
+        assert len(engine.state()["running"]) == 1
+        response.close()
+        client.close()
+        state = wait_until(lambda: (s := engine.state())["aborted"] and not s["running"] and s, 10, what="the abort")
+        assert state["aborted"][0].startswith("generate-tokens-tm"), state  # explicit, by the server's ID
+        assert state["finished"] == []
+
+        # a stop string the workers match: the engine would go on; the bridge aborts it there
+        prompt_text = "alpha beta gamma delta"
+        answer = front.client().completions.create(model=MODEL, prompt=prompt_text, max_tokens=200, stop=[" gamma"])
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].text == "alpha beta"
+        state = wait_until(lambda: (s := engine.state())["aborted"][1:] and not s["running"] and s, 10, what="abort")
+        assert len(state["aborted"]) == 2 and state["finished"] == []
+
+        # shutdown: the gateway ends its streams, the bridge aborts them on the engine
+        client, response = _stream_until_tokens(front, 2)
+        assert front.stop() == 0
+        state = wait_until(lambda: (s := engine.state())["aborted"][2:] and not s["running"] and s, 10, what="abort")
+        assert len(state["aborted"]) == 3
+        client.close()
+    finally:
+        front.stop()
+
+
+def bridge_exits(front: Server) -> list[str]:
+    return [how for bridge in http("GET", front.url + "/debug/state")[2]["engine_bridges"] for how in bridge["exits"]]
+
+
+def test_no_token_in_api_or_another_tokenization_is_refused_with_what_differs():
+    engine = FakeEngine("--mode", "forbidden")
+    front = serve(engine.url, ready=False)
+    try:
+        status, headers, error = wait_until(
+            lambda: (
+                (r := http("POST", front.url + "/v1/chat/completions", {"model": MODEL, "messages": HELLO}))[0] == 503
+                and r
+            ),
+            30,
+        )
+        assert error["error"]["code"] == "scheduler_unavailable" and headers.get("retry-after"), (headers, error)
+        status, _, ready = http("GET", front.url + "/ready")
+        assert status == 503 and ready["engines"] == [{"url": engine.url, "connected": False}], ready
+        assert wait_until(lambda: bridge_exits(front), 30) == ["exit status 2"]  # refused: retried only slowly
+    finally:
+        front.stop()
+        engine.stop()
+    out = front.output()
+    assert "--enable-scale-out" in out and "refused its engine" in out, out[-3000:]
+
+    engine = FakeEngine("--mode", "skewed")
+    front = serve(engine.url, ready=False)
+    try:
+        wait_until(lambda: bridge_exits(front), 30)
+    finally:
+        front.stop()
+        engine.stop()
+    out = front.output()
+    assert "tokenizes the canary conversation differently" in out and "first difference at token 1" in out, out[-3000:]
+
+
+def test_two_replicas_serve_as_one_and_a_killed_one_comes_back():
+    a, b = FakeEngine(), FakeEngine()
+    front = serve(a.url, b.url)
+    try:
+        wait_until(lambda: all(r["connected"] for r in ranks(front)), 20, what="both ranks")
+        client = front.client()
+        for i in range(6):  # new conversations go to the least loaded replica: both serve
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"conversation {i}"}], max_tokens=3
+            )
+        assert a.state()["requests"] and b.state()["requests"]
+        port = b.port
+        b.stop()  # the replica goes away: the bridge sees its health fail and exits; its rank is lost
+        wait_until(lambda: [r["connected"] for r in ranks(front)] == [True, False], 30, what="the rank lost")
+        before = a.state()["requests"]
+        for i in range(4):  # everything goes to the live one meanwhile
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"meanwhile {i}"}], max_tokens=3
+            )
+            assert answer.choices[0].finish_reason == "length"
+        assert a.state()["requests"] == before + 4
+        b = FakeEngine(port=port)  # back on the same address: a new bridge waits for it and says welcome
+        wait_until(lambda: all(r["connected"] for r in ranks(front)), 30, what="the replica back")
+    finally:
+        assert front.stop() == 0
+        a.stop()
+        b.stop()
+
+
+def test_an_engines_faults_end_that_request_with_a_clear_error_and_the_others_go_on(engine):
+    front = serve(engine.url)
+    try:
+        client = front.client()
+        for mode, words in (("malformed", "malformed event"), ("oov", "vocabulary"), ("drop", "broke")):
+            engine.mode(mode)
+            with pytest.raises(openai.APIError) as caught:  # the stream's error event
+                for _ in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stream=True):
+                    pass
+            assert words in str(caught.value), (mode, caught.value)
+            engine.mode("ok")
+            answer = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+            assert answer.choices[0].finish_reason == "length", mode
+        assert http("GET", front.url + "/health")[0] == 200
+    finally:
+        assert front.stop() == 0
+
+
+def test_no_engine_at_start_gets_503s_and_serving_begins_when_it_answers():
+    port = free_port()
+    front = serve(f"http://127.0.0.1:{port}", ready=False)
+    engine = None
+    try:
+        status, headers, error = wait_until(
+            lambda: (
+                (r := http("POST", front.url + "/v1/chat/completions", {"model": MODEL, "messages": HELLO}))[0] == 503
+                and r
+            ),
+            30,
+        )
+        assert headers.get("retry-after") and error["error"]["type"], (headers, error)
+        engine = FakeEngine(port=port)
+        wait_until(lambda: http("GET", front.url + "/ready")[0] == 200, 30, what="serving")
+        answer = front.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+        assert answer.choices[0].finish_reason == "length"
+        front.proc.send_signal(signal.SIGTERM)
+        assert front.proc.wait(30) == 0
+    finally:
+        front.stop()
+        if engine is not None:
+            engine.stop()
