@@ -117,12 +117,20 @@ def items(response: dict) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def answers(stack):
+_vllm_answers: dict = {}
+
+
+@pytest.fixture(scope="module", params=("bridge", "http"))
+def answers(stack, request):
+    """Each row's answers from vLLM's server (asked once) and from tokenmill, in front of `tokenmill engine
+    --backend vllm` (bridge) or of the same vLLM server's token-in API (http: `tokenmill serve --engine-url`)."""
+    front = stack.front if request.param == "bridge" else stack.http_front
     keys = [(name, stream) for name in ROWS for stream in (False, True)]
-    vs = {(n, s): post(stack.vllm.url, {**ROWS[n], "stream": s}) for n, s in keys}
-    ts = {(n, s): post(stack.front.url, {**ROWS[n], "stream": s}) for n, s in keys}
-    return {key: (vs[key], ts[key]) for key in keys}
+    for n, s in keys:
+        if (n, s) not in _vllm_answers:
+            _vllm_answers[n, s] = post(stack.vllm.url, {**ROWS[n], "stream": s})
+    ts = {(n, s): post(front.url, {**ROWS[n], "stream": s}) for n, s in keys}
+    return {key: (_vllm_answers[key], ts[key]) for key in keys}
 
 
 @pytest.mark.parametrize("name", list(ROWS))
