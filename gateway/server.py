@@ -163,6 +163,7 @@ class Gateway:
             tool_call_parser=_parser_setting(s.tool_call_parser, s.model),
             reasoning_parser=_parser_setting(s.reasoning_parser, s.model),
             max_n=s.max_n,
+            generation_config=s.generation_config,
             fingerprint=bool(s.remote_workers) or s.gateways > 1,
         )
 

@@ -82,6 +82,7 @@ class ServeSettings:
     quick_conversion_bytes: int = 8192
     quick_turn_bytes: int = 65536
     max_n: int = 128
+    generation_config: str = "auto"  # the model's generation_config.json sampling defaults, or "vllm": none
     dp_policy: str = "affinity"
     tool_call_parser: str = ""
     reasoning_parser: str = ""

@@ -12,6 +12,7 @@ pytest_sessionfinish calls shutdown) if a module never got to it.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -240,6 +241,18 @@ class Stack:
         return self._http_front
 
 
+#: sampling defaults in the stack's generation_config.json, as real models ship them: vLLM's servers apply
+#: them to a request that leaves them out, and so must tokenmill (the greedy rows then differ from the
+#: model's plain argmax: a repetition penalty changes them; top_k and top_p leave greedy choices alone)
+SAMPLING_DEFAULTS = {"repetition_penalty": 1.3, "top_k": 3, "top_p": 0.9}
+
+
+def _add_sampling_defaults(model: Path) -> None:
+    path = model / "generation_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2))
+
+
 class _EarlyStart:
     """Makes the model and starts both vLLMs while the test modules before this one run (conftest
     calls start_early once collection is done): a vLLM start is ~40 s, mostly imports, and the
@@ -282,6 +295,7 @@ class _EarlyStart:
                 timeout=300,
             )
             assert made.returncode == 0, f"tokenmill.tiny_model failed:\n{made.stdout}{made.stderr}"
+            _add_sampling_defaults(model)
             self.procs.append(VLLMServer(model, self.root / "vllm.log", nice=self.NICE))
             self.procs.append(Engine(model, f"ipc://{self.root}/engine.sock", self.root / "engine.log", nice=self.NICE))
         except BaseException as exc:  # the fixture raises it

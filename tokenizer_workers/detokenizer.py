@@ -270,13 +270,16 @@ class Detokenizer:
                 state.pending += piece
             if ends is not None:
                 ends.append(len(state.streamed))
-        settled = 0  # text the final decode added (the last tokens' held-back bytes)
+        settled = 0  # text the final decode added (what the stream held back)
         if finished:
             full = self.tokenizer.decode(state.ids, skip_special_tokens=state.skip_special)
             decoded = state.streamed if state.added is None else state.plain
-            if full.startswith(decoded):
-                settled = len(full) - len(decoded)
-                state.pending += full[len(decoded) :]
+            rest = full[len(decoded) :]
+            # The bytes of a character the output ended inside decode to U+FFFD: vLLM's detokenizer never
+            # shows them (its stream holds them back, and nothing flushes it at the end), so neither do we.
+            if full.startswith(decoded) and rest.strip("\ufffd"):
+                settled = len(rest)
+                state.pending += rest
         pending_start = len(state.streamed) + settled - len(state.pending)
         text, stopped = self._cut(state, finished)
         if stopped and ends:

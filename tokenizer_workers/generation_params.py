@@ -68,26 +68,40 @@ class Engine:
             )
 
 
-def sampling(req, engine: Engine, vocab_size: int, max_tokens: int | None) -> protocol.SamplingParams:
-    """The request's sampling settings; the 1.1 ones only when set, and only if the engine has them."""
+def sampling(
+    req, engine: Engine, vocab_size: int, max_tokens: int | None, defaults: dict | None = None
+) -> protocol.SamplingParams:
+    """The request's sampling settings; the 1.1 ones only when set, and only if the engine has them.
+
+    ``defaults``: the model's generation_config.json values (temperature, top_p, top_k, min_p,
+    repetition_penalty) for the ones the request leaves out, as vLLM's servers apply them."""
+    defaults = defaults or {}
+
+    def given(name: str, fallback):
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    top_k = given("top_k", 0)
     params = protocol.SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        temperature=float(given("temperature", 1.0)),
+        top_p=float(given("top_p", 1.0)),
+        top_k=0 if top_k in (None, -1) else int(top_k),
         seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
     )
-    if req.min_p is not None and req.min_p != 0:
-        if not 0.0 <= req.min_p <= 1.0:
+    min_p = given("min_p", None)
+    if min_p is not None and min_p != 0:
+        if not 0.0 <= min_p <= 1.0:
             raise InvalidRequest("min_p must be between 0 and 1.", "min_p")
         engine.require("min_p", "min_p", "min_p")
-        params.min_p = req.min_p
-    if req.repetition_penalty is not None and req.repetition_penalty != 1:
-        if not (0.0 < req.repetition_penalty <= 2.0):
+        params.min_p = float(min_p)
+    repetition_penalty = given("repetition_penalty", None)
+    if repetition_penalty is not None and repetition_penalty != 1:
+        if not (0.0 < repetition_penalty <= 2.0):
             raise InvalidRequest("repetition_penalty must be greater than 0 and at most 2.", "repetition_penalty")
         engine.require("repetition_penalty", "repetition_penalty", "repetition_penalty")
-        params.repetition_penalty = req.repetition_penalty
+        params.repetition_penalty = float(repetition_penalty)
     if req.min_tokens:
         if req.min_tokens < 0:
             raise InvalidRequest("min_tokens must be at least 0.", "min_tokens")

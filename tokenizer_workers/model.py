@@ -38,6 +38,8 @@ class Model:
     eos_token_ids: list[int]
     max_model_len: int
     config: dict = field(default_factory=dict, repr=False)  # tokenizer_config.json
+    # generation_config.json's sampling defaults (SAMPLING_DEFAULT_KEYS), for requests that leave them out
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -91,7 +93,22 @@ def load_model(
         eos_token_ids=_eos_ids(path, tokenizer, special),
         max_model_len=max_model_len or _context_length(path, config),
         config=config,
+        sampling_defaults={} if embedded else sampling_defaults(path),
     )
+
+
+#: the generation_config.json keys vLLM's servers take as a request's defaults (its "auto" generation config)
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def sampling_defaults(path: Path) -> dict:
+    """The model's sampling defaults from its generation_config.json, numbers only (a request's own values win)."""
+    generation = _read_json(path / "generation_config.json")
+    return {
+        key: generation[key]
+        for key in SAMPLING_DEFAULT_KEYS
+        if isinstance(generation.get(key), (int, float)) and not isinstance(generation.get(key), bool)
+    }
 
 
 def _read_json(path: Path) -> dict:

@@ -44,4 +44,7 @@ class ConverterSettings(msgspec.Struct):
     tool_call_parser: str = ""  # a name in output_parsers.TOOL_PARSERS, "auto", or "" (none)
     reasoning_parser: str = ""
     max_n: int = 128  # the most choices one request may ask for (OpenAI's limit)
+    # "auto": a request's sampling defaults come from the model's generation_config.json, as in vLLM's
+    # servers; "vllm": the API's own defaults (vLLM's --generation-config vllm)
+    generation_config: str = "auto"
     fingerprint: bool = False  # report Converter.fingerprint() when ready (the pool admits remote workers)

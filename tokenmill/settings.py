@@ -230,6 +230,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "With several --scheduler ranks: affinity (a conversation stays on the rank holding its "
         "prefix cache, within 1.25x a fair share of the load), least_loaded, or round_robin.",
     ),
+    "generation_config": (
+        str,
+        "Where a request's sampling defaults come from when it leaves them out: auto (the model's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens "
+        "as the default max_tokens, as vLLM's servers apply them) or vllm (the API's own defaults: "
+        "temperature 1, no limit but the context; vLLM's --generation-config vllm).",
+    ),
     "max_n": (int, "The most choices (n) one request may ask for; each is a scheduler request (OpenAI allows 128)."),
     "tool_call_parser": (
         str,
@@ -270,6 +277,7 @@ CHOICES = {
     "chat_template_content_format": ("auto", "string", "openai"),
     "conversion_mode": ("pool", "inline", "thread"),
     "dp_policy": ("affinity", "least_loaded", "round_robin"),
+    "generation_config": ("auto", "vllm"),
     "sim_mode": ("random", "echo"),
     "log_level": ("debug", "info", "warning", "error"),
 }

@@ -70,6 +70,8 @@ class ConverterCore:
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
         self.engine = gp.Engine()  # what the scheduler honours, from its Welcome (limit_context)
+        # what a request that leaves a sampling setting out gets (the model's generation_config.json)
+        self.sampling_defaults = self.model.sampling_defaults if settings.generation_config == "auto" else {}
         # completions' suffix (fill in the middle) in DeepSeek's form, where the vocabulary has its markers,
         # as vLLM renders it for DeepSeek-V4; other models have no FIM rendering there either
         self.fim = all(self.tokenizer.token_to_id(marker) is not None for marker in FIM_MARKERS)

@@ -94,11 +94,18 @@ class RenderedPrompts:
     images: list[tuple[protocol.ImageItem, ProcessedImage]] = ()
 
 
+def default_max_tokens(cv: ConverterCore, room: int) -> int:
+    """A request without max_tokens: the rest of the context, or the model's generation_config
+    max_new_tokens where smaller (as vLLM's servers have it)."""
+    configured = cv.sampling_defaults.get("max_new_tokens")
+    return min(room, int(configured)) if isinstance(configured, int) and configured > 0 else room
+
+
 def generate_fields(cv: ConverterCore, req, max_tokens: int | None, spec, chat: bool) -> GenerateFields:
     """The request's generation fields as protocol values, every one checked (generation_params.py)."""
     if not 1 <= req.n <= cv.settings.max_n:
         raise oa.InvalidRequest(f"n must be between 1 and {cv.settings.max_n}.", "n")
-    sampling = gp.sampling(req, cv.engine, cv.vocab_size, max_tokens)
+    sampling = gp.sampling(req, cv.engine, cv.vocab_size, max_tokens, cv.sampling_defaults)
     gp.token_masks(req, cv.engine, cv.tokenizer, cv.vocab_size, sampling)
     return GenerateFields(
         sampling,
@@ -194,7 +201,7 @@ def plan(cv: ConverterCore, job: ConvertJob, req, fields: GenerateFields, prompt
             header = protocol.Generate(
                 request_id=rid,
                 prompt_token_count=n,
-                max_new_tokens=max_tokens if max_tokens is not None else limit - n,
+                max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens(cv, limit - n),
                 sampling=sampling,
                 stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos,
