@@ -173,6 +173,7 @@ class Generations:
                     gen.first_token_at = now
                     if metrics:
                         metrics.time_to_first_token.observe(now - gen.arrival)
+                        metrics.rank_time_to_first_token.observe(gen.rank, now - gen.arrival)
                 elif metrics:
                     metrics.inter_token_latency.observe(now - gen.last_token_at)
                 gen.last_token_at = now
@@ -181,6 +182,8 @@ class Generations:
             choice.completion_tokens = out.completion_tokens or choice.completion_tokens
             choice.cached_tokens = out.cached_tokens
             if out.finish_reason is not None:
+                if out.finish_reason == "error":
+                    self.scheduler.ranks[gen.rank].errors += 1
                 choice.scheduler_done = True
                 choice.finish_reason = out.finish_reason
                 choice.error = out.error
@@ -257,6 +260,7 @@ class Generations:
         """A scheduler rank went away: its requests fail (it will not know them when it is back); the
         other ranks' carry on."""
         for gen in [g for g in self.live if g.rank == rank]:
+            self.scheduler.ranks[rank].errors += 1
             self.fail(
                 gen,
                 ApiError(

@@ -74,6 +74,8 @@ GAUGE_MERGE: dict[str, str] = {
     # which "max" would hide behind the others' 1
     "tokenmill_scheduler_connected": "min",
     "tokenmill_rank_connected": "min",
+    # configuration: which engine server (--engine-url) each rank is, the same on every gateway
+    "tokenmill_engine_info": "max",
 }
 
 
@@ -295,9 +297,23 @@ class Metrics:
         self.rank_waiting = Gauge(
             "tokenmill_rank_num_requests_waiting", "Waiting requests as the rank reports them.", rank, registry=r
         )
+        self.rank_time_to_first_token = _RankHistograms(
+            "tokenmill_rank_time_to_first_token_seconds",
+            "Time from a request's arrival (including conversion) to its first token, by the rank that generated it.",
+            _LATENCY,
+            model_name,
+        )
+        r.register(self.rank_time_to_first_token)
+        self.engine_info = Gauge(
+            "tokenmill_engine_info",
+            "1 for each engine server reached over HTTP (--engine-url): which rank it is.",
+            rank + ["url"],
+            registry=r,
+        )
         self._rank_counts = {
             name: Counter(name, doc, rank, registry=r)
             for name, doc in (
+                ("tokenmill_rank_errors", "Requests on the rank that ended in an error or were lost with it."),
                 ("tokenmill_rank_requests", "Scheduler requests sent to the rank."),
                 ("tokenmill_rank_prompt_tokens", "Prompt tokens of the rank's finished requests."),
                 ("tokenmill_rank_cached_prompt_tokens", "Of those, tokens the engine served from its prefix cache."),
@@ -319,6 +335,7 @@ class Metrics:
                 self.rank_running.labels(*labels).set(stats.num_running)
                 self.rank_waiting.labels(*labels).set(stats.num_waiting)
             for name, value in (
+                ("tokenmill_rank_errors", r.errors),
                 ("tokenmill_rank_requests", r.requests),
                 ("tokenmill_rank_prompt_tokens", r.prompt_tokens),
                 ("tokenmill_rank_cached_prompt_tokens", r.cached_tokens),
@@ -407,4 +424,29 @@ class _FastHistogram:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
         family.add_metric([self.model_name], buckets, self.sum)
+        yield family
+
+
+class _RankHistograms:
+    """One _FastHistogram per scheduler rank, exported as one family with a ``rank`` label."""
+
+    def __init__(self, name: str, documentation: str, buckets, model_name: str):
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.buckets = buckets
+        self.by_rank: dict[int, _FastHistogram] = {}
+
+    def observe(self, rank: int, value: float) -> None:
+        hist = self.by_rank.get(rank)
+        if hist is None:
+            hist = self.by_rank[rank] = _FastHistogram(self.name, self.documentation, self.buckets, self.model_name)
+        hist.observe(value)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "rank"])
+        for rank, hist in sorted(self.by_rank.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip([*hist.bounds, float("inf")], hist.counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([self.model_name, str(rank)], buckets, hist.sum)
         yield family

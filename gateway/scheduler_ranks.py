@@ -47,6 +47,7 @@ class Rank:
     in_flight: int = 0  # scheduler requests of this gateway on it, not finished
     refused: str = ""  # why its welcome was refused (its vocabulary or context length differs)
     requests: int = 0  # scheduler requests sent since start
+    errors: int = 0  # of which ended in an error, or were lost with the rank
     prompt_tokens: int = 0  # prompt tokens of the finished ones
     cached_tokens: int = 0  # of which the engine served from its prefix cache
 

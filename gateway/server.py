@@ -196,6 +196,8 @@ class Gateway:
             self.engine_bridges = EngineBridges(s.engine_urls, self.runtime_dir, self._bridge_args())
             endpoints = self.engine_bridges.endpoints
             self.engine_bridges.start()
+            for index, url in enumerate(s.engine_urls):
+                self.metrics.engine_info.labels(self.model_name, str(index), url).set(1)
         elif not endpoints:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])

@@ -112,8 +112,6 @@ class Fake:
         if self.mode == "forbidden":
             return self.forbidden()
         body = await request.json()
-        self.requests += 1
-        self.last_body = body
         params = body["sampling_params"]
         prompt = body["token_ids"]
         max_tokens = params.get("max_tokens") or 16
@@ -141,6 +139,8 @@ class Fake:
                 },
                 status=400,
             )
+        self.requests += 1  # the ones it took (not the bridge's logprobs probe above)
+        self.last_body = body
         rid = PREFIX + body.get("request_id", "x")
         stop_ids = set(params.get("stop_token_ids") or ())
         if not body.get("stream"):

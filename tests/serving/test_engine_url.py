@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import ROOT, Server, free_port, http
-from faultutil import wait_until
+from faultutil import metric, wait_until
 
 from tokenmill.bench.servers import ProcessHandle
 
@@ -212,6 +212,12 @@ def test_two_replicas_serve_as_one_and_a_killed_one_comes_back():
                 model=MODEL, messages=[{"role": "user", "content": f"conversation {i}"}], max_tokens=3
             )
         assert a.state()["requests"] and b.state()["requests"]
+        # per replica: which URL each rank is, its requests and first tokens
+        for rank, fake in enumerate((a, b)):
+            assert metric(front, "tokenmill_engine_info", rank=str(rank), url=fake.url) == 1
+            sent = metric(front, "tokenmill_rank_requests_total", rank=str(rank))
+            assert sent == fake.state()["requests"] > 0
+            assert metric(front, "tokenmill_rank_time_to_first_token_seconds_count", rank=str(rank)) == sent
         port = b.port
         b.stop()  # the replica goes away: the bridge sees its health fail and exits; its rank is lost
         wait_until(lambda: [r["connected"] for r in ranks(front)] == [True, False], 30, what="the rank lost")
@@ -244,6 +250,7 @@ def test_an_engines_faults_end_that_request_with_a_clear_error_and_the_others_go
             answer = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
             assert answer.choices[0].finish_reason == "length", mode
         assert http("GET", front.url + "/health")[0] == 200
+        assert metric(front, "tokenmill_rank_errors_total", rank="0") == 3
     finally:
         assert front.stop() == 0
 

@@ -31,6 +31,7 @@ def _rank(index: int, ready: bool, in_flight: int, running: int, waiting: int, r
         requests=requests,
         prompt_tokens=10 * requests,
         cached_tokens=requests,
+        errors=requests // 2,
     )
 
 
