@@ -44,9 +44,12 @@ top-k breaks ties differently for another k).
 enforces), is aborted on the server explicitly with ``abort_requests``, and its connection is closed
 (which vLLM also takes as an abort). **Failures.** A 4xx answer before the first token is the
 engine refusing the request (an ``error`` to the front end, with the field where vLLM names it); an
-error event, a malformed event or a dropped connection mid-stream ends that request with
-``finish_reason`` ``"error"``. When the server stops answering its health check, :meth:`watch`
-returns, the bridge exits, and the gateway starts it again: the new one waits for the server.
+error event, a malformed event or a connection dropped mid-stream by a server that is still up ends
+that request with ``finish_reason`` ``"error"``. When the server is down (a request's connection
+failed and so does its health check, or it failed three health checks in a row), :meth:`watch`
+returns and the bridge exits, leaving its requests unanswered: the gateway counts the rank lost and
+moves them to another replica where they can go on, and starts a new bridge, which waits for the
+server.
 """
 
 from __future__ import annotations
@@ -279,6 +282,7 @@ class HTTPBackend(Backend):
         self.server_logprobs = 20  # what the server allows
         self._nonce = secrets.token_hex(4)  # request IDs unique across every front end of the server
         self._session: Any = None
+        self._down: asyncio.Event | None = None  # set when a failed request found the server down
         self._engine_ids: dict[str, str] = {}  # rid -> the server's ID for it (from its first event)
         self._running: set[str] = set()
         self._aborting: set[str] = set()
@@ -434,6 +438,7 @@ class HTTPBackend(Backend):
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
         )
+        self._down = asyncio.Event()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -441,21 +446,38 @@ class HTTPBackend(Backend):
             self._session = None
 
     async def watch(self) -> None:
-        """Return when the server has failed ``health_failures`` health checks in a row."""
-        import aiohttp
-
+        """Return when the server is down: a failed request found it so, or it failed ``health_failures``
+        health checks in a row. The bridge then exits, the gateway counts its rank lost (and moves its
+        requests to another rank where they can go on), and starts a new bridge that waits for the server."""
         failures = 0
-        while True:
-            await asyncio.sleep(self.health_interval_s)
+        while not self._down.is_set():
             try:
-                async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                ok = False
-            failures = 0 if ok else failures + 1
+                await asyncio.wait_for(self._down.wait(), self.health_interval_s)
+                break
+            except asyncio.TimeoutError:
+                pass
+            failures = 0 if await self._healthy() else failures + 1
             if failures >= self.health_failures:
                 log.error("the engine at %s failed %d health checks in a row", self.url, failures)
                 return
+        log.error("the engine at %s is down (a request's connection failed and so did its health check)", self.url)
+
+    async def _healthy(self, timeout: float = 5.0) -> bool:
+        import aiohttp
+
+        try:
+            async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _connection_failed(self, what: str, exc: BaseException) -> Chunk:
+        """A request's connection failed. If the server is down, the request gets no answer here: the
+        bridge exits (watch) and the gateway moves it to another rank; else it ends with an error."""
+        if not await self._healthy(timeout=2.0):
+            self._down.set()
+            await asyncio.Event().wait()  # cancelled as the bridge shuts down
+        return Chunk(finish=FINISH_ERROR, error=f"{what} {self.url}: {exc}")
 
     # ------------------------------------------------------------------ requests
 
@@ -524,7 +546,7 @@ class HTTPBackend(Backend):
                 )
             except (aiohttp.ClientError, OSError) as exc:
                 finished = True
-                yield Chunk(finish=FINISH_ERROR, error=f"the engine at {self.url} did not take the request: {exc}")
+                yield await self._connection_failed("the engine did not take the request at", exc)
                 return
             async with response:
                 if response.status != 200:
@@ -571,7 +593,7 @@ class HTTPBackend(Backend):
                                 return
                 except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                     finished = True
-                    yield Chunk(finish=FINISH_ERROR, error=f"the connection to the engine at {self.url} broke: {exc}")
+                    yield await self._connection_failed("the connection broke to the engine at", exc)
                     return
                 except msgspec.DecodeError as exc:
                     yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")

@@ -303,6 +303,9 @@ class App:
         if done.images_by_hash:  # kept until the engine answers, in case it has lost an image (image_missing)
             for i, choice in enumerate(gen.choices):
                 choice.sent = tuple(result.frames[k * i : k * i + 2])
+        if k == 2 and len(gw.scheduler.ranks) > 1:  # kept while it runs, to go on on another rank if its own is lost
+            for i, choice in enumerate(gen.choices):
+                choice.engine_frames = (result.frames[k * i], result.frames[k * i + 1])
         extensions = scope.get("extensions") or {}
         gen.drop_connection = extensions.get("tokenmill.drop_connection")
         try:

@@ -8,17 +8,22 @@ gateway never looks inside a token frame.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from array import array
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import msgspec
+
 from tokenmill.gateway import stream_events as ev
 from tokenmill.gateway.scheduler_ranks import SchedulerRanks
 from tokenmill.scheduler_client import protocol
 from tokenmill.scheduler_client.client import SchedulerUnavailable
 from tokenmill.tokenizer_workers.messages import ApiError, DetokItem, DetokOut, ResumeStream
+
+log = logging.getLogger("tokenmill.generations")
 
 
 @dataclass(eq=False)
@@ -49,6 +54,11 @@ class Choice:
     # first output, to send again with the pixels if it answers image_missing (once)
     sent: tuple | None = None
     pixels_asked: bool = False
+    # rank failover (several ranks): the Generate header and prompt frame as sent, kept until the choice is
+    # done, to start it again on another rank from the prompt and the tokens already generated; and how many
+    # tokens it had when it last moved (the new rank counts its completion tokens from there)
+    engine_frames: tuple[bytes, bytes] | None = None
+    token_offset: int = 0
 
 
 @dataclass(eq=False)
@@ -179,7 +189,8 @@ class Generations:
                 gen.last_token_at = now
                 tokens += len(out.token_ids) // 4
             choice.sent = None  # the engine has the request: nothing to send again
-            choice.completion_tokens = out.completion_tokens or choice.completion_tokens
+            if out.completion_tokens:
+                choice.completion_tokens = out.completion_tokens + choice.token_offset
             choice.cached_tokens = out.cached_tokens
             if out.finish_reason is not None:
                 if out.finish_reason == "error":
@@ -257,9 +268,16 @@ class Generations:
         )
 
     def on_rank_lost(self, rank: int, why: str) -> None:
-        """A scheduler rank went away: its requests fail (it will not know them when it is back); the
-        other ranks' carry on."""
+        """A scheduler rank went away (it will not know its requests when it is back). Each request on it
+        moves to a live rank where it can go on exactly (resumable_on_rank): one not started yet is sent
+        again as it was, one that is streaming goes on from its prompt and the tokens it already has, so its
+        client sees one unbroken stream; the others fail with a 503."""
         for gen in [g for g in self.live if g.rank == rank]:
+            try:
+                if self._move_rank(gen, rank):
+                    continue
+            except Exception:  # a request is never left waiting: it fails below
+                log.exception("moving request %s off scheduler rank %d failed", gen.id, rank)
             self.scheduler.ranks[rank].errors += 1
             self.fail(
                 gen,
@@ -273,6 +291,69 @@ class Generations:
                 abort=False,
                 reason="scheduler_lost",
             )
+
+    def _move_rank(self, gen: Generation, lost: int) -> bool:
+        """Start a lost rank's request again on another rank, if every unfinished choice of it can go on
+        exactly there; False if not (or no rank is left)."""
+        moving = [c for c in gen.choices if not c.done and not c.scheduler_done]
+        if not moving or gen.failovers >= self.MAX_FAILOVERS:
+            return False
+        restarts = []
+        for choice in moving:
+            restart = self._restart(choice)
+            if restart is None:
+                return False
+            restarts.append(restart)
+        try:
+            rank = self.scheduler.pick(None)
+        except SchedulerUnavailable:
+            return False
+        if rank.index == lost:
+            return False
+        gen.failovers += 1
+        gen.rank = rank.index
+        self._count_failover("rank_resumed")
+        for choice, (header, prompt, emitted) in zip(moving, restarts, strict=True):
+            choice.token_offset += emitted
+            choice.engine_frames = (header, prompt)
+            self.scheduler.generate(rank, header, prompt)
+        return True
+
+    def _restart(self, choice: Choice) -> tuple[bytes, bytes, int] | None:
+        """(Generate header, prompt frame, tokens carried over) to start a choice again elsewhere: the prompt
+        followed by every token the lost rank sent for it, with that many fewer to generate. Only where
+        the continuation is what the lost rank would have generated: nothing generated yet (any sampling),
+        or greedy with nothing that depends on which tokens were output rather than prompt (presence and
+        frequency penalties, a grammar's state, min_tokens counted) and no images or prompt logprobs."""
+        if choice.engine_frames is None:
+            return None
+        header, prompt = choice.engine_frames
+        emitted = b""
+        if choice.history is not None:
+            emitted = bytes(choice.history) + b"".join(item.token_ids for item in choice.inflight)
+        elif choice.completion_tokens > choice.token_offset:
+            return None  # tokens were generated but are not kept: cannot go on from them
+        count = len(emitted) // 4
+        if count == 0:
+            return header, prompt, 0
+        gen = protocol.decode_to_scheduler(header)
+        s = gen.sampling
+        if not (
+            isinstance(gen, protocol.Generate)
+            and s.temperature == 0
+            and s.presence_penalty == 0
+            and s.frequency_penalty == 0
+            and not s.min_tokens
+            and gen.structured is None
+            and gen.prompt_logprobs is None
+            and not gen.images
+            and gen.max_new_tokens > count
+        ):
+            return None
+        moved = msgspec.structs.replace(
+            gen, prompt_token_count=gen.prompt_token_count + count, max_new_tokens=gen.max_new_tokens - count
+        )
+        return protocol.encode(moved), b"".join((prompt, emitted)), count
 
     # ---- from the workers -------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 cites the shapes), fast and on any machine, with faults a real server will not make on demand.
 
 Run as a process: ``python tests/fake_vllm_server.py --port P [--model DIR] [--served-name NAME]``. It
-generates by echoing the prompt's token IDs (cycling), one token per ``--itl-ms``, until ``max_tokens``
-("length") or a ``stop_token_ids`` match ("stop"). The canary render tokenizes as tokenmill does with the
+generates by echoing the prompt's token IDs (cycling), or with ``--chain`` as a greedy model would (each
+token a function of the one before), one token per ``--itl-ms``, until ``max_tokens`` ("length") or a
+``stop_token_ids`` match ("stop"). The canary render tokenizes as tokenmill does with the
 same model directory (the `tokenmill render` path), so it passes unless told to differ.
 
 Control, for the tests: ``POST /fake/mode {"mode": M}`` where M is ``ok``; ``forbidden`` (the token-in
@@ -43,6 +44,8 @@ class Fake:
         self.last_body: dict = {}
         self.model = load_model(args.model)
         self.templates = ChatTemplates(self.model.templates, self.model.special_tokens)
+        words = " the river wound slowly past the mill and the old wheel turned in the evening light"
+        self.chain = self.model.tokenizer.encode(words, add_special_tokens=False).ids
 
     # ---- vLLM's API
 
@@ -144,7 +147,7 @@ class Fake:
         rid = PREFIX + body.get("request_id", "x")
         stop_ids = set(params.get("stop_token_ids") or ())
         if not body.get("stream"):
-            tokens = [prompt[i % len(prompt)] for i in range(max_tokens)]
+            tokens = self.tokens(prompt, max_tokens)
             return web.json_response(
                 {"request_id": rid, "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens}]}
             )
@@ -162,7 +165,7 @@ class Fake:
                 if aborted.is_set():
                     await self.send(response, rid, [], "abort")
                     break
-                token = prompt[i % len(prompt)]
+                token = self.tokens(prompt, i + 1)[i]
                 if mode == "oov" and i == 1:
                     token = 1 << 30
                 if mode == "malformed" and i == 1:
@@ -183,6 +186,18 @@ class Fake:
         finally:
             self.running.pop(rid, None)
         return response
+
+    def tokens(self, prompt: list[int], n: int) -> list[int]:
+        """The first n tokens it generates for a prompt: the prompt's tokens again (echo), or with --chain
+        each token a function of the one before, as a greedy model's depend only on what came before:
+        started again from the prompt and the tokens so far, it goes on with the same tokens."""
+        if not self.args.chain:
+            return [prompt[i % len(prompt)] for i in range(n)]
+        out, last = [], prompt[-1]
+        for _ in range(n):
+            last = self.chain[(last * 31 + 7) % len(self.chain)]
+            out.append(last)
+        return out
 
     @staticmethod
     async def send(response: web.StreamResponse, rid: str, tokens: list[int], finish: str | None) -> None:
@@ -224,6 +239,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--itl-ms", type=float, default=20.0)
     parser.add_argument("--mode", default="ok")
+    parser.add_argument("--chain", action="store_true", help="generate as a greedy model would (see Fake.tokens)")
     args = parser.parse_args()
     fake = Fake(args)
     fake.mode = args.mode

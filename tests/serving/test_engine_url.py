@@ -7,8 +7,10 @@ token IDs outside the vocabulary, a dropped connection, no engine at all)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 
 import httpx
 import openai
@@ -278,3 +280,64 @@ def test_no_engine_at_start_gets_503s_and_serving_begins_when_it_answers():
         front.stop()
         if engine is not None:
             engine.stop()
+
+
+def _streams(front: Server, bodies: list[dict]) -> list[tuple]:
+    """Every body streamed at once: (text, finish reason, completion tokens) each, or the error it ended with."""
+    results: list = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        client = front.client()
+        text, finish, usage = "", None, None
+        try:
+            for chunk in client.chat.completions.create(
+                model=MODEL, stream=True, stream_options={"include_usage": True}, **bodies[i]
+            ):
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+            results[i] = (text, finish, usage)
+        except openai.APIError as exc:
+            results[i] = ("error", str(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_a_replica_killed_mid_stream_and_its_greedy_streams_go_on_unbroken():
+    """kill -9 of one of two replicas while greedy streams run on both: each stream goes on on the other
+    replica from its prompt and the tokens it had, and its client sees the same text, finish and usage as
+    an undisturbed run. Sampled streams that were on it end with a clear error instead."""
+    a, b = FakeEngine("--chain", itl_ms=15), FakeEngine("--chain", itl_ms=15)
+    front = serve(a.url, b.url)
+    try:
+        wait_until(lambda: all(r["connected"] for r in ranks(front)), 20, what="both ranks")
+        greedy = [
+            {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 80, "temperature": 0}
+            for i in range(8)
+        ]
+        sampled = [
+            {"messages": [{"role": "user", "content": f"sampled {i}"}], "max_tokens": 80, "temperature": 1, "seed": i}
+            for i in range(2)
+        ]
+        undisturbed = _streams(front, greedy + sampled)
+        assert all(r[1] == "length" and r[2] == 80 for r in undisturbed), undisturbed
+
+        killer = threading.Timer(0.5, lambda: os.kill(b.pid, signal.SIGKILL))  # ~30 tokens into the streams
+        killer.start()
+        disturbed = _streams(front, greedy + sampled)
+        killer.join()
+        assert disturbed[: len(greedy)] == undisturbed[: len(greedy)]
+        for got, want in zip(disturbed[len(greedy) :], undisturbed[len(greedy) :], strict=True):
+            assert got == want or (got[0] == "error" and "scheduler" in got[1].lower()), got
+        assert metric(front, "tokenmill_stream_failovers_total", reason="rank_resumed") >= 1
+    finally:
+        assert front.stop() == 0
+        a.stop()
+        b.stop()
