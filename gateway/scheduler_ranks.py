@@ -17,7 +17,8 @@ keeps the rank each turn went to (``Placed``) and tells the next turn's gateway 
 .home_rank``), which takes it over its own memory.
 
 ``least_loaded`` and ``round_robin`` are the baselines ``tokenmill bench dp`` compares with.
-A rank that disconnects fails only its own requests and gets none until it says welcome again;
+A rank that disconnects gets none until it says welcome again (its requests move to another rank
+where they can go on exactly, or fail: Generations.on_rank_lost);
 a rank whose vocabulary is smaller than the served tokenizer's, or whose vocabulary size or
 context length differs from the other ranks', is refused at welcome.
 """
