@@ -84,3 +84,27 @@ def test_busy_stream_targets_are_judged_on_the_medians_and_on_every_run_pair():
     assert got["health_max_ms"]["met"] and got["health_max_ms"]["pairs"] == 2 and got["health_max_ms"]["pairs_met"] == 2
     report["tokenmill"]["busy_stream"]["stream_gap_p99_ms"] = 9.5
     assert not {t["figure"]: t for t in busy_targets(report)}["stream_gap_p99_ms"]["met"]
+
+
+def test_the_http_pairing_puts_tokenmill_in_front_of_vllms_own_server(monkeypatch, tmp_path):
+    """`tokenmill bench vllm --pairing http`: one vLLM server with its token-in API on, and tokenmill in front
+    of it (--engine-url), no engine process of tokenmill's own; the default pairing keeps its own engine."""
+    from tokenmill.bench import vllm as bench_vllm
+
+    started: list[tuple[str, list[str]]] = []
+
+    class Recorded:
+        def __init__(self, name, args, **kw):
+            started.append((name, args))
+            self.pid = len(started)
+
+    monkeypatch.setattr(bench_vllm, "ProcessHandle", Recorded)
+    stacks = bench_vllm.Stacks("python", "model", str(tmp_path), pairing="http")
+    (vllm_name, vllm_args), (front_name, front_args) = started
+    assert (vllm_name, front_name) == ("vllm", "tokenmill") and "--enable-scale-out" in vllm_args
+    assert front_args[front_args.index("--engine-url") + 1] == f"http://127.0.0.1:{stacks.vllm_port}"
+    assert "--scheduler" not in front_args
+    started.clear()
+    bench_vllm.Stacks("python", "model", str(tmp_path))
+    assert [name for name, _ in started] == ["vllm", "engine", "tokenmill"]
+    assert "--enable-scale-out" not in started[0][1] and "--scheduler" in started[2][1]

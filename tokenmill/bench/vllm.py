@@ -29,6 +29,10 @@ the start of every long message, so no cache of either side can serve it):
   ``tokenmill.bench.threads``), and each target (:data:`BUSY_TARGETS`) met or missed, per run pair;
   ``--split-cores`` runs it (and every scenario) with each engine on cores of its own, as on a GPU
   node, instead of sharing every core with its front end;
+* ``--pairing http``: one ``vllm serve --enable-scale-out`` for both sides, its own clients against
+  tokenmill's in front of its token-in API (``tokenmill serve --engine-url``), so that what differs is
+  the front alone, and tokenmill pays a hop; then what vLLM's API process spends taking in a 265k-token
+  ``token_ids`` list (:func:`token_ids_parse`), which it still parses on its event loop;
 * **busy engine**: the long-context rounds again (fresh text), while short streaming chats
   (``--busy-chat-tokens``, 64) start at a fixed rate (``--busy-rate``, 8/s) through the engine
   instead of one long stream: the engine decodes on the same cores and new requests keep
@@ -73,6 +77,9 @@ from tokenmill.bench.servers import ROOT, ProcessHandle
 from tokenmill.bench.threads import table_of_dicts as thread_table
 
 NAME = "bench"
+#: how tokenmill reaches vLLM: its own engine process (tokenmill engine --backend vllm) beside vLLM's server,
+#: or the token-in API of vLLM's server itself (--engine-url), one engine for both front ends
+PAIRINGS = ("engine", "http")
 MAX_MODEL_LEN = 131072  # the tiny model's positions: the agent scenario reaches ~100k tokens
 
 
@@ -92,6 +99,14 @@ def add_arguments(parser) -> None:
         help="Comma-separated subset of the scenarios to run (default all): " + ", ".join(FIGURES) + ".",
     )
     add_busy_load_options(parser)
+    parser.add_argument(
+        "--pairing",
+        choices=PAIRINGS,
+        default="engine",
+        help="engine (default): vLLM's server, and tokenmill in front of its own vLLM engine process; http: one "
+        "vllm serve --enable-scale-out, its clients against tokenmill's in front of its token-in API "
+        "(--engine-url): the same engine behind both.",
+    )
     parser.add_argument(
         "--split-cores",
         action="store_true",
@@ -127,8 +142,10 @@ def add_arguments(parser) -> None:
 
 class Stacks:
     """vLLM's API server, and tokenmill serve in front of tokenmill engine --backend vllm (or, with
-    ``simulated``, in front of its own simulated scheduler). ``vllm_env``: extra environment for the
-    processes that run vLLM (the image scenario's torchvision overlay on PYTHONPATH)."""
+    ``simulated``, in front of its own simulated scheduler; with ``pairing="http"``, in front of that same
+    vLLM server's token-in API, ``--engine-url``, so that both front ends share one engine). ``vllm_env``:
+    extra environment for the processes that run vLLM (the image scenario's torchvision overlay on
+    PYTHONPATH)."""
 
     def __init__(
         self,
@@ -140,7 +157,11 @@ class Stacks:
         vllm_env: dict | None = None,
         simulated: bool = False,
         eager: bool = False,
+        pairing: str = "engine",
     ):
+        if pairing not in PAIRINGS:
+            raise ValueError(f"pairing must be one of {PAIRINGS}")
+        self.pairing = pairing
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.procs: list[ProcessHandle] = []
         self.vllm_port, self.tokenmill_port = free_port(), free_port()
@@ -160,6 +181,7 @@ class Stacks:
             "--port",
             str(self.vllm_port),
             *(["--enforce-eager"] if eager else []),
+            *(["--enable-scale-out"] if pairing == "http" else []),
         ]
         engine_args = [
             vllm_python,
@@ -183,7 +205,13 @@ class Stacks:
             "serve",
             "--model",
             model,
-            *(["--scheduler", engine] if not simulated else ["--max-model-len", str(max_model_len)]),
+            *(
+                ["--max-model-len", str(max_model_len)]
+                if simulated
+                else ["--engine-url", f"http://127.0.0.1:{self.vllm_port}"]
+                if pairing == "http"
+                else ["--scheduler", engine]
+            ),
             "--served-model-name",
             NAME,
             "--port",
@@ -194,7 +222,7 @@ class Stacks:
             "100000",
         ]
         start = [("vllm", vllm_server, vllm_env), ("engine", engine_args, vllm_env), ("tokenmill", serve, None)]
-        if simulated:
+        if simulated or pairing == "http":
             del start[1]
         for name, args, extra in start:
             self.procs.append(
@@ -216,7 +244,7 @@ class Stacks:
         ends (vLLM's API server process; tokenmill serve, its gateway and workers) on the others. Every
         thread is moved; threads started later inherit their creator's CPUs."""
         if len(self.procs) != 3:
-            raise RuntimeError("--split-cores needs tokenmill in front of a vLLM engine")
+            raise RuntimeError("--split-cores needs tokenmill in front of its own vLLM engine (--pairing engine)")
         api, bridge, serve = (p.pid for p in self.procs)
         engine = {pid: name for pid, name in process_tree(api).items() if pid != api} | process_tree(bridge)
         workers = [pid for pid, name in engine.items() if name.startswith("VLLM::Worker")]
@@ -555,6 +583,28 @@ BUSY_TARGETS = (
 )
 
 
+def token_ids_parse(port: int, tokens: int, tries: int = 3) -> dict:
+    """What vLLM's API process spends taking in one token-in request of ``tokens`` IDs on its event loop:
+    the time to its 400 for a request that is refused only once its body is parsed and validated (a
+    negative temperature), so no engine work is in it. Median and max of ``tries``, in milliseconds."""
+    body = json.dumps(
+        {"token_ids": [1000 + i % 100_000 for i in range(tokens)], "sampling_params": {"temperature": -1}}
+    ).encode()
+    times = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        status, answer = request(port, "POST", "/inference/v1/generate", body, timeout=120)
+        times.append((time.perf_counter() - t0) * 1000)
+        if status != 400:
+            raise RuntimeError(f"expected vLLM to refuse the probe (400), got {status}: {answer[:300]!r}")
+    return {
+        "tokens": tokens,
+        "body_mb": round(len(body) / 1e6, 2),
+        "p50_ms": rnd(statistics.median(times)),
+        "max_ms": rnd(max(times)),
+    }
+
+
 def busy_targets(report: dict, scenario: str = "busy_stream") -> list[dict]:
     """Each of BUSY_TARGETS: the medians' ratio, whether it is met, and in how many run pairs."""
     out = []
@@ -614,7 +664,7 @@ def run(args) -> int:
             subprocess.run(
                 [str(python), "-m", "tokenmill.tiny_model", model], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
             )
-        stacks = Stacks(str(python), model, workdir)
+        stacks = Stacks(str(python), model, workdir, pairing=args.pairing)
         stacks.wait_ready()
         print(f"both stacks ready after {time.monotonic() - started:.0f} s", flush=True)
         split = stacks.split_cores() if args.split_cores else None
@@ -674,6 +724,14 @@ def run(args) -> int:
             report["busy_stream_targets"] = busy_targets(report)
         report["versions"] = _versions(python)
         report["split_cores"] = split
+        report["pairing"] = args.pairing
+        if args.pairing == "http":
+            report["vllm_token_ids_parse"] = parse = token_ids_parse(stacks.vllm_port, 265_000)
+            print(
+                f"vLLM's API process takes in {parse['tokens']:,} token IDs ({parse['body_mb']} MB of JSON) in "
+                f"{parse['p50_ms']} ms (median, max {parse['max_ms']} ms), on its event loop",
+                flush=True,
+            )
         print_table(report, repeat)
         write_json(args.json, report)
         return 0
