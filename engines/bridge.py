@@ -260,6 +260,7 @@ class EngineServer(SchedulerServer):
             heartbeat_ivl_ms=heartbeat_ivl_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
             curve_secret_key=curve_secret_key,
+            io_rt_priority=getattr(backend, "io_rt_priority", 0),
         )
         self._live: dict[tuple[bytes, str], _Live] = {}
         self._pending: dict[bytes, list[RequestOutput]] = {}

@@ -262,6 +262,8 @@ class HTTPBackend(Backend):
         template_kwargs: dict | None = None,
         canary: bool = True,
         wait_s: float = 0.0,
+        group_nice: int = 0,
+        rt_priority: int = 0,
         health_interval_s: float = 1.0,
         health_failures: int = 3,
     ) -> None:
@@ -274,6 +276,9 @@ class HTTPBackend(Backend):
         self.template_kwargs = template_kwargs or {}
         self.canary = canary
         self.wait_s = wait_s  # 0: wait for the server as long as it takes
+        self.group_nice = group_nice
+        self.rt_priority = rt_priority
+        self.io_rt_priority = 0  # the protocol socket's I/O thread's, once this process may run real-time
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
         self.model = ""  # the served name requests carry
@@ -302,6 +307,8 @@ class HTTPBackend(Backend):
             template_kwargs=kwargs,
             canary=not args.no_canary,
             wait_s=args.engine_wait_s,
+            group_nice=args.group_nice,
+            rt_priority=args.rt_priority,
         )
 
     # ------------------------------------------------------------------ start: wait, check, describe
@@ -319,6 +326,20 @@ class HTTPBackend(Backend):
             return exc.code, exc.read()
 
     def prepare(self) -> None:
+        # On the token path, as the gateway's loop is: beside workers converting long prompts and an engine
+        # spinning on every core, this process's threads waited in the run queue for seconds (its link's
+        # heartbeats timed out). It only relays tokens, so real-time costs the others little.
+        from tokenmill.process.procutil import request_realtime
+
+        if self.rt_priority and request_realtime(self.rt_priority):
+            self.io_rt_priority = self.rt_priority
+        if self.group_nice:
+            from tokenmill.process.procutil import set_group_nice
+
+            if not set_group_nice(self.group_nice):
+                log.warning(
+                    "could not set this bridge's scheduling group nice to %d (needs CAP_SYS_NICE)", self.group_nice
+                )
         started = time.monotonic()
         said = 0.0
         while True:
@@ -728,6 +749,22 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="JSON",
         help="the template variables tokenmill adds to every request",
+    )
+    group.add_argument(
+        "--group-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="niceness of this process's scheduling group (its session's autogroup; tokenmill serve passes its "
+        "worker_group_nice): on the token path beside workers that convert long prompts (0: leave it)",
+    )
+    group.add_argument(
+        "--rt-priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="SCHED_FIFO priority for this process's event loop and ZeroMQ I/O threads where permitted (tokenmill "
+        "serve passes its loop_rt_priority; 0: never real-time)",
     )
     group.add_argument(
         "--no-canary",

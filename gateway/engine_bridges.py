@@ -67,7 +67,10 @@ class EngineBridges:
         loop = asyncio.get_running_loop()
         while not self._closing:
             started = loop.time()
-            proc = await asyncio.create_subprocess_exec(*self.command(index), env=child_env())
+            # a session of its own, so a scheduling group of its own (Linux autogroups), niced as the workers'
+            # (--group-nice): in the gateway's group, beside workers converting long prompts at a heavier
+            # weight, it was starved for seconds, its streams stalled and its link's heartbeats timed out
+            proc = await asyncio.create_subprocess_exec(*self.command(index), env=child_env(), start_new_session=True)
             self.processes[index] = proc
             status = await proc.wait()
             if self._closing:

@@ -264,7 +264,14 @@ class Gateway:
     def _bridge_args(self) -> list[str]:
         """What every engine bridge needs to check its server against what this gateway serves."""
         s = self.settings
-        args = ["--model", s.model or "default"]
+        args = [
+            "--model",
+            s.model or "default",
+            "--group-nice",
+            str(s.worker_group_nice),
+            "--rt-priority",
+            str(s.loop_rt_priority),
+        ]
         if s.chat_template:
             args += ["--chat-template", s.chat_template]
         if s.default_chat_template_kwargs:

@@ -184,6 +184,7 @@ class SchedulerServer:
         heartbeat_ivl_ms: int = 2000,
         heartbeat_timeout_ms: int = 10000,
         curve_secret_key: bytes | str | None = None,
+        io_rt_priority: int = 0,
     ) -> None:
         if stats_interval_s <= 0:
             raise ValueError("stats_interval_s must be positive")
@@ -192,6 +193,9 @@ class SchedulerServer:
         self.heartbeat_ivl_ms = int(heartbeat_ivl_ms)
         self.heartbeat_timeout_ms = int(heartbeat_timeout_ms)
         self.curve_secret_key = curve_secret_key
+        # SCHED_FIFO priority of the socket's ZeroMQ I/O thread (0: an ordinary thread); only where the
+        # process may use it (procutil.request_realtime took), since libzmq aborts if the kernel refuses
+        self.io_rt_priority = int(io_rt_priority)
         self.endpoint: str | None = None
         self._sessions: dict[bytes, Session] = {}
         self._sock: LoopSocket | None = None
@@ -284,6 +288,9 @@ class SchedulerServer:
             raise RuntimeError(f"a {type(self).__name__} serves once")
         self._serving = True
         ctx = zmq.Context()
+        if self.io_rt_priority:
+            ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_FIFO)
+            ctx.set(zmq.THREAD_PRIORITY, self.io_rt_priority)
         sock = ctx.socket(zmq.ROUTER)
         try:
             configure_router(

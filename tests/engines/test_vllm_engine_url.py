@@ -50,7 +50,8 @@ def test_a_hang_up_and_a_stop_string_stop_the_request_inside_vllm(stack):
         with client.stream("POST", front.url + "/v1/chat/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
             seen = []
-            for line in response.iter_lines():
+            lines = response.iter_lines()  # kept: once collected, httpx closes the response, which hangs up
+            for line in lines:
                 if line.startswith("data: "):
                     seen.append(line)
                 if sum('"content":"' in x for x in seen) >= 4:

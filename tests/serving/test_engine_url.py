@@ -59,9 +59,10 @@ class FakeEngine(ProcessHandle):
 
 
 def serve(*urls: str, ready: bool = True, **kw) -> Server:
+    """`tokenmill serve --engine-url URL ...`; arguments that do not start with http are more flags."""
     args = ["--workers", "1"]
     for url in urls:
-        args += ["--engine-url", url]
+        args += ["--engine-url", url] if url.startswith("http") else [url]
     return Server(*args, ready=ready, **kw)
 
 
@@ -120,7 +121,8 @@ def test_chat_streams_from_the_engine_and_the_request_carries_the_protocol_field
 
 
 def _stream_until_tokens(front: Server, n: int, **body):
-    """Open a stream and read until ``n`` content chunks came; returns the open response (to close)."""
+    """Open a stream and read until ``n`` content chunks came; returns the client, the open response and
+    its line iterator (kept: once collected, httpx closes the response, which hangs up)."""
     client = httpx.Client(timeout=30)
     request = client.build_request(
         "POST",
@@ -136,14 +138,14 @@ def _stream_until_tokens(front: Server, n: int, **body):
             seen += 1
             if seen >= n:
                 break
-    return client, response
+    return client, response, lines
 
 
 def test_a_client_hanging_up_a_stop_string_and_a_shutdown_each_abort_the_request_on_the_engine(engine):
-    front = serve(engine.url)
+    front = serve(engine.url, "--shutdown-timeout", "1")  # the drain gives up on the open stream after 1 s
     try:
-        client, response = _stream_until_tokens(front, 3)
-        assert len(engine.state()["running"]) == 1
+        client, response, _lines = _stream_until_tokens(front, 3)
+        assert len((s := engine.state())["running"]) == 1, s
         response.close()
         client.close()
         state = wait_until(lambda: (s := engine.state())["aborted"] and not s["running"] and s, 10, what="the abort")
@@ -158,7 +160,7 @@ def test_a_client_hanging_up_a_stop_string_and_a_shutdown_each_abort_the_request
         assert len(state["aborted"]) == 2 and state["finished"] == []
 
         # shutdown: the gateway ends its streams, the bridge aborts them on the engine
-        client, response = _stream_until_tokens(front, 2)
+        client, response, _lines = _stream_until_tokens(front, 2)
         assert front.stop() == 0
         state = wait_until(lambda: (s := engine.state())["aborted"][2:] and not s["running"] and s, 10, what="abort")
         assert len(state["aborted"]) == 3
