@@ -211,8 +211,10 @@ def test_a_rank_that_dies_fails_only_its_own_requests(ranks):
             )
             for i in range(6)
         ]
-        for s in streams:
-            next(iter(s))  # every stream has started
+        for s in streams:  # every stream has had tokens from its rank (sampled: another rank cannot go on
+            for chunk in s:  # with them, so the lost rank's fail; one with none yet would move and survive)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break
         _, _, state = http("GET", srv.url + "/debug/state")
         on_rank = {r["rank"]: r["in_flight"] for r in state["scheduler_ranks"]}
         assert on_rank[0] and on_rank[1], state  # both ranks have some (least loaded: new conversations spread)
