@@ -68,6 +68,7 @@ from typing import Any
 import msgspec
 
 from tokenmill.engines.bridge import Backend, Chunk, EngineInfo, EngineLoad, EngineRejected, EngineRequest
+from tokenmill.engines.vllm_backend import VLLM_FINISH, VLLM_PARAMS, structured_outputs
 from tokenmill.scheduler_client.protocol import (
     FEATURE_DISABLE_ANY_WHITESPACE,
     FEATURE_IMAGES,
@@ -77,10 +78,7 @@ from tokenmill.scheduler_client.protocol import (
     FEATURE_PRIORITY,
     FEATURE_WHITESPACE_PATTERN,
     FEATURES,
-    FINISH_ABORT,
     FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
 )
 
 log = logging.getLogger("tokenmill.engine.http")
@@ -108,26 +106,6 @@ UNSUPPORTED = frozenset(
         FEATURE_WHITESPACE_PATTERN,
     }
 )
-_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
-# vLLM's parameter names in its validation errors -> the protocol's fields
-_PARAMS = {
-    "temperature": "sampling.temperature",
-    "top_p": "sampling.top_p",
-    "top_k": "sampling.top_k",
-    "seed": "sampling.seed",
-    "min_p": "sampling.min_p",
-    "presence_penalty": "sampling.presence_penalty",
-    "frequency_penalty": "sampling.frequency_penalty",
-    "repetition_penalty": "sampling.repetition_penalty",
-    "min_tokens": "sampling.min_tokens",
-    "logit_bias": "sampling.logit_bias",
-    "allowed_token_ids": "sampling.allowed_token_ids",
-    "logprobs": "logprobs",
-    "max_tokens": "max_new_tokens",
-    "stop_token_ids": "stop_token_ids",
-    "structured_outputs": "structured",
-    "cache_salt": "cache_salt",
-}
 
 
 class EngineRefused(ValueError):
@@ -226,7 +204,7 @@ def to_chunk(choice: _Choice, top_n: int | None) -> Chunk:
     """One choice of a vLLM event -> a Chunk (its logprobs per token, the top N best first)."""
     finish = error = None
     if choice.finish_reason is not None:
-        finish = _FINISH.get(choice.finish_reason)
+        finish = VLLM_FINISH.get(choice.finish_reason)
         if finish is None:
             finish, error = FINISH_ERROR, f"vLLM finished the request with {choice.finish_reason!r}"
     chunk = Chunk(choice.token_ids, finish, error)
@@ -530,8 +508,6 @@ class HTTPBackend(Backend):
             # N + 1 unless the sampled token is the top one (see the module's docstring)
             params["logprobs"] = top if top == 0 or _sampled_is_top(request) else min(top + 1, self.server_logprobs)
         if request.structured is not None:
-            from tokenmill.engines.vllm_backend import structured_outputs
-
             params["structured_outputs"] = structured_outputs(request.structured)
         if request.extra_args:
             params["extra_args"] = dict(request.extra_args)
@@ -597,7 +573,9 @@ class HTTPBackend(Backend):
                             finished = True
                             code = event.error.code
                             if sent == 0 and str(code) == "400":
-                                raise EngineRejected(event.error.message, param=_PARAMS.get(event.error.param or ""))
+                                raise EngineRejected(
+                                    event.error.message, param=VLLM_PARAMS.get(event.error.param or "")
+                                )
                             yield Chunk(
                                 finish=FINISH_ERROR, error=f"the engine failed the request: {event.error.message}"
                             )
@@ -713,7 +691,7 @@ def _param_of(body: bytes) -> str | None:
         error = _errors.decode(body).get("error")
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return _PARAMS.get(error.param or "") if error is not None else None
+    return VLLM_PARAMS.get(error.param or "") if error is not None else None
 
 
 # --------------------------------------------------------------------------- command line

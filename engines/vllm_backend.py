@@ -107,7 +107,7 @@ from tokenmill.scheduler_client.protocol import (
 
 log = logging.getLogger("tokenmill.engine.vllm")
 
-_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 
 # vLLM model classes that take the ``qwen2_vl`` family's pixel_values / image_grid_thw as they are
 QWEN2_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
@@ -287,7 +287,8 @@ def extra_args(request: EngineRequest) -> dict[str, Any] | None:
 
 
 # vLLM's names for the fields its validation errors name (VLLMValidationError.parameter) -> the protocol's
-_PARAMS = {
+# (also what its HTTP server's error bodies give as "param": engines/http_backend.py)
+VLLM_PARAMS = {
     "logprobs": "logprobs",
     "allowed_token_ids": "sampling.allowed_token_ids",
     "bad_words": "sampling.bad_words",
@@ -331,8 +332,8 @@ def _param_of(exc: BaseException, request: EngineRequest) -> str | None:
     """The protocol field a vLLM validation error is about, when it says (or, for a constrained request
     whose error speaks of grammars or schemas, "structured")."""
     param = getattr(exc, "parameter", None)
-    if param in _PARAMS:
-        return _PARAMS[param]
+    if param in VLLM_PARAMS:
+        return VLLM_PARAMS[param]
     if request.structured is not None and any(w in str(exc).lower() for w in _STRUCTURED_WORDS):
         return "structured"
     return None
@@ -606,7 +607,7 @@ class VLLMBackend(Backend):
                 finish = error = None
                 if out.finished:
                     reason = completion.finish_reason if completion is not None else None
-                    finish = _FINISH.get(reason)
+                    finish = VLLM_FINISH.get(reason)
                     if finish is None:
                         finish, error = FINISH_ERROR, f"vLLM finished the request with {reason!r}"
                     # vLLM's generator ends right after its finished output; closing it before that

@@ -202,6 +202,14 @@ def wait_all(*procs, timeout: float = STARTUP_TIMEOUT) -> None:
         time.sleep(0.5)
 
 
+def front_end(model: Path, *engine: str) -> Server:
+    """`tokenmill serve` of the stack's model with the stack's settings, in front of ``engine`` (its flags)."""
+    return Server(
+        "--model", str(model), *engine, "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+        "--workers", "1", *PARSERS, timeout=120,
+    )  # fmt: skip
+
+
 @dataclass
 class Stack:
     dir: Path
@@ -223,20 +231,7 @@ class Stack:
         """`tokenmill serve --engine-url` in front of the stack's own vLLM server (its token-in API,
         --enable-scale-out), with the same settings as `front`; started on first use."""
         if self._http_front is None:
-            self._http_front = Server(
-                "--model",
-                str(self.model),
-                "--engine-url",
-                self.vllm.url,
-                "--served-model-name",
-                NAME,
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-                "--workers",
-                "1",
-                *PARSERS,
-                timeout=120,
-            )
+            self._http_front = front_end(self.model, "--engine-url", self.vllm.url)
             EARLY.procs.append(self._http_front)
         return self._http_front
 
@@ -332,20 +327,7 @@ def acquire() -> Stack:
     try:
         wait_all(*procs)
         model = root / NAME
-        front = Server(
-            "--model",
-            str(model),
-            "--scheduler",
-            procs[1].endpoint,
-            "--served-model-name",
-            NAME,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--workers",
-            "1",
-            *PARSERS,
-            timeout=120,
-        )
+        front = front_end(model, "--scheduler", procs[1].endpoint)
         procs.append(front)
         s = Stack(
             root,
