@@ -307,7 +307,7 @@ class Metrics:
         r.register(self.rank_time_to_first_token)
         self.engine_info = Gauge(
             "tokenmill_engine_info",
-            "1 for each engine server reached over HTTP (--engine-url): which rank it is.",
+            "1 for each engine rank: the engine server's URL (--engine-url) or the scheduler endpoint it is reached at.",
             rank + ["url"],
             registry=r,
         )

@@ -196,11 +196,11 @@ class Gateway:
             self.engine_bridges = EngineBridges(s.engine_urls, self.runtime_dir, self._bridge_args())
             endpoints = self.engine_bridges.endpoints
             self.engine_bridges.start()
-            for index, url in enumerate(s.engine_urls):
-                self.metrics.engine_info.labels(self.model_name, str(index), url).set(1)
         elif not endpoints:
             endpoints = [f"ipc://{self.runtime_dir}/scheduler.sock"]
             await self._start_simulator(endpoints[0])
+        for index, engine in enumerate(s.engine_urls or endpoints):  # which engine each rank is, on dashboards
+            self.metrics.engine_info.labels(self.model_name, str(index), engine).set(1)
         self.generations = Generations(
             self.metrics, max_buffered=s.stream_buffer_limit, history_cap=s.stream_history_bytes
         )

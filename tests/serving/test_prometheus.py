@@ -97,6 +97,7 @@ def test_the_alert_tests_fail_when_an_alert_changes(tmp_path):
             'expr: up{job="tokenmill"} == 0\n        for: 3m',
         ),
         "TokenmillServerErrors": ("> 0.01", "> 0.2"),
+        "TokenmillRankErrors": ("rank_requests_total[5m])) > 0.1", "rank_requests_total[5m])) > 0.3"),
         "TokenmillEventLoopLag": ("event-loop lag p99", "loop lag p99"),
     }
     for alert, (old, new) in changes.items():

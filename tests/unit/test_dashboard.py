@@ -308,3 +308,18 @@ def test_the_check_catches_the_usual_slips():
         "sum(avg_over_time(tokenmill_workers_busy[10m]))",
     ]
     assert misreadings([("t", e) for e in fine], types) == []
+
+
+def test_the_readme_lists_every_alert_with_its_severity_and_wait():
+    """An operator paged at night reads the README's alert table: one row per rule in the file, with the
+    severity and `for:` the rule has, and nothing it no longer has."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Alerts") :]
+    section = section[: section.index("\n## ")]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| (Tokenmill\w+) \(([^)]*)\) \|", section, re.M)}
+    rules = {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if "alert" in r}
+    assert set(rows) == set(rules), (set(rules) - set(rows), set(rows) - set(rules))
+    for name, rule in rules.items():
+        wait = rule.get("for")
+        expected = rule["labels"]["severity"] + (f", {wait[:-1]} {wait[-1]}" if wait else "")
+        assert rows[name] == expected, (name, rows[name], expected)
