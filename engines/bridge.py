@@ -751,4 +751,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m` runs this file as __main__, a second copy beside the tokenmill.engines.bridge the backends
+    # import: run that one's, so that its `except EngineRejected` catches the class they raise
+    from tokenmill.engines.bridge import main as _main
+
+    sys.exit(_main())
