@@ -11,7 +11,9 @@ in its own process and serves the scheduler side of docs/engines/scheduler-proto
 * :mod:`tokenmill.engines.sglang_backend` — ``sglang.Engine`` driven on its own event-loop thread;
 * :mod:`tokenmill.engines.vllm_backend` — vLLM's ``AsyncLLM``;
 * :mod:`tokenmill.engines.http_backend` — an unmodified ``vllm serve --enable-scale-out`` over its
-  token-in/token-out HTTP API (``tokenmill serve --engine-url`` starts one per server).
+  token-in/token-out HTTP API (``tokenmill serve --engine-url`` starts one per server), and
+  :mod:`tokenmill.engines.http_sglang`, SGLang's own server over its ``/generate``
+  (:mod:`tokenmill.engines.http_flavours` picks one).
 
 Each backend's library is an optional extra (``pip install 'tokenmill[transformers]'``,
 ``'tokenmill[sglang]'``, ``'tokenmill[vllm]'``) and is imported only when that backend is
@@ -30,7 +32,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "sglang": ("tokenmill.engines.sglang_backend", "sglang"),
     "vllm": ("tokenmill.engines.vllm_backend", "vllm"),
     # an unmodified engine server over HTTP: no engine library here, aiohttp is a dependency of tokenmill
-    "http": ("tokenmill.engines.http_backend", ""),
+    "http": ("tokenmill.engines.http_flavours", ""),
 }
 
 

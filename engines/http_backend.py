@@ -1,13 +1,19 @@
 """The http backend: an unmodified engine server's token-in/token-out HTTP API behind the protocol.
 
 ``tokenmill engine --backend http --engine-url http://HOST:PORT`` speaks the scheduler protocol on
-its socket and, for every request, HTTP to a server the operator already runs. One flavour today:
+its socket and, for every request, HTTP to a server the operator already runs. Two flavours:
 
-* **vllm** — ``vllm serve ... --enable-scale-out``: ``POST /inference/v1/generate`` takes the
-  prompt's token IDs and vLLM's ``SamplingParams`` as JSON and streams the new token IDs as
-  server-sent events; ``POST /inference/v1/abort_requests`` stops a request by the ID the server
+* **vllm** (this module) — ``vllm serve ... --enable-scale-out``: ``POST /inference/v1/generate``
+  takes the prompt's token IDs and vLLM's ``SamplingParams`` as JSON and streams the new token IDs
+  as server-sent events; ``POST /inference/v1/abort_requests`` stops a request by the ID the server
   gave it (``request_id`` of its events). Without ``--enable-scale-out`` those paths answer 403,
   and the bridge refuses to start with a message that says so.
+* **sglang** (:mod:`tokenmill.engines.http_sglang`) — SGLang's own server, ``POST /generate`` with
+  ``input_ids``.
+
+``--engine-flavour auto`` (the default) waits for the server and asks it: SGLang answers
+``/model_info`` (``/get_model_info`` in older releases) with its ``model_path``, vLLM does not. The
+rest of this docstring is the vLLM flavour's.
 
 **At start** (and so after every restart, since the gateway starts the bridge again when it exits)
 the bridge waits for the server to answer, then checks it: it serves a model (the first of
@@ -83,7 +89,7 @@ from tokenmill.scheduler_client.protocol import (
 
 log = logging.getLogger("tokenmill.engine.http")
 
-FLAVOURS = ("auto", "vllm")
+FLAVOURS = ("auto", "vllm", "sglang")
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 RENDER = "/v1/chat/completions/render"
@@ -229,6 +235,8 @@ class HTTPBackend(Backend):
     """An engine server reached over HTTP, on the bridge's event loop."""
 
     name = "http"
+    health_timeout_s = 2.0  # a health check after a request's connection failed
+    read_bufsize = 1 << 16  # aiohttp's default
 
     def __init__(
         self,
@@ -264,6 +272,7 @@ class HTTPBackend(Backend):
         self.max_logprobs = 20  # what Welcome announces
         self.server_logprobs = 20  # what the server allows
         self._nonce = secrets.token_hex(4)  # request IDs unique across every front end of the server
+        self._served: Any = None  # the served model, once loaded (served_model)
         self._session: Any = None
         self._down: asyncio.Event | None = None  # set when a failed request found the server down
         self._engine_ids: dict[str, str] = {}  # rid -> the server's ID for it (from its first event)
@@ -304,6 +313,10 @@ class HTTPBackend(Backend):
             return exc.code, exc.read()
 
     def prepare(self) -> None:
+        self._scheduling()
+        self._check_server(self.wait_for("/v1/models"))
+
+    def _scheduling(self) -> None:
         # On the token path, as the gateway's loop is: beside workers converting long prompts and an engine
         # spinning on every core, this process's threads waited in the run queue for seconds (its link's
         # heartbeats timed out). It only relays tokens, so real-time costs the others little.
@@ -318,14 +331,17 @@ class HTTPBackend(Backend):
                 log.warning(
                     "could not set this bridge's scheduling group nice to %d (needs CAP_SYS_NICE)", self.group_nice
                 )
+
+    def wait_for(self, path: str) -> bytes:
+        """Wait until ``GET path`` answers 200 (as long as it takes, or ``wait_s``); its body."""
         started = time.monotonic()
         said = 0.0
         while True:
             try:
-                status, body = self._call("GET", "/v1/models", timeout=10)
+                status, body = self._call("GET", path, timeout=10)
                 if status == 200:
-                    break
-                why = f"GET /v1/models answered {status}"
+                    return body
+                why = f"GET {path} answered {status}"
             except (OSError, ValueError) as exc:
                 why = str(getattr(exc, "reason", exc))
             waited = time.monotonic() - started
@@ -335,12 +351,37 @@ class HTTPBackend(Backend):
                 log.info("waiting for the engine at %s (%s)", self.url, why)
                 said = waited or 1e-9
             time.sleep(0.5)
+
+    def detect(self) -> str:
+        """The server's flavour, once it answers: "sglang" where SGLang's model information answers (its
+        ``/model_info``, or ``/get_model_info`` before SGLang renamed it), else "vllm"."""
+        self.wait_for("/v1/models")  # both serve it
+        return "sglang" if self._answers_model_info() else "vllm"
+
+    def _answers_model_info(self) -> bool:
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                status, body = self._call("GET", path, timeout=10)
+                info = json.loads(body) if status == 200 else None
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and "model_path" in info:
+                return True
+        return False
+
+    def _check_server(self, body: bytes) -> None:
+        """vLLM's start-up checks (the module's docstring), from its ``/v1/models`` answer ``body``."""
         models = json.loads(body).get("data") or []
         if not models:
             raise EngineRefused(f"{self.url}/v1/models lists no model")
         self.model = str(models[0]["id"])
         max_model_len = models[0].get("max_model_len")
         status, body = self._call("POST", ABORT, {"request_ids": []})
+        if status == 404 and self._answers_model_info():
+            raise EngineRefused(
+                f"{self.url} is SGLang's server (it answers /model_info), not vLLM's: serve it with "
+                "--engine-flavour sglang, or auto"
+            )
         if status == 403 or status == 404:
             raise EngineRefused(
                 f"{self.url} has no token-in API ({ABORT} answered {status}): start vLLM with "
@@ -404,14 +445,7 @@ class HTTPBackend(Backend):
 
     def _check_canary(self) -> None:
         """Refuse a server whose tokenization of the canary conversation differs from tokenmill's."""
-        from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
-        from tokenmill.tokenizer_workers.model import load_model
-
-        model = load_model(self.model_dir, chat_template_file=self.chat_template)
-        self.vocab_limit = model.tokenizer.get_vocab_size(with_added_tokens=True)
-        templates = ChatTemplates(model.templates, model.special_tokens)
-        conversation = {**CANARY, "add_generation_prompt": True, "template_kwargs": self.template_kwargs}
-        ours = model.tokenizer.encode(render_conversation(templates, conversation), add_special_tokens=False).ids
+        ours = self.canary_ids()
         status, body = self._call(
             "POST",
             RENDER,
@@ -419,23 +453,50 @@ class HTTPBackend(Backend):
         )
         if status != 200:
             raise EngineRefused(f"{self.url}{RENDER} answered {status}: {_message(body)}")
-        theirs = json.loads(body).get("token_ids")
-        if theirs != ours:
-            at = next((i for i, (a, b) in enumerate(zip(ours, theirs or [], strict=False)) if a != b), None)
-            at = at if at is not None else min(len(ours), len(theirs or []))
-            raise EngineRefused(
-                f"the engine at {self.url} ({self.model}) tokenizes the canary conversation differently from "
-                f"tokenmill's model ({self.model_dir or 'the embedded default'}): {len(theirs or [])} tokens there, "
-                f"{len(ours)} here, first difference at token {at} (there {(theirs or [])[at : at + 4]}, here "
-                f"{ours[at : at + 4]}). Serve the same model directory and chat template on both sides."
-            )
+        self.compare_canary(json.loads(body).get("token_ids"), ours)
+
+    def served_model(self):
+        """The model tokenmill serves (its tokenizer and chat template), loaded once; sets ``vocab_limit``."""
+        if self._served is None:
+            from tokenmill.tokenizer_workers.model import load_model
+
+            self._served = load_model(self.model_dir, chat_template_file=self.chat_template)
+            self.vocab_limit = self._served.tokenizer.get_vocab_size(with_added_tokens=True)
+        return self._served
+
+    def canary_ids(self, text: bool = False) -> list[int] | str:
+        """The canary conversation as tokenmill renders and tokenizes it for the model it serves (or, with
+        ``text``, the rendered text)."""
+        from tokenmill.tokenizer_workers.chat_template import ChatTemplates, render_conversation
+
+        model = self.served_model()
+        templates = ChatTemplates(model.templates, model.special_tokens)
+        conversation = {**CANARY, "add_generation_prompt": True, "template_kwargs": self.template_kwargs}
+        rendered = render_conversation(templates, conversation)
+        return rendered if text else model.tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    def compare_canary(self, theirs: Any, ours: list[int], what: str = "tokenizes the canary conversation") -> None:
+        """Refuse the server if its canary IDs differ from ours, saying where."""
+        if theirs == ours:
+            return
+        theirs = theirs if isinstance(theirs, list) else []
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        at = at if at is not None else min(len(ours), len(theirs))
+        raise EngineRefused(
+            f"the engine at {self.url} ({self.model}) {what} differently from tokenmill's model "
+            f"({self.model_dir or 'the embedded default'}): {len(theirs)} tokens there, {len(ours)} here, first "
+            f"difference at token {at} (there {theirs[at : at + 4]}, here {ours[at : at + 4]}). Serve the same "
+            "model directory and chat template on both sides."
+        )
 
     async def start(self) -> None:
         import aiohttp
 
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
+            read_bufsize=self.read_bufsize,  # an event is one line: at most twice this
         )
         self._down = asyncio.Event()
 
@@ -473,7 +534,7 @@ class HTTPBackend(Backend):
     async def _connection_failed(self, what: str, exc: BaseException) -> Chunk:
         """A request's connection failed. If the server is down, the request gets no answer here: the
         bridge exits (watch) and the gateway moves it to another rank; else it ends with an error."""
-        if not await self._healthy(timeout=2.0):
+        if not await self._healthy(timeout=self.health_timeout_s):
             self._down.set()
             await asyncio.Event().wait()  # cancelled as the bridge shuts down
         return Chunk(finish=FINISH_ERROR, error=f"{what} {self.url}: {exc}")
@@ -697,14 +758,10 @@ def _param_of(body: bytes) -> str | None:
 # --------------------------------------------------------------------------- command line
 
 
-def from_args(args: argparse.Namespace) -> HTTPBackend:
-    """The backend ``tokenmill engine --backend http`` asked for."""
-    return HTTPBackend.from_args(args)
-
-
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.description = (
-        "An unmodified engine server over its token-in/token-out HTTP API (vllm serve --enable-scale-out). "
+        "An unmodified engine server over its token-in/token-out HTTP API (vllm serve --enable-scale-out, "
+        "or SGLang's server and its /generate). "
         "--model and --chat-template name what tokenmill serves, for the canary check."
     )
     group.add_argument("--engine-url", default=None, metavar="URL", help="the engine server, e.g. http://10.0.0.5:8000")
@@ -712,7 +769,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--engine-flavour",
         default="auto",
         choices=FLAVOURS,
-        help="the server's API (auto: detect; default %(default)s)",
+        help="the server's API: vllm, sglang, or auto (detect: SGLang answers /model_info; default %(default)s)",
     )
     group.add_argument(
         "--engine-wait-s",
@@ -747,5 +804,5 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--no-canary",
         action="store_true",
-        help="skip the canary check of the server's tokenization (for a server without /v1/chat/completions/render)",
+        help="skip the canary check of the server's tokenization (for a server that cannot render a conversation)",
     )

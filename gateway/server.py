@@ -271,6 +271,8 @@ class Gateway:
             str(s.worker_group_nice),
             "--rt-priority",
             str(s.loop_rt_priority),
+            "--engine-flavour",
+            s.engine_flavour,
         ]
         if s.chat_template:
             args += ["--chat-template", s.chat_template]

@@ -42,6 +42,7 @@ class ServeSettings:
     worker_group_nice: int = -6  # each worker's scheduling group (autogroup) where permitted (0: leave)
     scheduler: str | None = None
     engine_url: str | None = None  # engine servers over HTTP, comma-separated (one bridge process each)
+    engine_flavour: str = "auto"  # their API: vllm, sglang, or auto (each bridge asks its server)
     chat_template: str | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None

@@ -106,9 +106,15 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "engine_url": (
         str,
         "An engine server to serve from over its token-in/token-out HTTP API (vllm serve "
-        "--enable-scale-out), e.g. http://10.0.0.5:8000; repeat the flag, or separate with commas, "
+        "--enable-scale-out, or SGLang's server), e.g. http://10.0.0.5:8000; repeat the flag, or separate with commas, "
         "for replicas (each a data-parallel rank). Each gets a bridge process on this host, which "
         "checks the server's model and tokenization first. Instead of --scheduler.",
+    ),
+    "engine_flavour": (
+        str,
+        "The --engine-url servers' API: vllm (vllm serve --enable-scale-out: /inference/v1/generate), "
+        "sglang (SGLang's server: /generate), or auto (each bridge asks its server: SGLang answers "
+        "/model_info).",
     ),
     "chat_template": (str, "Chat template file that overrides the model's."),
     "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
@@ -278,6 +284,7 @@ CHOICES = {
     "conversion_mode": ("pool", "inline", "thread"),
     "dp_policy": ("affinity", "least_loaded", "round_robin"),
     "generation_config": ("auto", "vllm"),
+    "engine_flavour": ("auto", "vllm", "sglang"),
     "sim_mode": ("random", "echo"),
     "log_level": ("debug", "info", "warning", "error"),
 }
