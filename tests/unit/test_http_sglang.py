@@ -5,7 +5,10 @@ SGLang refusal names. tests/serving/test_engine_url_sglang.py runs the same code
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,6 +27,9 @@ from tokenmill.scheduler_client.protocol import SamplingParams, Structured
 from tokenmill.tokenizer_workers.model import default_model_dir, load_model
 
 TOKENS = [11, 12, 13, 14, 15]
+ROOT = Path(__file__).resolve().parents[2]
+#: SGLang 0.5.23's generated JSON contract of its HTTP API (./scripts/test.sh installs the wheel there)
+API_TYPES = Path(os.environ.get("TOKENMILL_SGLANG_OVERLAY", ROOT / ".sglang-overlay")) / "sglang/api/v1/api_types.py"
 
 
 def _event(output_ids, completion, finish=None, logprobs=None, tops=None) -> _Output:
@@ -143,3 +149,44 @@ def test_an_sglang_refusal_names_the_field_behind_it():
     assert message_of(b'{"error": {"message": "Aborted", "code": 400}}') == "Aborted"
     assert "Field required" in message_of(b'{"detail": [{"msg": "Field required"}]}')
     assert message_of(b"Internal Server Error") == "Internal Server Error"
+
+
+@pytest.mark.skipif(not API_TYPES.is_file(), reason=f"no SGLang wheel at {API_TYPES} (./scripts/test.sh)")
+def test_the_bodies_pass_sglangs_own_json_contract_and_its_answers_decode():
+    """SGLang's /generate refuses a body its generated contract refuses (an unknown sampling key among
+    them): every shape of request the bridge builds passes it, and an answer it encodes decodes here."""
+    spec = importlib.util.spec_from_file_location("sglang_api_types", API_TYPES)
+    api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api)  # msgspec only: not SGLang's package, whose import needs its GPU stack
+    backend = SGLangHTTPBackend("http://127.0.0.1:9")
+    backend.engine_stops, backend.priority_sign = frozenset([1]), -1
+    full = _request([1, 2], ignore_eos=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, presence_penalty=0.1)
+    full.sampling.min_p, full.sampling.min_tokens, full.sampling.logit_bias = 0.1, 2, {5: 1.5}
+    full.logprobs, full.cache_salt, full.priority = 3, "tenant-a", 4
+    requests = [_request([1]), full]
+    for kind in ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"):
+        constrained = _request([1])
+        constrained.structured = Structured(
+            kind=kind, spec="{}" if "json" in kind or "tag" in kind else "a+", choices=["a"]
+        )
+        requests.append(constrained)
+    for request in requests:
+        body = json.loads(backend.body(request))
+        api.GenerateRequest.from_json_value(body)  # raises JsonContractError where SGLang answers 400
+    with pytest.raises(api.JsonContractError, match="unknown field `max_tokens`"):
+        api.GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"max_tokens": 3}})
+    answer = api.GenerateResponse.from_json_value(
+        {
+            "output_ids": [5, 6],
+            "meta_info": {
+                "id": "r",
+                "finish_reason": {"type": "stop", "matched": 6},
+                "completion_tokens": 2,
+                "output_token_logprobs": [[-0.1, 5, None], [None, 6, None]],
+                "output_top_logprobs": [[[-0.1, 5, None]], [[None, 6, None]]],
+            },
+        }
+    )
+    chunk = to_chunk(msgspec.json.decode(json.dumps(answer.to_json_value()), type=_Output), 0, 1, False)
+    assert (list(chunk.token_ids), chunk.finish, chunk.logprobs) == ([5, 6], "stop", [-0.1, float("-inf")])
+    assert (chunk.top_ids, chunk.top_logprobs) == ([5, 6], [-0.1, float("-inf")])
