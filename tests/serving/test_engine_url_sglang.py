@@ -2,7 +2,8 @@
 here the stand-in of tests/fake_sglang_server.py (SGLang 0.5.23's shapes): auto-detection, the text of the
 token IDs it streams with cumulative and incremental output alike, explicit aborts (a client hang-up, a
 stop string), the fields SGLang cannot carry refused by name, its faults, and the start-up checks (another
-tokenization, another model). One fake and one tokenmill serve the module; the refusals start their own."""
+tokenization, another model, a flavour named for the other server). One fake and one tokenmill serve the
+module; the refusals start their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import openai
 import pytest
 from conftest import ROOT, Server, free_port, http
 from faultutil import metric, wait_until
-from test_engine_url import bridge_exits, serve
+from test_engine_url import FakeEngine, bridge_exits, serve
 
 from tokenmill.bench.servers import ProcessHandle
 from tokenmill.tokenizer_workers.model import default_model_dir, load_model
@@ -247,8 +248,8 @@ def test_an_engines_faults_end_that_request_with_a_clear_error_and_the_others_go
     assert metric(front, "tokenmill_rank_errors_total", rank="0") == errors + 3
 
 
-def _bridge(engine: FakeSGLang, *args: str) -> subprocess.CompletedProcess:
-    """One `tokenmill engine --backend http` against ``engine``, as `tokenmill serve` starts it."""
+def _bridge(engine, *args: str) -> subprocess.CompletedProcess:
+    """One `tokenmill engine --backend http` against ``engine`` (a fake), as `tokenmill serve` starts it."""
     return subprocess.run(
         [
             sys.executable,
@@ -308,3 +309,15 @@ def test_another_tokenization_or_another_model_is_refused_with_what_differs(tmp_
         engine.stop()
     assert done.returncode == 2, done.stderr[-3000:]
     assert "whose model_type is 'llama'" in done.stderr and "'deepseek_v4'" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_flavour_named_for_the_other_server_is_refused_saying_which_it_is():
+    sglang, vllm = FakeSGLang(), FakeEngine()
+    try:
+        as_vllm = _bridge(sglang, "--engine-flavour", "vllm")
+        as_sglang = _bridge(vllm, "--engine-flavour", "sglang")
+    finally:
+        sglang.stop()
+        vllm.stop()
+    assert as_vllm.returncode == 2 and "is SGLang's server" in as_vllm.stderr, as_vllm.stderr[-3000:]
+    assert as_sglang.returncode == 2 and "is not an SGLang server" in as_sglang.stderr, as_sglang.stderr[-3000:]
