@@ -17,7 +17,9 @@ POLICY_KEYS = {
 
 
 def test_bench_dp_sim_affinity_keeps_the_prefix_cache(tmp_path):
-    report, stdout = run_bench(tmp_path, "dp", "--engine", "sim", "--quick", timeout=180)
+    report, stdout = run_bench(
+        tmp_path, "dp", "--engine", "sim", "--quick", "--conversations", "4", "--turns", "5", timeout=180
+    )
     assert report["engine"] == "sim"
     ideal = report["ideal_cached_share"]
     assert 0.5 < ideal < 1

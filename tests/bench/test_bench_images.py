@@ -13,7 +13,7 @@ from tokenmill.bench import images as img
 
 
 def test_one_round_of_image_chats_reports_every_figure(tmp_path, monkeypatch):
-    monkeypatch.setattr(img, "IDLE_PROBE_S", 2)  # the idle probe's length does not change what is checked
+    monkeypatch.setattr(img, "IDLE_PROBE_S", 0.5)  # the idle probe's length does not change what is checked
     model = make_vl_model(tmp_path / "vl")
     rounds = [img.chat_bodies("bench", f"test {time.time_ns()}", img.photo_images(img.CHATS * img.IMAGES_PER_CHAT, 5))]
     srv = Server("--model", str(model), "--served-model-name", "bench", "--sim-inter-token-latency-ms", "0")

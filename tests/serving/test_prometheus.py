@@ -144,6 +144,13 @@ class Prometheus(ProcessHandle):
         """Until the target has been scraped (Prometheus hands discovered targets to its scrapers every 5 s)."""
         self.wait_until(lambda: any(t["health"] == "up" for t in self.api("targets")["activeTargets"]), timeout)
 
+    def wait_scraped_after(self, moment: float, timeout: float = 30) -> None:
+        """Until Prometheus holds a scrape of the target taken after ``moment`` (a time.time())."""
+        self.wait_until(
+            lambda: any(float(r["value"][1]) > moment for r in self.query('timestamp(up{job="tokenmill"})')),
+            timeout,
+        )
+
     def query(self, expr: str) -> list[dict]:
         return self.api("query", query=expr)["result"]
 
@@ -178,7 +185,7 @@ def drive_load(srv: Server) -> None:
             timeout=60,
         )
         assert status == 200, body
-        time.sleep(0.7)  # spread over several scrapes, so that rates see the counters move
+        time.sleep(0.4)  # spread over several scrapes, so that rates see the counters move
     assert http("POST", srv.url + "/v1/chat/completions", {"model": MODEL, "messages": "nope"})[0] == 400
     assert http("POST", srv.url + "/v1/chat/completions", b"{" + b" " * 70_000 + b"}")[0] == 413
     conn = HTTPConnection("127.0.0.1", srv.port, timeout=30)  # leaves after its first chunk: an abort
@@ -207,7 +214,7 @@ def live(tmp_path_factory):
         prometheus = Prometheus(f"127.0.0.1:{srv.port}", tmp_path_factory.mktemp("prometheus"))
         prometheus.wait_up()
         drive_load(srv)
-        time.sleep(4)  # a few scrapes after the load
+        prometheus.wait_scraped_after(time.time() + 1)  # the load's last counts, and a scrape after them
         yield srv, prometheus
     finally:
         if prometheus is not None:

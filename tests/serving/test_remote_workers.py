@@ -311,7 +311,7 @@ def test_link_drop_mid_stream_moves_the_streams_to_the_local_worker(host, keys, 
     link up."""
     replies = write_replies(tmp_path / "replies.jsonl")
     server, endpoint = gateway(
-        host, keys, "--workers", "1", "--sim-inter-token-latency-ms", "20", "--sim-replies", replies
+        host, keys, "--workers", "1", "--sim-inter-token-latency-ms", "10", "--sim-replies", replies
     )
     worker = RemoteWorker(host, endpoint, keys / "workers" / "beta")
     try:

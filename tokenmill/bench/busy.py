@@ -400,6 +400,7 @@ def run(args) -> int:
                         lag_of=lambda reset, s=server: s.get("/debug/loop-lag?reset=1" if reset else "/debug/loop-lag")[
                             1
                         ],
+                        warm_s=1.0 if quick else 2.0,
                     )
                 )
         finally:

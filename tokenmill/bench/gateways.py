@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 def idle_cost(server: ServeProcess, seconds: float) -> dict:
     tree = process_tree(server.proc.pid)
-    time.sleep(1.0)  # start-up work (imports, first scrapes) out of the way
+    time.sleep(min(1.0, seconds / 2))  # start-up work (imports, first scrapes) out of the way
     cpu0 = {p: cpu_seconds(p) for p in tree}
     time.sleep(seconds)
     cpu = sum(cpu_seconds(p) - cpu0[p] for p in tree)
@@ -101,7 +101,7 @@ def run_node(gateways: int, args, levels: list[int], window: float, small_count:
         pids = gateway_pids(server, gateways)
         ready_s = time.monotonic() - started
         row = {"gateways": gateways, "gateway_pids_seen": len(pids), "ready_s": round(ready_s, 2)}
-        row.update(idle_cost(server, 2.0 if args.quick else 5.0))
+        row.update(idle_cost(server, 1.0 if args.quick else 5.0))
         print(f"gateways: {gateways} gateway(s), small requests ...", file=sys.stderr, flush=True)
         row["small"] = short_rows(server, small_count, SMALL_CLIENTS)
     finally:
