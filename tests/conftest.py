@@ -149,7 +149,7 @@ class Server(ProcessHandle):
             # at least its own workers: a remote worker may join before they are all ready
             return status == 200 and body["workers_alive"] >= self.workers
 
-        self.wait_until(ready, timeout, interval=0.1)
+        self.wait_until(ready, timeout, interval=0.02)
 
     def read_output(self) -> str:
         return self.output()

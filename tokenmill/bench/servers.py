@@ -165,7 +165,7 @@ class ServeProcess(ProcessHandle):
             args += ["--workers", str(workers)]
         args += list(extra)
         super().__init__(f"tokenmill serve ({mode})", args, quiet_stdout=True)
-        self.wait_until(lambda: self.get("/ready")[0] == 200, 120)
+        self.wait_until(lambda: self.get("/ready")[0] == 200, 120, interval=0.02)
         self.model = self.get("/v1/models")[1]["data"][0]["id"]
 
     def get(self, path: str):
