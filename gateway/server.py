@@ -96,6 +96,7 @@ class Gateway:
         self.started_at = int(time.time())
         self.draining = False
         self.closing = False
+        self._closed = False  # close() has run (serve() starts it beside uvicorn's shutdown, and again on error)
         self.metrics = Metrics(self.model_name)
         self.runtime_dir: str | None = None
         self._own_runtime_dir = False
@@ -418,6 +419,9 @@ class Gateway:
             await asyncio.sleep(0.05)  # let handlers write those errors
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.siblings is not None:
             self.siblings.terminate()
             await self.siblings.wait(self.settings.shutdown_timeout + 10)
@@ -427,11 +431,13 @@ class Gateway:
         if self._watchdog_task:
             self._watchdog_task.cancel()
         await self.scheduler.close()
+        simulator = self.simulator is not None and self.simulator.returncode is None
+        if simulator:
+            self.simulator.terminate()  # it ends while the workers do
         await self.conversion.close()
         if self.engine_bridges is not None:
             await self.engine_bridges.close()
-        if self.simulator is not None and self.simulator.returncode is None:
-            self.simulator.terminate()
+        if simulator:
             try:
                 await asyncio.wait_for(self.simulator.wait(), 5)
             except asyncio.TimeoutError:
@@ -505,7 +511,9 @@ class Gateway:
             log.info("stopping: draining in-flight requests (up to %gs)", s.shutdown_timeout)
             await self.drain()
             server.should_exit = True
-            await server_task
+            # the workers and the engine end while uvicorn closes the connections (a tenth of a second or
+            # more each: one after the other, they made every stop slower)
+            await asyncio.gather(server_task, self.close())
             return 0
         finally:
             await self.close()
