@@ -90,6 +90,7 @@ class Proc:
 
     def __init__(self, args: list[str], log_path: Path, nice: int = 0, env: dict | None = None) -> None:
         self.log_path = log_path
+        self._terminated = False
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             args,
@@ -108,9 +109,15 @@ class Proc:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
 
+    def terminate(self) -> None:
+        """SIGTERM, once: stop() waits for it to take effect."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 60.0) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -351,12 +358,23 @@ def acquire() -> Stack:
     return s
 
 
+def stop_all(procs: list) -> list:
+    """Stops processes started in this order, the newest first: [(process, exit status)]. The tokenmill
+    front ends stop first, one by one, then every vLLM-venv process (vLLM, engine bridges) on one SIGTERM
+    together: each takes seconds to stop, and one after the other those seconds added up."""
+    statuses = [(p, p.stop()) for p in reversed(procs) if not isinstance(p, Proc)]
+    engines = [p for p in reversed(procs) if isinstance(p, Proc)]
+    for p in engines:
+        p.terminate()
+    return statuses + [(p, p.stop()) for p in engines]
+
+
 def shutdown() -> list:
     """Stops every process of the stack (the newest first): [(process, exit status)]."""
     procs, s = EARLY.procs, EARLY.stack
     if s is not None and s.engine not in procs:
         procs.append(s.engine)  # the kill test started a new one
-    statuses = [(p, p.stop()) for p in reversed(procs)]
+    statuses = stop_all(procs)
     procs.clear()
     EARLY.finished.set()
     if EARLY.root is not None:

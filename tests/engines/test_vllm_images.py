@@ -50,7 +50,7 @@ from conftest import ROOT, Server, free_port, http  # noqa: E402
 from PIL import Image  # noqa: E402
 from protocol_client import ProtocolClient  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
-from vllm_stack import Proc, wait_all  # noqa: E402
+from vllm_stack import Proc, stop_all, wait_all  # noqa: E402
 
 from tokenmill.scheduler_client.protocol import (  # noqa: E402
     Error,
@@ -185,7 +185,7 @@ class _Early:
         self.finished.wait()
 
     def stop(self) -> list:
-        statuses = [(p, p.stop()) for p in reversed(self.procs)]
+        statuses = stop_all(self.procs)
         self.procs.clear()
         self.finished.set()
         if self.root is not None:
