@@ -4,15 +4,26 @@ match each stop the request inside vLLM (its running count falls to zero while t
 gone on for 2,000 tokens), and a tokenmill whose chat template tokenizes differently from the server's is
 refused at start with what differs, checked against vLLM's own /v1/chat/completions/render.
 
+Replicas: a replica that starts after tokenmill (503s with Retry-After until then, then vLLM's own answers),
+and kill -9 of one of two replicas under greedy streams, each then equal to its undisturbed run, while a
+sampled stream on it ends with a clear error. Starting a second vLLM would take ~40 s here, so each
+replica is a TCP forwarder (tests/tcp_forwarder.py) in front of the stack's one vLLM server, in its own
+process: killing it closes its connections mid-stream and refuses later ones, as a replica whose server
+process died does, while vLLM itself goes on serving the other replica.
+
 Outputs equal to vLLM's own server, field by field, are checked through this path by
 tests/engines/test_vllm_field_parity.py, test_vllm_messages_parity.py and test_vllm_responses_parity.py.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 
 import httpx
+import openai
 import pytest
 from vllm_env import missing_reason
 
@@ -21,9 +32,10 @@ if _why:
     pytest.skip(_why, allow_module_level=True)
 
 import vllm_stack  # noqa: E402
-from conftest import FIXTURES, Server, http  # noqa: E402
-from faultutil import wait_until  # noqa: E402
-from vllm_stack import NAME  # noqa: E402
+from conftest import FIXTURES, Server, free_port, http  # noqa: E402
+from faultutil import metric, wait_until  # noqa: E402
+from tcp_forwarder import Forwarder  # noqa: E402
+from vllm_stack import MAX_MODEL_LEN, NAME, PARSERS  # noqa: E402
 
 start_early = vllm_stack.start_early
 stack = vllm_stack.module_fixture()
@@ -109,3 +121,173 @@ def test_another_tokenization_is_refused_with_what_differs(stack):
         front.stop()
     out = front.output()
     assert "tokenizes the canary conversation differently" in out and "refused its engine" in out, out[-3000:]
+
+
+# ---- replicas: TCP forwarders in front of the stack's vLLM server ---------------------------------
+
+
+def engine_url_front(stack, *urls: str, ready: bool = True) -> Server:
+    """`tokenmill serve` with the stack's settings (vllm_stack.front_end) in front of ``urls``, one replica each."""
+    engines = [arg for url in urls for arg in ("--engine-url", url)]
+    return Server(
+        "--model", str(stack.model), *engines, "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+        "--workers", "1", *PARSERS, ready=ready, timeout=120,
+    )  # fmt: skip
+
+
+def ranks(front: Server) -> list[dict]:
+    return http("GET", front.url + "/debug/state")[2]["scheduler_ranks"]
+
+
+STORY = [{"role": "user", "content": "Tell me a story."}]
+
+
+def test_a_replica_started_after_tokenmill_is_served_once_it_answers(stack):
+    """No replica at start: 503s with Retry-After; the replica comes: tokenmill serves vLLM's own answer."""
+    port = free_port()  # the replica's address: nothing listens there yet
+    front = engine_url_front(stack, f"http://127.0.0.1:{port}", ready=False)
+    forwarder = None
+    try:
+        body = {"model": NAME, "messages": STORY, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+        status, headers, error = wait_until(
+            lambda: (r := http("POST", front.url + "/v1/chat/completions", body))[0] == 503 and r,
+            60,
+            what="a 503 while no replica serves",
+        )
+        assert error["error"]["code"] == "scheduler_unavailable" and headers.get("retry-after"), (headers, error)
+        status, _, ready = http("GET", front.url + "/ready")
+        assert status == 503 and ready["engines"] == [{"url": f"http://127.0.0.1:{port}", "connected": False}], ready
+
+        forwarder = Forwarder(port, stack.vllm.port)
+        wait_until(lambda: http("GET", front.url + "/ready")[0] == 200, 60, what="tokenmill serving the replica")
+        status, _, ours = http("POST", front.url + "/v1/chat/completions", body, timeout=120)
+        assert status == 200, ours
+        status, _, theirs = http("POST", stack.vllm.url + "/v1/chat/completions", body, timeout=120)
+        assert status == 200, theirs
+
+        def essence(answer: dict) -> dict:
+            choice = answer["choices"][0]
+            return {
+                "content": choice["message"]["content"],
+                "reasoning": choice["message"].get("reasoning") or choice["message"].get("reasoning_content"),
+                "token_ids": choice["token_ids"],
+                "prompt_token_ids": answer["prompt_token_ids"],
+                "finish_reason": choice["finish_reason"],
+                "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+            }
+
+        assert essence(ours) == essence(theirs)
+        assert essence(ours)["token_ids"]
+        assert front.stop() == 0
+    finally:
+        front.stop()
+        if forwarder is not None:
+            forwarder.stop()
+
+
+# greedy, a fixed length (ignore_eos), long enough that the kill lands mid-stream; the generated token IDs too
+GREEDY = {"temperature": 0, "max_tokens": 120, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+GREEDY_STREAMS = [{"messages": [{"role": "user", "content": f"Tell me about mill {i}"}], **GREEDY} for i in range(6)]
+# sampled: it cannot go on on another replica; long, so that it is still running when the replica dies
+SAMPLED = {
+    "messages": [{"role": "user", "content": "Roll the dice"}],
+    "temperature": 1,
+    "seed": 7,
+    "max_tokens": 1000,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+class Streams:
+    """Chat streams, each in its own thread: what each has streamed so far (``progress``: content chunks),
+    and at the end (text, finish reason, usage, token IDs), or ("error", code, message)."""
+
+    def __init__(self, front: Server) -> None:
+        self.front = front
+        self.threads: list[threading.Thread] = []
+        self.progress: list[int] = []
+        self.results: list = []
+
+    def start(self, body: dict) -> None:
+        i = len(self.threads)
+        self.progress.append(0)
+        self.results.append(None)
+        self.threads.append(threading.Thread(target=self._one, args=(i, body), daemon=True))
+        self.threads[i].start()
+
+    def _one(self, i: int, body: dict) -> None:
+        text, finish, usage, ids = "", None, None, []
+        try:
+            for chunk in self.front.client().chat.completions.create(
+                model=NAME, stream=True, stream_options={"include_usage": True}, **body
+            ):
+                if chunk.usage:
+                    usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens)
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        text += choice.delta.content
+                        self.progress[i] += 1
+                    ids += getattr(choice, "token_ids", None) or []
+                    finish = choice.finish_reason or finish
+            self.results[i] = (text, finish, usage, ids)
+        except openai.APIError as exc:
+            self.results[i] = ("error", exc.code, str(exc))
+
+    def join(self, timeout: float = 120) -> list:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), f"streams still open after {timeout} s: {self.progress}"
+        return self.results
+
+
+def test_a_replica_killed_mid_stream_and_its_greedy_streams_go_on_unbroken(stack):
+    """kill -9 of one of two replicas while greedy streams run on both: each stream goes on on the other
+    replica from its prompt and the tokens it had, and its client sees the same text, token IDs, finish
+    and usage as an undisturbed run; the sampled stream that was on it ends with a clear error event."""
+    a, b = free_port(), free_port()
+    forwarders = [Forwarder(a, stack.vllm.port), Forwarder(b, stack.vllm.port)]
+    front = None
+    try:
+        front = engine_url_front(stack, *(f.url for f in forwarders))
+        wait_until(lambda: all(r["connected"] for r in ranks(front)), 60, what="both replicas")
+        engines = http("GET", front.url + "/ready")[2]["engines"]
+        assert [e["url"] for e in engines] == [f.url for f in forwarders], engines  # rank i is forwarder i
+
+        undisturbed = Streams(front)
+        for body in GREEDY_STREAMS:
+            undisturbed.start(body)
+        want = undisturbed.join()
+        for got in want:
+            assert got[1] == "length" and got[2][1] == GREEDY["max_tokens"] == len(got[3]), got
+
+        disturbed = Streams(front)
+        disturbed.start(SAMPLED)  # first: the replica it runs on is the one to kill
+        victim = wait_until(
+            lambda: [r["rank"] for r in ranks(front) if r["in_flight"]], 60, what="the sampled stream on a replica"
+        )[0]
+        for body in GREEDY_STREAMS:
+            disturbed.start(body)
+        # once every stream has content (the sampled one can then not move): how many the victim holds
+        held = wait_until(
+            lambda: all(disturbed.progress) and ranks(front)[victim]["in_flight"],
+            60,
+            interval=0.005,
+            what="every stream streaming",
+        )
+        os.kill(forwarders[victim].pid, signal.SIGKILL)
+        progress = list(disturbed.progress)
+        got = disturbed.join()
+        print(f"killed replica {victim} holding {held} streams; content chunks then: {progress}")
+        assert held >= 2, f"the killed replica held only the sampled stream ({held})"
+        assert got[1:] == want, [(i, g, w) for i, (g, w) in enumerate(zip(got[1:], want)) if g != w]
+        assert got[0][:2] == ("error", "scheduler_unavailable"), got[0]
+        assert metric(front, "tokenmill_stream_failovers_total", reason="rank_resumed") >= 1
+        wait_until(lambda: [r["connected"] for r in ranks(front)][victim] is False, 30, what="the replica lost")
+        # the forwarder's connections to vLLM closed with it: vLLM stopped the requests it was generating there
+        wait_until(lambda: running(stack) == 0, 20, what="vLLM's running count back to zero")
+        assert front.stop() == 0
+    finally:
+        if front is not None:
+            front.stop()
+        for f in forwarders:
+            f.stop()
