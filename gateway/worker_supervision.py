@@ -43,7 +43,7 @@ class Worker:
     retired: bool = False  # a lost remote worker's slot, free for the next one to join
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
-    restarts: int = 0
+    quick_deaths: int = 0  # deaths in a row right after starting (the restart back-off grows with them)
     owned: set = field(default_factory=set)  # scheduler request ids whose detok state it holds
 
     def send(self, frames: list) -> None:
@@ -151,10 +151,13 @@ class LocalWorkers:
         self.on_exit(worker)
         if self.metrics:
             self.metrics.worker_restarts.inc()
-        # a worker that dies right after starting is crash-looping: back off a little
+        # a worker that dies right after starting is crash-looping: back off a little, longer with each such
+        # death in a row (one that lived a while starts the count again: its replacement starts at once)
         if time.monotonic() - worker.started < 2.0:
-            await asyncio.sleep(min(5.0, 0.5 * (worker.restarts + 1)))
-        worker.restarts += 1
+            worker.quick_deaths += 1
+            await asyncio.sleep(min(5.0, 0.5 * worker.quick_deaths))
+        else:
+            worker.quick_deaths = 0
         if not self.closing:
             await self.start(worker)
 
