@@ -238,7 +238,9 @@ async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, do
     """``total`` streamed requests over ``concurrency`` keep-alive connections, read by hand (the SDK's
     client costs more CPU than the gateway does per request): the text of each, counted in ``texts``.
     Every 20th hangs up after its first event (counted as "aborted"). No new request starts while
-    ``pause()`` is true."""
+    ``pause()`` is true, and a connection that waited so starts afresh: the server closes a keep-alive
+    connection idle for --timeout-keep-alive (5 s), as long as a replacement worker may take to start
+    after a worker that died right after starting (the supervisor's back-off)."""
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -248,6 +250,9 @@ async def _stream_texts(port: int, body: bytes, total: int, concurrency: int, do
     async def connection() -> None:
         reader = writer = None
         while left[0] > 0:
+            if pause() and writer is not None:
+                writer.close()
+                writer = None
             while pause():
                 await asyncio.sleep(0.02)
             left[0] -= 1
