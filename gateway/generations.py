@@ -25,6 +25,10 @@ from tokenmill.tokenizer_workers.messages import ApiError, DetokItem, DetokOut, 
 
 log = logging.getLogger("tokenmill.generations")
 
+# Generation.owner of a request whose worker died with no other alive: no worker holds its streams while
+# it waits (Generations.waiting) for one to be ready
+NO_OWNER = -1
+
 
 @dataclass(eq=False)
 class Choice:
@@ -109,14 +113,19 @@ class Generations:
     conversion: StreamHolders
     scheduler: SchedulerRanks
 
-    def __init__(self, metrics=None, max_buffered: int = 0, history_cap: int = 0):
+    def __init__(self, metrics=None, max_buffered: int = 0, history_cap: int = 0, failover_wait: float = 0.0):
         self.metrics = metrics
         self.max_buffered = max_buffered  # text a client may leave unread before its request is aborted (0: no limit)
         # bytes of token history one choice may hold to be resumable on another worker (0: no failover)
         self.history_cap = history_cap
+        # seconds a request whose worker died with no other alive waits for one to be ready (0: it fails at once)
+        self.failover_wait = failover_wait
         self.history_bytes = 0  # held now, all choices together (tokenmill_stream_history_bytes)
         self.by_request: dict[str, tuple[Generation, Choice]] = {}
         self.live: set[Generation] = set()
+        # the requests waiting for a worker (owner NO_OWNER), in the order they began to, each with the timer
+        # that fails it when the wait is over; the scheduler's tokens for them meanwhile join their history
+        self.waiting: dict[Generation, asyncio.TimerHandle] = {}
         if metrics is not None:
             metrics.stream_history_bytes.set_function(lambda: self.history_bytes)
 
@@ -213,7 +222,8 @@ class Generations:
             )
             if choice.inflight is not None:
                 choice.inflight.append(item)
-            per_owner[gen.owner].append(item)
+            if gen.owner != NO_OWNER:  # (one waiting for a worker has them in its history: inflight)
+                per_owner[gen.owner].append(item)
         if tokens and metrics:
             metrics.generation_tokens.inc(tokens)
         for owner, items in per_owner.items():
@@ -224,6 +234,9 @@ class Generations:
         if entry is None:
             return
         gen, choice = entry
+        if error.code == protocol.ERR_IMAGE_MISSING and choice.sent is not None and gen.owner == NO_OWNER:
+            self.on_pixels(choice.request_id, None)  # the worker that had its pixels is dead
+            return
         if error.code == protocol.ERR_IMAGE_MISSING and choice.sent is not None and not choice.pixels_asked:
             choice.pixels_asked = True  # the engine evicted an image sent by hash: the pixels, then again
             if self.metrics:
@@ -366,6 +379,8 @@ class Generations:
             if entry is None:
                 continue
             gen, choice = entry
+            if gen.owner == NO_OWNER:
+                continue  # from a worker that no longer holds it: what it answered goes to the next one again
             if delta.error:
                 self._resume_failed(gen, delta.error)
                 continue
@@ -470,44 +485,88 @@ class Generations:
 
     def on_owner_lost(self, owner: int, request_ids: set) -> None:
         """The worker detokenizing these requests died or was lost: each request's streams move to a
-        live worker, which rebuilds their state from what is kept here and goes on; a
-        request that cannot move fails with a 503 worker_died, as before resumption."""
+        live worker, which rebuilds their state from what is kept here and goes on. With no other
+        worker alive, the request waits for one to be ready (on_worker_ready), at most
+        ``failover_wait`` seconds; a request that cannot move fails with a 503 worker_died."""
         moving: dict[int, list[ResumeStream]] = defaultdict(list)
         # the pool forgets a request once its last tokens are sent to the worker; the worker may die
         # before answering them, so every live generation this worker holds counts
         lost = {entry[0] for entry in map(self.by_request.get, request_ids) if entry is not None}
         lost.update(g for g in self.live if g.owner == owner)
         for gen in lost:
+            if gen.owner != owner:
+                continue  # (ended, or moved on since: a worker that holds it now answers it)
+            waiting_pixels = next((c for c in gen.choices if c.pixels_asked and c.sent is not None), None)
+            if waiting_pixels is not None:  # the pixels it asked this worker for will never come
+                self.on_pixels(waiting_pixels.request_id, None)
+                continue
             self._move(gen, owner, moving)
         for new_owner, streams in moving.items():
             self.conversion.resume(new_owner, streams)
 
+    def on_worker_ready(self, index: int) -> None:
+        """A worker is ready (a dead one's replacement, or one that joined): the requests waiting for one
+        move to the live worker holding fewest streams, which rebuilds their streams and goes on with
+        the tokens the scheduler sent meanwhile."""
+        if not self.waiting:
+            return
+        new_owner = self.conversion.stream_owner(exclude=NO_OWNER)
+        if new_owner is None:
+            return  # (gone again already: they wait on)
+        moving: dict[int, list[ResumeStream]] = defaultdict(list)
+        for gen in list(self.waiting):
+            self.waiting.pop(gen).cancel()
+            self._hand_over(gen, new_owner, moving)
+        for owner, streams in moving.items():
+            self.conversion.resume(owner, streams)
+
     def _move(self, gen: Generation, owner: int, moving: dict) -> None:
-        """One request's streams to a live worker (added to ``moving``), or its 503 saying why not."""
-        running = [c for c in gen.choices if not c.done]
-        if not running:
+        """One request's streams to a live worker (added to ``moving``), to the requests waiting for
+        one, or its 503 saying why not."""
+        if not any(not c.done for c in gen.choices):
             return
         why = new_owner = None
-        if any(c.history is None for c in running):
+        if any(c.history is None for c in gen.choices if not c.done):
             why = "not_resumable"
         elif gen.failovers >= self.MAX_FAILOVERS:
             why = "too_many"
         else:
             new_owner = self.conversion.stream_owner(exclude=owner)
             if new_owner is None:
+                if self.failover_wait > 0:
+                    self._wait(gen)
+                    return
                 why = "no_worker"
         if why is not None:
             self._count_failover(why)
             self.fail(gen, _worker_died(why), abort=True, reason="worker_died")
             return
+        self._hand_over(gen, new_owner, moving)
+
+    def _hand_over(self, gen: Generation, new_owner: int, moving: dict) -> None:
+        """Give a request's running streams to ``new_owner``: their ResumeStreams join ``moving``."""
         gen.failovers += 1
         gen.owner = new_owner
         self._count_failover("resumed")
         self.conversion.rehome(new_owner, gen.affinity)
-        for c in running:
-            moving[new_owner].append(
-                ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))
-            )
+        for c in gen.choices:
+            if not c.done:
+                moving[new_owner].append(
+                    ResumeStream(c.request_id, c.resume, bytes(c.history), c.chunks.tobytes(), list(c.inflight))
+                )
+
+    def _wait(self, gen: Generation) -> None:
+        """No worker is alive to take the request's streams: no worker holds them until one is ready."""
+        gen.owner = NO_OWNER
+        self.waiting[gen] = asyncio.get_running_loop().call_later(self.failover_wait, self._waited, gen)
+        self._count_failover("waiting")
+
+    def _waited(self, gen: Generation) -> None:
+        """A request waited ``failover_wait`` seconds and no worker became ready: it fails."""
+        if gen not in self.waiting:
+            return
+        self._count_failover("no_worker")
+        self.fail(gen, _worker_died("no_worker", self.failover_wait), abort=True, reason="worker_died")
 
     def _resume_failed(self, gen: Generation, why: str) -> None:
         self._count_failover("rebuild_failed")
@@ -539,6 +598,9 @@ class Generations:
         """Stop a generation and free its state everywhere (client gone, error, shutdown)."""
         if gen not in self.live:
             return
+        timer = self.waiting.pop(gen, None)
+        if timer is not None:
+            timer.cancel()
         running = [c.request_id for c in gen.choices if not c.done]
         unfinished = [c.request_id for c in gen.choices if not c.done and not c.scheduler_done]
         if abort and unfinished:
@@ -546,7 +608,8 @@ class Generations:
         for _ in unfinished:  # the gateway stops waiting for them: they no longer count as its load
             self.scheduler.finished(gen.rank)
         if running:
-            self.conversion.release(gen.owner, running)
+            if gen.owner != NO_OWNER:
+                self.conversion.release(gen.owner, running)
             if self.metrics:
                 self.metrics.aborts.labels(reason=reason).inc()
         self._drop(gen)
@@ -560,10 +623,13 @@ _WHY = {
 }
 
 
-def _worker_died(why: str) -> ApiError:
+def _worker_died(why: str, waited: float = 0.0) -> ApiError:
+    reason = _WHY[why]
+    if waited:
+        reason = f"no tokenizer worker became ready to take them over within --stream-failover-wait ({waited:g} s)"
     return ApiError(
         503,
-        f"The tokenizer worker streaming this request died, and {_WHY[why]}; retry the request.",
+        f"The tokenizer worker streaming this request died, and {reason}; retry the request.",
         "ServiceUnavailableError",
         None,
         "worker_died",

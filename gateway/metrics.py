@@ -243,10 +243,12 @@ class Metrics:
         self.stream_failovers = by_reason(
             "tokenmill_stream_failovers",
             "Requests whose tokenizer worker died or was lost mid-stream: resumed (their streams moved to a live "
-            "worker), or failed with worker_died because not_resumable (over --stream-history-bytes), too_many "
-            "(moved too often), no_worker (none alive) or rebuild_failed (the new worker could not rebuild them); "
-            "rank_resumed: requests whose scheduler rank (engine replica) was lost, started again on another rank.",
-            ("resumed", "not_resumable", "too_many", "no_worker", "rebuild_failed", "rank_resumed"),
+            "worker), waiting (no other worker was alive: they wait up to --stream-failover-wait for one to be "
+            "ready, then count as resumed or no_worker), or failed with worker_died because not_resumable (over "
+            "--stream-history-bytes), too_many (moved too often), no_worker (none ready in time) or rebuild_failed "
+            "(the new worker could not rebuild them); rank_resumed: requests whose scheduler rank (engine replica) "
+            "was lost, started again on another rank.",
+            ("resumed", "waiting", "not_resumable", "too_many", "no_worker", "rebuild_failed", "rank_resumed"),
         )
         self.stream_history_bytes = g(
             "tokenmill_stream_history_bytes",

@@ -203,7 +203,10 @@ class Gateway:
         for index, engine in enumerate(s.engine_urls or endpoints):  # which engine each rank is, on dashboards
             self.metrics.engine_info.labels(self.model_name, str(index), engine).set(1)
         self.generations = Generations(
-            self.metrics, max_buffered=s.stream_buffer_limit, history_cap=s.stream_history_bytes
+            self.metrics,
+            max_buffered=s.stream_buffer_limit,
+            history_cap=s.stream_history_bytes,
+            failover_wait=s.stream_failover_wait,
         )
         g = self.generations
         if self.sibling or s.conversion_mode == "pool":
@@ -243,6 +246,7 @@ class Gateway:
         )
         g.attach(self.conversion, self.scheduler)
         self.conversion.on_pixels = g.on_pixels
+        self.conversion.on_worker_ready = g.on_worker_ready
         # several gateways in front of several ranks: each turn's rank goes to the conversation's worker,
         # which the other gateways also ask, so a turn finds its history whichever gateway takes it
         self.shares_placements = s.gateways > 1 and len(endpoints) > 1 and s.dp_policy == "affinity"
@@ -352,6 +356,7 @@ class Gateway:
             "pid": os.getpid(),
             "gateway_pids": [os.getpid(), *self.siblings.pids()] if self.siblings else None,
             "generations": len(g.live),
+            "waiting_for_worker": len(g.waiting),  # requests whose worker died with none other alive
             "scheduler_requests": len(g.by_request),
             "queued_conversions": self.conversion.queued,
             "conversions_in_flight": len(getattr(self.conversion, "jobs", ())),

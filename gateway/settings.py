@@ -66,6 +66,7 @@ class ServeSettings:
     header_timeout: float = 10.0
     stream_buffer_limit: int = 1 << 20
     stream_history_bytes: int = 4 << 20  # per choice, to move a stream off a dead worker (0: no failover)
+    stream_failover_wait: float = 30.0  # seconds a stream whose worker died with none alive waits for one
     send_buffer_bytes: int = 0
     insecure_tcp: bool = False
     curve_keys_dir: str | None = None
@@ -121,6 +122,8 @@ class ServeSettings:
             raise SystemExit("loop_slice_us: 0 (the kernel's default) or 100 to 100000")
         if self.stream_history_bytes < 0:
             raise SystemExit("stream_history_bytes: 0 or more")
+        if self.stream_failover_wait < 0:
+            raise SystemExit("stream_failover_wait: 0 or more")
         if self.sim_busy_cores < 0:
             raise SystemExit("sim_busy_cores: 0 or more")
         if self.gateways > 1 and (self.remote_workers or self.conversion_mode != "pool"):

@@ -79,6 +79,8 @@ class WorkerPool:
         self.on_detok = on_detok
         self.on_owner_lost = on_owner_lost
         self.on_pixels: Callable[[str, list | None], None] = lambda request_id, frames: None  # Generations'
+        # a worker became ready (Generations': the streams waiting for one move to it)
+        self.on_worker_ready: Callable[[int], None] = lambda index: None
         self.max_queued = pool.max_queued
         self.max_queued_bytes = pool.max_queued_bytes
         self.conversion_timeout = pool.conversion_timeout
@@ -442,6 +444,7 @@ class WorkerPool:
                 msg.reasoning_parser or "none",
             )
             self.policy.worker_ready(index, msg.conversion_threads)
+            self.on_worker_ready(index)
 
     def _on_done(self, worker: Worker, done: m.ConvertDone, frames) -> None:
         state = self.policy.workers[worker.index]

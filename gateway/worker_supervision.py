@@ -148,6 +148,11 @@ class LocalWorkers:
         log.warning(
             "tokenizer worker %d (pid %d) exited with %s; starting a replacement", worker.index, process.pid, code
         )
+        # nothing more of what the dead process wrote is read: what it sent after the last message read
+        # now (a WorkerReady, a conversion, text) would arrive after its death was handled, as if from a
+        # live worker (the conversion goes again, its text comes from the worker its streams move to)
+        if isinstance(worker.link, PipeLink):
+            worker.link.close()
         self.on_exit(worker)
         if self.metrics:
             self.metrics.worker_restarts.inc()

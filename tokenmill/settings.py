@@ -180,6 +180,11 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "Token history (4 bytes a token) the gateway keeps per streaming choice so that the stream moves to "
         "another tokenizer worker if its own dies; a longer stream fails with worker_died then (0 = no failover).",
     ),
+    "stream_failover_wait": (
+        float,
+        "Seconds a stream whose tokenizer worker died while no other was alive waits for one to be ready "
+        "(a replacement) to go on there; it fails with worker_died after (0 = at once).",
+    ),
     "insecure_tcp": (_bool, "Allow tcp:// scheduler or remote-worker endpoints without CURVE encryption."),
     "curve_keys_dir": (
         str,
