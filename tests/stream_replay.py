@@ -140,6 +140,8 @@ async def one(client, endpoint: str, body: dict, progress: list, model: str = CH
                 if c.logprobs and c.logprobs.tokens:
                     slot["logprobs"] += list(zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset))
             slot["finish"] = c.finish_reason or slot["finish"]
+        if chunk.usage is not None:  # asked for (stream_options.include_usage)
+            got["usage"] = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
     return got
 
 

@@ -1,9 +1,11 @@
 """A tokenizer worker's death costs no stream: kill -9 of the worker detokenizing 32 streams,
 and every stream (chat, completions, n=2, /v1/messages, /v1/responses) ends with exactly the text,
 reasoning, tool calls and logprobs of an undisturbed run of the same seeded requests; the moved
-conversations' next turns go to the worker that took them over; the gateway holds nothing for finished
-requests, also after 10,000 with failovers; a stream that cannot move (over --stream-history-bytes, or no
-live worker left) ends with a clear 503 worker_died, never a hang.
+conversations' next turns go to the worker that took them over; kill -9 of every worker at once, and the
+streams wait for a replacement and go on there, identical too; the gateway holds nothing for finished
+requests, also after 10,000 with failovers; a stream that cannot move (over --stream-history-bytes, moved
+3 times already, no worker ready again within --stream-failover-wait) ends with a clear 503 worker_died,
+never a hang nor a response cut short.
 
 The requests and their scripted replies are tests/stream_replay.py's (at 15 ms a token, the kill lands
 mid-stream). Waits are bounded; nothing asserts a duration.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +27,7 @@ import time
 import openai
 import pytest
 from conftest import ROOT, Server
-from faultutil import CHAT_MODEL, idle, metric, rss_kib, state, wait_until
+from faultutil import CHAT_MODEL, idle, metric, rss_kib, state, tokenizer_worker_pids, wait_until
 from stream_replay import PARAGRAPH, kill_busiest, requests, run, write_replies
 
 
@@ -36,18 +39,32 @@ def failover_server(tmp_path_factory):
     srv.stop()
 
 
-def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server):
-    srv = failover_server
-    sent = requests()
-    baseline = asyncio.run(run(srv, sent))
+def _with_usage(sent: list) -> list:
+    """The same requests, chat and completions asking for usage in their last chunk."""
+    usage = {"stream_options": {"include_usage": True}}
+    return [(e, {**b, **usage} if e in ("chat", "completion") else b) for e, b in sent]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(failover_server):
+    """tests/stream_replay.py's 32 seeded requests (chat and completions with usage), and what an
+    undisturbed run of them gave."""
+    sent = _with_usage(requests())
+    baseline = asyncio.run(run(failover_server, sent))
     for got in baseline:
         assert "error" not in got, got
+    return sent, baseline
+
+
+def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server, undisturbed):
+    srv = failover_server
+    sent, baseline = undisturbed
     # the requests cover what they should: a stop string, reasoning, a call, logprobs, multi-byte text
     assert baseline[2][0]["finish"] == "stop" and "END-OF-PART" not in baseline[2][0]["content"]
     assert baseline[3][0]["reasoning"] and baseline[3][0]["content"]
     assert baseline[4][0]["calls"] and baseline[4][0]["finish"] == "tool_calls"
     assert baseline[5][0]["logprobs"] and "😀" in baseline[5][0]["content"]
-    assert len(baseline[6]) == 2 and baseline[7][0]["logprobs"]
+    assert baseline[6].keys() == {0, 1, "usage"} and baseline[7][0]["logprobs"] and baseline[7]["usage"]
     # the agent APIs: Anthropic thinking, tool_use and a stop sequence; Responses function call and text
     assert baseline[8][0]["reasoning"] and baseline[8][0]["content"] and baseline[8][0]["logprobs"]
     assert baseline[18][0]["calls"] and baseline[18][0]["finish"][0] == "tool_use"
@@ -109,31 +126,143 @@ def test_a_moved_conversation_s_next_turn_goes_to_its_new_worker(failover_server
     assert holders == [[survivor]] * len(firsts)
 
 
-def test_killing_the_replacement_too_ends_in_a_clear_error(failover_server):
-    """Both workers killed, one after the other, while streams run: each stream either completes
-    exactly or ends with a worker_died error; none hangs."""
+def _kill_every_worker(srv, progress, wait_chunks: int = 6) -> list[dict]:
+    """Once every stream has had a few chunks, kill -9 every tokenizer worker at once."""
+    wait_until(lambda: all(p[0] >= wait_chunks for p in progress), 60, interval=0.01, what="every stream under way")
+    victims = [w for w in state(srv)["workers"] if w["alive"]]
+    assert sum(w["streams"] for w in victims) > 0, victims
+    for w in victims:
+        os.kill(w["pid"], signal.SIGKILL)
+    return victims
+
+
+def test_kill9_of_every_worker_at_once_loses_and_repeats_nothing(failover_server, undisturbed):
+    """Every tokenizer worker killed at once (an OOM kill, a crash on the same input) while 24 streams
+    run: their streams wait for a replacement worker (--stream-failover-wait, 30 s by default) and go on
+    there, each stream's text, reasoning, calls, logprobs, finish reason and usage identical to an
+    undisturbed run."""
     srv = failover_server
     wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers alive")
-    sent = requests()[:8]
-    baseline = asyncio.run(run(srv, sent))
-
-    def kill_both(progress):
-        first = kill_busiest(srv, progress, wait_chunks=3)
-        others = [w for w in state(srv)["workers"] if w["index"] != first["index"] and w["alive"]]
-        for w in others:
-            os.kill(w["pid"], signal.SIGKILL)
-
-    before = metric(srv, "tokenmill_stream_failovers_total", reason="no_worker")
-    results = asyncio.run(run(srv, sent, kill_both))
-    errors = [r["error"] for r in results if "error" in r]
-    for want, got in zip(baseline, results):
-        assert "error" in got or got == want
-    assert errors, "every stream survived both workers dying"
-    for err in errors:
-        assert "worker_died" in err or "died" in err, err
-    assert metric(srv, "tokenmill_stream_failovers_total", reason="no_worker") > before
-    wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 90, what="both workers replaced")
+    sent, baseline = undisturbed[0][:24], undisturbed[1][:24]
+    assert any("usage" in got for got in baseline)
+    before = {r: metric(srv, "tokenmill_stream_failovers_total", reason=r) for r in ("waiting", "resumed", "no_worker")}
+    killed = []
+    disturbed = asyncio.run(run(srv, sent, lambda p: killed.extend(_kill_every_worker(srv, p))))
+    print(f"killed workers {[(w['index'], w['pid'], w['streams']) for w in killed]}")
+    differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
+    for i in differ:
+        print(f"request {i} {sent[i]}:\n  undisturbed {baseline[i]}\n  after every worker died {disturbed[i]}")
+    if differ:
+        print(srv.read_output()[-6000:])
+    assert not differ, f"requests {differ} differ after every worker died"
+    counted = {r: metric(srv, "tokenmill_stream_failovers_total", reason=r) - n for r, n in before.items()}
+    print(f"failovers meanwhile: {counted}")
+    assert counted["waiting"] >= 1, "no stream waited for a replacement"
+    assert counted["resumed"] >= counted["waiting"]  # each waiting request went on on a replacement
+    assert counted["no_worker"] == 0
     wait_until(lambda: metric(srv, "tokenmill_stream_history_bytes") == 0, 30, what="token history freed")
+    quiet = wait_until(lambda: idle(srv), 30, what="no live generation")
+    assert quiet["waiting_for_worker"] == 0
+    assert all(w["streams"] == 0 for w in quiet["workers"]), [(w["index"], w["streams"]) for w in quiet["workers"]]
+
+
+LONG = PARAGRAPH * 60  # ~2,000 tokens: 20 s at 10 ms a token, longer than the kills below take
+
+
+def test_repeated_kills_end_each_stream_whole_or_in_a_clear_error(tmp_path, undisturbed):
+    """Every worker killed again as soon as a replacement is ready (and those still starting with it),
+    four times, while 12 streams of the seeded requests and 3 long ones run: each stream ends either
+    identical to an undisturbed run or with an error event worker_died, none hangs and no response is
+    cut short; the long ones, still running at the fourth kill, had moved 3 times already (too_many).
+    The gateway holds nothing for any of them afterwards."""
+    path = tmp_path / "replies.jsonl"
+    write_replies(path)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"match": "long story", "text": LONG}) + "\n")
+    srv = Server("--workers", "2", "--sim-inter-token-latency-ms", "10", "--sim-replies", str(path))
+    try:
+        longs = [
+            ("chat", {"messages": [{"role": "user", "content": f"long story {k}"}], "max_tokens": 4000})
+            for k in range(3)
+        ]
+        sent = [*undisturbed[0][:12], *longs]
+        killed: list[list[int]] = []
+
+        def kill_repeatedly(progress):
+            wait_until(lambda: all(p[0] >= 3 for p in progress), 60, interval=0.01, what="every stream under way")
+            for _ in range(4):
+                pids = tokenizer_worker_pids(srv)  # the ready ones and any still starting
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(pids)
+                gone = {pid for pids in killed for pid in pids}
+                wait_until(
+                    lambda gone=gone: [w for w in state(srv)["workers"] if w["alive"] and w["pid"] not in gone],
+                    90,
+                    interval=0.005,
+                    what="a replacement ready",
+                )
+
+        results = asyncio.run(run(srv, sent, kill_repeatedly))
+        print(
+            f"killed {killed}; failovers "
+            + ", ".join(
+                f"{r} {metric(srv, 'tokenmill_stream_failovers_total', reason=r):g}"
+                for r in ("resumed", "waiting", "too_many", "no_worker")
+            )
+        )
+        print("errors:", sorted({got["error"][:120] for got in results if "error" in got}))
+        for i, (want, got) in enumerate(zip(undisturbed[1][:12], results)):
+            if "error" not in got:
+                assert got == want, (i, sent[i], got, want)
+            else:
+                # worker_died (Anthropic's /v1/messages says overloaded_error, with the same message)
+                assert "The tokenizer worker streaming this request died" in got["error"], (i, got)
+        for got in results[12:]:
+            assert "error" in got and "had moved 3 times already" in got["error"], got
+        assert metric(srv, "tokenmill_stream_failovers_total", reason="too_many") >= len(longs)
+        quiet = wait_until(lambda: idle(srv), 30, what="no live generation")
+        assert quiet["waiting_for_worker"] == 0
+        assert all(w["streams"] == 0 for w in quiet["workers"] if w["alive"]), quiet["workers"]
+        assert metric(srv, "tokenmill_stream_history_bytes") == 0
+    finally:
+        srv.stop()
+
+
+def test_streams_that_no_worker_takes_in_time_end_in_a_clear_error(tmp_path):
+    """--stream-failover-wait 1, and no replacement can start (the chat template file its workers load
+    is gone): every worker killed at once mid-stream, each stream ends after the wait with an error
+    event worker_died naming it, and the gateway holds nothing for them. With the file back, the
+    replacements start and serve."""
+    template = tmp_path / "template.jinja"
+    shutil.copy(ROOT / "tokenmill" / "default_model" / "chat_template.jinja", template)
+    srv = Server(
+        "--workers", "2", "--sim-inter-token-latency-ms", "10", "--sim-replies", write_replies(tmp_path / "r.jsonl"),
+        "--stream-failover-wait", "1", "--chat-template", str(template),
+    )  # fmt: skip
+    try:
+        sent = [("chat", {"messages": [{"role": "user", "content": f"plain story {k}"}]}) for k in range(6)]
+
+        def kill_for_good(progress):
+            wait_until(lambda: all(p[0] >= 3 for p in progress), 60, interval=0.01, what="every stream under way")
+            template.rename(tmp_path / "gone.jinja")
+            _kill_every_worker(srv, progress, wait_chunks=3)
+
+        results = asyncio.run(run(srv, sent, kill_for_good))
+        for got in results:
+            assert "error" in got, got
+            assert got["error"].startswith("worker_died: "), got
+            assert "within --stream-failover-wait (1 s)" in got["error"], got
+        assert metric(srv, "tokenmill_stream_failovers_total", reason="waiting") == len(sent)
+        assert metric(srv, "tokenmill_stream_failovers_total", reason="no_worker") == len(sent)
+        quiet = wait_until(lambda: idle(srv), 30, what="no live generation")
+        assert quiet["waiting_for_worker"] == 0 and not any(w["alive"] for w in quiet["workers"])
+        assert metric(srv, "tokenmill_stream_history_bytes") == 0
+        (tmp_path / "gone.jinja").rename(template)
+        wait_until(lambda: all(w["alive"] for w in state(srv)["workers"]), 60, what="the workers replaced")
+        assert "error" not in asyncio.run(run(srv, sent[:1]))[0]
+    finally:
+        srv.stop()
 
 
 def test_a_stream_the_new_worker_cannot_rebuild_fails_alone(tmp_path_factory):
