@@ -20,7 +20,9 @@ ROW_KEYS = {
 
 
 def test_bench_streams_json_has_every_row_and_key(tmp_path):
-    report, stdout = run_bench(tmp_path, "streams", "--quick", "--levels", "64", "--window", "0.5", "--slow-stall", "0.5")
+    report, stdout = run_bench(
+        tmp_path, "streams", "--quick", "--levels", "64", "--window", "0.5", "--slow-stall", "0.5"
+    )
     assert report["emission_ms"] == 20
     rows = report["levels"]
     # per mode: 64 streams, 64 slow readers, and 64 streams at 4 tokens per step
