@@ -377,10 +377,18 @@ class EngineServer(SchedulerServer):
     def on_teardown(self) -> None:
         for live in list(self._live.values()):
             live.done = True
-            if live.task is not None:
-                live.task.cancel()
+            if live.task is not None and not live.task.done():
+                live.task.cancel()  # its cleanup aborts the request inside the engine (settle waits for it)
+                self._background.add(live.task)
+                live.task.add_done_callback(self._background.discard)
         self._live.clear()
         self._pending.clear()
+
+    async def settle(self, timeout: float = 10.0) -> None:
+        """Wait, at most ``timeout`` seconds, for the requests' cleanups and aborts still running: each
+        stops its request inside the engine, which must still be there to hear it (close() comes after)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
 
     # ------------------------------------------------------------------ running requests
 
@@ -693,6 +701,7 @@ async def serve(backend: Backend, endpoint: str, *, stats_interval_s: float = 1.
         except Exception as exc:
             log.error("the engine server failed: %s", exc)
             status = 1
+        await server.settle()  # the requests it was serving stop inside the engine before it shuts down
     except Exception:
         log.exception("the %s engine failed to start", backend.name)
         status = 1

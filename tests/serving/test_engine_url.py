@@ -169,6 +169,23 @@ def test_a_client_hanging_up_a_stop_string_and_a_shutdown_each_abort_the_request
         front.stop()
 
 
+def test_a_bridge_told_to_stop_aborts_its_requests_on_the_engine_first(engine):
+    """SIGTERM to the bridge alone (as systemd or an operator may send it; the gateway then starts a new
+    one) while it streams: before it exits it aborts the request on the engine, by the server's ID,
+    without waiting for the gateway to say so."""
+    front = serve(engine.url)
+    try:
+        client, response, _lines = _stream_until_tokens(front, 2)
+        assert len((s := engine.state())["running"]) == 1, s
+        (bridge,) = http("GET", front.url + "/debug/state")[2]["engine_bridges"]
+        os.kill(bridge["pid"], signal.SIGTERM)
+        state = wait_until(lambda: (s := engine.state())["aborted"] and not s["running"] and s, 10, what="the abort")
+        assert state["aborted"][0].startswith("generate-tokens-tm") and state["finished"] == [], state
+        client.close()
+    finally:
+        assert front.stop() == 0
+
+
 def bridge_exits(front: Server) -> list[str]:
     return [how for bridge in http("GET", front.url + "/debug/state")[2]["engine_bridges"] for how in bridge["exits"]]
 
