@@ -96,7 +96,6 @@ class Gateway:
         self.started_at = int(time.time())
         self.draining = False
         self.closing = False
-        self._closed = False  # close() has run (serve() starts it beside uvicorn's shutdown, and again on error)
         self.metrics = Metrics(self.model_name)
         self.runtime_dir: str | None = None
         self._own_runtime_dir = False
@@ -424,9 +423,6 @@ class Gateway:
             await asyncio.sleep(0.05)  # let handlers write those errors
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self.siblings is not None:
             self.siblings.terminate()
             await self.siblings.wait(self.settings.shutdown_timeout + 10)
@@ -516,9 +512,7 @@ class Gateway:
             log.info("stopping: draining in-flight requests (up to %gs)", s.shutdown_timeout)
             await self.drain()
             server.should_exit = True
-            # the workers and the engine end while uvicorn closes the connections (a tenth of a second or
-            # more each: one after the other, they made every stop slower)
-            await asyncio.gather(server_task, self.close())
+            await server_task  # (uvicorn's shutdown also gives the aborts drain() sent time to reach the engine)
             return 0
         finally:
             await self.close()
