@@ -56,6 +56,16 @@ def undisturbed(failover_server):
     return sent, baseline
 
 
+def assert_unchanged(srv, sent: list, baseline: list, disturbed: list, how: str) -> None:
+    """Every request's result equals its undisturbed one; those that differ are printed, with the server's log."""
+    differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
+    for i in differ:
+        print(f"request {i} {sent[i]}:\n  undisturbed {baseline[i]}\n  {how} {disturbed[i]}")
+    if differ:
+        print(srv.read_output()[-6000:])
+    assert not differ, f"requests {differ} differ {how}"
+
+
 def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server, undisturbed):
     srv = failover_server
     sent, baseline = undisturbed
@@ -75,12 +85,7 @@ def test_kill9_of_a_worker_mid_stream_loses_and_repeats_nothing(failover_server,
     killed = {}
     disturbed = asyncio.run(run(srv, sent, lambda p: killed.update(kill_busiest(srv, p))))
     print(f"killed worker {killed['index']} (pid {killed['pid']}) holding {killed['streams']} streams")
-    differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
-    for i in differ:
-        print(f"request {i} {sent[i]}:\n  undisturbed {baseline[i]}\n  with failover {disturbed[i]}")
-    if differ:
-        print(srv.read_output()[-6000:])
-    assert not differ, f"requests {differ} differ after the failover"
+    assert_unchanged(srv, sent, baseline, disturbed, "with failover")
     resumed = metric(srv, "tokenmill_stream_failovers_total", reason="resumed") - resumed_before
     assert resumed >= 1, "no stream moved"
     # nothing is kept for finished requests
@@ -149,12 +154,7 @@ def test_kill9_of_every_worker_at_once_loses_and_repeats_nothing(failover_server
     killed = []
     disturbed = asyncio.run(run(srv, sent, lambda p: killed.extend(_kill_every_worker(srv, p))))
     print(f"killed workers {[(w['index'], w['pid'], w['streams']) for w in killed]}")
-    differ = [i for i, (want, got) in enumerate(zip(baseline, disturbed)) if got != want]
-    for i in differ:
-        print(f"request {i} {sent[i]}:\n  undisturbed {baseline[i]}\n  after every worker died {disturbed[i]}")
-    if differ:
-        print(srv.read_output()[-6000:])
-    assert not differ, f"requests {differ} differ after every worker died"
+    assert_unchanged(srv, sent, baseline, disturbed, "after every worker died")
     counted = {r: metric(srv, "tokenmill_stream_failovers_total", reason=r) - n for r, n in before.items()}
     print(f"failovers meanwhile: {counted}")
     assert counted["waiting"] >= 1, "no stream waited for a replacement"
