@@ -43,6 +43,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import AsyncIterator, Sequence
@@ -694,6 +695,7 @@ async def serve(backend: Backend, endpoint: str, *, stats_interval_s: float = 1.
         ready.cancel()
         await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        _exit_later_if_orphaned()
         _sd_notify("STOPPING=1")
         await server.close()
         try:
@@ -713,6 +715,23 @@ async def serve(backend: Backend, endpoint: str, *, stats_interval_s: float = 1.
     return status
 
 
+#: how long a bridge whose gateway died has to abort its requests and stop before it exits regardless (nobody is
+#: left to kill it; the gateway itself gives a bridge 10 s after SIGTERM)
+ORPHAN_STOP_S = 20.0
+
+
+def _exit_later_if_orphaned() -> None:
+    try:
+        from tokenmill.process.procutil import supervisor_gone
+    except ImportError:  # pragma: no cover
+        return
+    if supervisor_gone():
+        log.warning("the gateway that started this engine bridge is gone: stopping (at most %.0f s)", ORPHAN_STOP_S)
+        timer = threading.Timer(ORPHAN_STOP_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``tokenmill engine`` command. Returns the exit status."""
     if not logging.getLogger().handlers:
@@ -721,7 +740,10 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.process.procutil import die_with_supervisor, set_process_name, take_descendants_along
 
         set_process_name("tm-engine")
-        die_with_supervisor()  # started by a gateway (--engine-url): gone with it
+        # Started by a gateway (--engine-url): gone with it, even after its kill -9. A server the operator runs
+        # outlives this bridge, so the http backend is told by SIGTERM and aborts its requests there before it
+        # exits (serve: settle); an engine inside this process stops with it, so the others get SIGKILL.
+        die_with_supervisor(signal.SIGTERM if args.backend == "http" else signal.SIGKILL)
         take_descendants_along()  # vLLM's and SGLang's own processes must not outlive a killed engine
     except ImportError:  # pragma: no cover
         pass

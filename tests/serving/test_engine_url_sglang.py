@@ -8,6 +8,8 @@ module; the refusals start their own."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -199,6 +201,36 @@ def test_a_client_hanging_up_and_a_stop_string_each_abort_the_request_on_the_eng
     )
     rid = state["aborted"][before + 1]
     assert rid not in state["finished"] and state["generated"][rid] < 200, state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # exited, not yet reaped: gone all the same
+    except OSError:
+        return False
+
+
+def test_a_gateway_killed_with_kill_9_still_aborts_its_requests_on_the_engine(stack, fake):
+    """SGLang notices a closed connection only by polling, seconds later: the bridge, told by SIGTERM when
+    its gateway dies, aborts what it was serving explicitly and exits."""
+    engine, _front = stack
+    engine.set(reply=None)  # echo: it would go on for all 2000 tokens
+    front = serve(engine.url)
+    try:
+        before = len(engine.state()["aborted"])
+        (bridge,) = http("GET", front.url + "/debug/state")[2]["engine_bridges"]
+        client, response, _lines = _open_stream(front, 3)
+        (rid,) = engine.state()["running"]
+        os.kill(front.proc.pid, signal.SIGKILL)
+        state = wait_until(lambda: (s := engine.state())["aborted"][before:] and s, 10, what="the abort")
+        assert state["aborted"][before:] == [rid] and rid not in state["finished"], state
+        assert state["generated"][rid] < 2000, state
+        wait_until(lambda: not _alive(bridge["pid"]), 25, what="the bridge exiting")
+        response.close()
+        client.close()
+    finally:
+        front.stop()
 
 
 def test_what_sglang_cannot_carry_gets_a_400_naming_the_field(stack, fake):

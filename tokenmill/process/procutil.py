@@ -48,11 +48,17 @@ def child_env(environ=None) -> dict:
     return env
 
 
-def die_with_supervisor() -> None:
-    """In a child started with child_env(): die when the supervising process dies."""
+def die_with_supervisor(sig: int = signal.SIGKILL) -> None:
+    """In a child started with child_env(): be sent ``sig`` (SIGKILL) when the supervising process dies."""
     parent = os.environ.get(PARENT_ENV)
     if parent and parent.isdigit():
-        die_with_parent(int(parent))
+        die_with_parent(int(parent), sig)
+
+
+def supervisor_gone() -> bool:
+    """In a child started with child_env(): whether the process that started it has died."""
+    parent = os.environ.get(PARENT_ENV)
+    return bool(parent and parent.isdigit() and os.getppid() != int(parent))
 
 
 def limit_memory(megabytes: int) -> None:
