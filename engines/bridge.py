@@ -379,9 +379,7 @@ class EngineServer(SchedulerServer):
         for live in list(self._live.values()):
             live.done = True
             if live.task is not None and not live.task.done():
-                live.task.cancel()  # its cleanup aborts the request inside the engine (settle waits for it)
-                self._background.add(live.task)
-                live.task.add_done_callback(self._background.discard)
+                self._cancel_in_engine(live)
         self._live.clear()
         self._pending.clear()
 
@@ -576,11 +574,12 @@ class EngineServer(SchedulerServer):
             self.send_outputs(identity, outputs)
 
     def _cancel_in_engine(self, live: _Live) -> None:
-        """Stop the request's task; its cleanup aborts the request inside the engine."""
+        """Stop the request's task; its cleanup aborts the request inside the engine (settle waits for it)."""
         if live.task is not None and not live.task.done():
             live.task.cancel()
+            self._track(live.task)
         elif not live.engine_done:
-            self._spawn(self._abort_quietly(live.rid))
+            self._track(asyncio.create_task(self._abort_quietly(live.rid)))
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -591,7 +590,10 @@ class EngineServer(SchedulerServer):
             log.exception("aborting %s in the engine failed", rid)
 
     def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
+        self._track(asyncio.create_task(coro))
+
+    def _track(self, task: asyncio.Task) -> None:
+        """Keep a task that must finish before the backend closes (settle waits for these)."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -607,57 +607,61 @@ class HTTPBackend(Backend):
                 yield await self._connection_failed("the engine did not take the request at", exc)
                 return
             async with response:
-                if response.status != 200:
-                    finished = True
-                    text = await response.read()
-                    message = _message(text)
-                    if 400 <= response.status < 500 and response.status not in (408, 429):
-                        raise EngineRejected(message, param=_param_of(text))
-                    yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
-                    return
-                if request.prompt_logprobs is not None:
-                    finished = True
-                    yield await self._whole(response, request)
-                    return
-                sent = 0
                 try:
-                    async for line in response.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            break
-                        event = _events.decode(data)
-                        if event.request_id is not None and rid not in self._engine_ids:
-                            self._engine_ids[rid] = event.request_id
-                        if event.error is not None:
-                            finished = True
-                            code = event.error.code
-                            if sent == 0 and str(code) == "400":
-                                raise EngineRejected(
-                                    event.error.message, param=VLLM_PARAMS.get(event.error.param or "")
+                    if response.status != 200:
+                        finished = True
+                        text = await response.read()
+                        message = _message(text)
+                        if 400 <= response.status < 500 and response.status not in (408, 429):
+                            raise EngineRejected(message, param=_param_of(text))
+                        yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
+                        return
+                    if request.prompt_logprobs is not None:
+                        finished = True
+                        yield await self._whole(response, request)
+                        return
+                    sent = 0
+                    try:
+                        async for line in response.content:
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                break
+                            event = _events.decode(data)
+                            if event.request_id is not None and rid not in self._engine_ids:
+                                self._engine_ids[rid] = event.request_id
+                            if event.error is not None:
+                                finished = True
+                                code = event.error.code
+                                if sent == 0 and str(code) == "400":
+                                    raise EngineRejected(
+                                        event.error.message, param=VLLM_PARAMS.get(event.error.param or "")
+                                    )
+                                yield Chunk(
+                                    finish=FINISH_ERROR, error=f"the engine failed the request: {event.error.message}"
                                 )
-                            yield Chunk(
-                                finish=FINISH_ERROR, error=f"the engine failed the request: {event.error.message}"
-                            )
-                            return
-                        for choice in event.choices:
-                            chunk = to_chunk(choice, request.logprobs)
-                            if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
-                                yield self._outside(chunk)
                                 return
-                            sent += len(chunk.token_ids)
-                            finished = chunk.finish is not None
-                            yield chunk
-                            if finished:
-                                return
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                    finished = True
-                    yield await self._connection_failed("the connection broke to the engine at", exc)
-                    return
-                except msgspec.DecodeError as exc:
-                    yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")
-                    return
+                            for choice in event.choices:
+                                chunk = to_chunk(choice, request.logprobs)
+                                if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
+                                    yield self._outside(chunk)
+                                    return
+                                sent += len(chunk.token_ids)
+                                finished = chunk.finish is not None
+                                yield chunk
+                                if finished:
+                                    return
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                        finished = True
+                        yield await self._connection_failed("the connection broke to the engine at", exc)
+                        return
+                    except msgspec.DecodeError as exc:
+                        yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")
+                        return
+                finally:
+                    if not finished:  # ended here first: aborted explicitly, before its connection closes
+                        await self.abort(rid)
             finished = True
             yield Chunk(finish=FINISH_ERROR, error="the engine ended the stream without a finish reason")
         finally:

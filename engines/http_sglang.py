@@ -453,55 +453,59 @@ class SGLangHTTPBackend(HTTPBackend):
                 yield await self._connection_failed("the engine did not take the request at", exc)
                 return
             async with response:
-                if response.status != 200:
-                    finished = True
-                    message = message_of(await response.read())
-                    if 400 <= response.status < 500 and response.status not in (408, 429):
-                        raise EngineRejected(message, param=param_of(message, request))
-                    yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
-                    return
-                sent = 0
                 try:
-                    async for line in response.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            break
-                        out = _outputs.decode(data)
-                        if out.error is not None:
-                            finished = True
-                            message = out.error.message
-                            if sent == 0 and str(out.error.code).startswith("4"):
-                                raise EngineRejected(message, param=param_of(message, request))
-                            yield Chunk(finish=FINISH_ERROR, error=f"the engine failed the request: {message}")
-                            return
-                        chunk = to_chunk(out, sent, request.logprobs, self.incremental)
-                        if chunk.finish == FINISH_ABORT and sent == 0 and not chunk.token_ids:
-                            finished = True  # refused before its first token (a grammar, a parameter)
-                            raise EngineRejected(chunk.error or "", param=param_of(chunk.error or "", request))
-                        if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
-                            yield self._outside(chunk)
-                            return
-                        sent += len(chunk.token_ids)
-                        finished = chunk.finish is not None
-                        yield chunk
-                        if finished:
-                            return
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                    finished = True
-                    yield await self._connection_failed("the connection broke to the engine at", exc)
-                    return
-                except (msgspec.DecodeError, msgspec.ValidationError, Mismatch, TypeError, IndexError) as exc:
-                    yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")
-                    return
-                except LineTooLong:
-                    yield Chunk(
-                        finish=FINISH_ERROR,
-                        error=f"the engine sent an event longer than {2 * self.read_bufsize >> 20} MiB (every token so "
-                        "far, each time): start SGLang with --incremental-streaming-output",
-                    )
-                    return
+                    if response.status != 200:
+                        finished = True
+                        message = message_of(await response.read())
+                        if 400 <= response.status < 500 and response.status not in (408, 429):
+                            raise EngineRejected(message, param=param_of(message, request))
+                        yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
+                        return
+                    sent = 0
+                    try:
+                        async for line in response.content:
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                break
+                            out = _outputs.decode(data)
+                            if out.error is not None:
+                                finished = True
+                                message = out.error.message
+                                if sent == 0 and str(out.error.code).startswith("4"):
+                                    raise EngineRejected(message, param=param_of(message, request))
+                                yield Chunk(finish=FINISH_ERROR, error=f"the engine failed the request: {message}")
+                                return
+                            chunk = to_chunk(out, sent, request.logprobs, self.incremental)
+                            if chunk.finish == FINISH_ABORT and sent == 0 and not chunk.token_ids:
+                                finished = True  # refused before its first token (a grammar, a parameter)
+                                raise EngineRejected(chunk.error or "", param=param_of(chunk.error or "", request))
+                            if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
+                                yield self._outside(chunk)
+                                return
+                            sent += len(chunk.token_ids)
+                            finished = chunk.finish is not None
+                            yield chunk
+                            if finished:
+                                return
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                        finished = True
+                        yield await self._connection_failed("the connection broke to the engine at", exc)
+                        return
+                    except (msgspec.DecodeError, msgspec.ValidationError, Mismatch, TypeError, IndexError) as exc:
+                        yield Chunk(finish=FINISH_ERROR, error=f"the engine sent a malformed event: {exc}")
+                        return
+                    except LineTooLong:
+                        yield Chunk(
+                            finish=FINISH_ERROR,
+                            error=f"the engine sent an event longer than {2 * self.read_bufsize >> 20} MiB (every token so "
+                            "far, each time): start SGLang with --incremental-streaming-output",
+                        )
+                        return
+                finally:
+                    if not finished:  # ended here first: abort it before its connection closes (SGLang notices
+                        await self.abort(rid)  # a closed connection only by polling, seconds later)
             finished = True
             yield Chunk(finish=FINISH_ERROR, error="the engine ended the stream without a finish reason")
         finally:

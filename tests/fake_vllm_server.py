@@ -179,7 +179,8 @@ class Fake:
                 if finish:
                     break
             await response.write(b"data: [DONE]\n\n")
-            self.finished.append(rid)
+            if not aborted.is_set():  # ended by itself, not by abort_requests
+                self.finished.append(rid)
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnected.append(rid)
             raise

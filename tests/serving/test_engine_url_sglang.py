@@ -223,7 +223,9 @@ def test_a_gateway_killed_with_kill_9_still_aborts_its_requests_on_the_engine(st
         client, response, _lines = _open_stream(front, 3)
         (rid,) = engine.state()["running"]
         os.kill(front.proc.pid, signal.SIGKILL)
-        state = wait_until(lambda: (s := engine.state())["aborted"][before:] and s, 10, what="the abort")
+        state = wait_until(
+            lambda: (s := engine.state())["aborted"][before:] and not s["running"] and s, 10, what="the abort"
+        )
         assert state["aborted"][before:] == [rid] and rid not in state["finished"], state
         assert state["generated"][rid] < 2000, state
         wait_until(lambda: not _alive(bridge["pid"]), 25, what="the bridge exiting")
