@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import parallel
 import pytest
 
 from tokenmill.bench.common import free_port
@@ -30,12 +31,28 @@ def pytest_collection_modifyitems(config, items) -> None:
         kind = Path(str(item.fspath)).parent.name
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
+        if hasattr(getattr(item, "module", None), "start_early") and not parallel.pinned(item.nodeid):
+            raise pytest.UsageError(
+                f"{item.nodeid}: its module starts something early, so it must run on the worker that does "
+                "(tests/parallel.py pins tests/engines/*vllm* modules to it)"
+            )
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n N --dist loadscope`` (what ./scripts/test.sh runs): modules for units, the vLLM modules
+    one unit on gw0 (tests/parallel.py)."""
+    if config.getvalue("dist") == "loadscope":
+        return parallel.ModuleScheduling(config, log)
+    return None
 
 
 def pytest_collection_finish(session) -> None:
     """Test modules with something slow to start (test_output_parsers_vs_vllm: vLLM's parsers;
     test_vllm_engine and test_vllm_field_parity: the two vLLMs they share, tests/vllm_stack.py) start
-    it now, so it loads while the tests before them run."""
+    it now, so it loads while the tests before them run. Under xdist only gw0 runs those modules."""
+    if not parallel.starts_shared_processes():
+        return
     modules = {}
     for item in session.items:
         module = getattr(item, "module", None)
