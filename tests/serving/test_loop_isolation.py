@@ -95,6 +95,6 @@ def test_health_answers_only_when_conversion_is_off_the_loop(slow_template, mode
     assert error is None
     print(f"{mode} mode: /health answered {answered} times while the slow conversion ran")
     if mode == "pool":
-        assert answered >= 20
-    else:
-        assert answered <= 5
+        assert answered >= 20  # about 1,500 here alone
+    else:  # a few answers slip in before the loop starts converting: 3 alone, 7 beside the other test worker
+        assert answered <= 15
