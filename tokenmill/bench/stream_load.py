@@ -111,9 +111,9 @@ def stream_client(
     out.put({"streams": results, "cpu_s": time.process_time() - t0})
 
 
-def _counters(port: int) -> tuple[float, float]:
-    """(generated tokens, coalesced deltas) from /metrics, read with a patient client: at saturation
-    /metrics answers late too."""
+def _metrics(port: int, *names: str) -> list[float]:
+    """Values of these metrics from /metrics, read with a patient client: at saturation /metrics answers
+    late too."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -124,10 +124,18 @@ def _counters(port: int) -> tuple[float, float]:
         conn.close()
     values = {}
     for line in text.splitlines():
-        for name in ("tokenmill_generation_tokens_total", "tokenmill_stream_coalesced_deltas_total"):
+        for name in names:
             if line.startswith(name):
                 values[name] = float(line.rsplit(" ", 1)[1])
-    return values["tokenmill_generation_tokens_total"], values["tokenmill_stream_coalesced_deltas_total"]
+    return [values[name] for name in names]
+
+
+def _counters(port: int) -> tuple[float, float]:
+    """(generated tokens, coalesced deltas) so far."""
+    generated, coalesced = _metrics(
+        port, "tokenmill_generation_tokens_total", "tokenmill_stream_coalesced_deltas_total"
+    )
+    return generated, coalesced
 
 
 # ---- one level -----------------------------------------------------------------------------
@@ -165,6 +173,11 @@ def run_level(
         procs.append(p)
     tree = process_tree(server.proc.pid)
     time.sleep(max(0.0, t0 - time.time()))
+    # the window opens once every stream runs: on a busy machine the clients (spawned, so importing first)
+    # can take longer to start than the settle time
+    deadline = time.time() + 60
+    while _metrics(server.port, "tokenmill_num_requests_running")[0] < streams and time.time() < deadline:
+        time.sleep(0.05)
     health: list[float] = []
     stop = threading.Event()
     prober = threading.Thread(
