@@ -30,10 +30,12 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Iterable
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from tokenmill.scheduler_client.protocol import Structured
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = logging.getLogger("tokenmill.simulated_scheduler")
 
@@ -70,6 +72,8 @@ class Guide:
     """The served vocabulary for llguidance, and a small cache of compiled specs."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, palette: Iterable[int] = ()) -> None:
+        import llguidance  # here, as in the functions below: a simulator loads it at its first structured request
+
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size)
         self.vocab_size = self.tokenizer.vocab_size
         self.limits = llguidance.LLParserLimits(**LIMITS)
@@ -95,6 +99,8 @@ class Guide:
 
     def compile(self, s: Structured) -> llguidance.LLMatcher:
         """A fresh matcher for ``s``; :class:`GuideError` with llguidance's message if it refuses it."""
+        import llguidance
+
         key = (s.kind, s.spec, tuple(s.choices), s.disable_any_whitespace, s.whitespace_pattern)
         found = self._cache.get(key)
         if found is None:
@@ -118,6 +124,8 @@ class Guide:
 def grammar_of(s: Structured) -> str:
     """The llguidance grammar of a spec, built as vLLM 0.32's guidance backend builds it (with
     ``disable_additional_properties``)."""
+    import llguidance
+
     kind = s.kind
     if kind in ("json_schema", "json_object"):
         options = {"whitespace_flexible": not s.disable_any_whitespace}
@@ -161,6 +169,8 @@ def _closed(schema, depth: int = 0):
 
 
 def _structural_tag(tag: dict, s: Structured) -> str:
+    import llguidance
+
     if "structures" not in tag or "triggers" not in tag:
         raise ValueError(
             'llguidance takes structural tags as {"structures": [{"begin", "schema", "end"}], "triggers": [...]}'

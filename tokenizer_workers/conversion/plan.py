@@ -12,12 +12,12 @@ import msgspec
 from tokenmill.scheduler_client import protocol
 from tokenmill.tokenizer_workers import generation_params as gp
 from tokenmill.tokenizer_workers import openai_requests as oa
-from tokenmill.tokenizer_workers.images.pipeline import ProcessedImage
 from tokenmill.tokenizer_workers.messages import ChoicePlan, CompletionShape, ConvertDone, ConvertJob, Timing
 from tokenmill.tokenizer_workers.output_parsers import OutputParser
 
 if TYPE_CHECKING:
     from tokenmill.tokenizer_workers.conversion.core import ConverterCore
+    from tokenmill.tokenizer_workers.images.pipeline import ProcessedImage
 
 _json = msgspec.json.Encoder()
 

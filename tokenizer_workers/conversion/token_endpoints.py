@@ -14,11 +14,11 @@ from tokenmill.tokenizer_workers import openai_requests as oa
 from tokenmill.tokenizer_workers import openai_responses as responses
 from tokenmill.tokenizer_workers.chat_messages import ImageRef
 from tokenmill.tokenizer_workers.conversion.plan import Conversion
-from tokenmill.tokenizer_workers.images.pipeline import ProcessedImage
 from tokenmill.tokenizer_workers.messages import ConvertDone, ConvertJob, Timing
 
 if TYPE_CHECKING:
     from tokenmill.tokenizer_workers.conversion.core import ConverterCore
+    from tokenmill.tokenizer_workers.images.pipeline import ProcessedImage
 
 _json = msgspec.json.Encoder()
 
