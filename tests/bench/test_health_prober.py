@@ -98,7 +98,7 @@ def test_cpu_stalls_are_the_spans_a_cpu_watcher_was_held_off():
 
     ctx = mp.get_context("spawn")
     stalls = CpuStalls(ctx)
-    time.sleep(1.0)  # started and real-time
+    stalls.wait_ready()
     held = stalls.processes[0]
     os.kill(held.pid, signal.SIGSTOP)
     time.sleep(0.3)

@@ -266,16 +266,19 @@ def timed_health_prober(port: int, stop, out, started=None) -> None:
     out.put(("health", latencies, starts))
 
 
-def stall_watcher(cpu: int, period: float, stop, out) -> None:
+def stall_watcher(cpu: int, period: float, stop, out, ready) -> None:
     """A process pinned to ``cpu`` at SCHED_FIFO 99, waking every ``period`` s until ``stop``; puts
     (cpu, gaps) on ``out``: (start, end) on the monotonic clock of each wake-up more than a period late.
-    Without the privilege, (cpu, None): a fair-scheduled watcher would measure the load, not the machine."""
+    Without the privilege, (cpu, None): a fair-scheduled watcher would measure the load, not the machine.
+    Sets ``ready`` once it watches (or knows it cannot)."""
     os.sched_setaffinity(0, {cpu})
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
     except OSError:
         out.put((cpu, None))
+        ready.set()
         return
+    ready.set()
     gaps, last = [], time.perf_counter()
     while not stop.is_set():
         time.sleep(period)
@@ -297,9 +300,20 @@ class CpuStalls:
     def __init__(self, ctx, period: float = 0.01):
         cpus = sorted(os.sched_getaffinity(0))
         self.stop, self.out = ctx.Event(), ctx.Queue()
-        self.processes = [ctx.Process(target=stall_watcher, args=(c, period, self.stop, self.out)) for c in cpus]
+        self._ready = [ctx.Event() for _ in cpus]
+        self.processes = [
+            ctx.Process(target=stall_watcher, args=(c, period, self.stop, self.out, r))
+            for c, r in zip(cpus, self._ready)
+        ]
         for p in self.processes:
             p.start()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until every watcher runs: spawned, each imports first, which a busy machine can make seconds."""
+        deadline = time.monotonic() + timeout
+        for r in self._ready:
+            if not r.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"CPU stall watchers not running after {timeout:.0f} s")
 
     def finish(self) -> list[tuple[float, float]] | None:
         """Every CPU's stalls, in time order (None where the watchers could not run real-time)."""

@@ -168,6 +168,7 @@ def image_chats(port: int, side: str, pid: int, rounds: list[tuple[list[bytes], 
     # what the front end spends per second with no chats: answering the prober, its own timers
     idle_rate = (sum(idle_cpu1.values()) - sum(idle_cpu0.values())) / (idle_t1 - idle_t0)
     stalls = CpuStalls(ctx)
+    stalls.wait_ready()
     steal0 = steal_seconds()
     prober = _Prober(ctx, port)
     time.sleep(0.5)
