@@ -271,8 +271,9 @@ def test_a_stream_the_new_worker_cannot_rebuild_fails_alone(tmp_path_factory):
     as undisturbed; that one ends with a clear 503 worker_died saying why (a state version this worker
     does not know); nothing is kept for any of them afterwards."""
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='tmfo')}/workers.sock"
+    # a worker heartbeats every second; beside another busy test process one was held back past 2 s (lost twice)
     srv = Server(
-        "--workers", "0", "--remote-workers", endpoint, "--remote-worker-timeout", "2",
+        "--workers", "0", "--remote-workers", endpoint, "--remote-worker-timeout", "4",
         "--sim-inter-token-latency-ms", "25", "--sim-replies", write_replies(tmp_path_factory.mktemp("r") / "r.jsonl"),
         ready=False,
     )  # fmt: skip
