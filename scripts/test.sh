@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite: create ./.venv if needed, install the project with its test extras, run pytest.
 # Arguments go to pytest (e.g. ./scripts/test.sh -k fidelity).
-#   ./scripts/test.sh           everything (what .ci/run calls): unit, serving, bench and engine tests
-#   ./scripts/test.sh --parallel  the same on two pytest workers (tests/parallel.py)
+#   ./scripts/test.sh           everything (what .ci/run calls): unit, serving, bench and engine tests, on two
+#                               pytest workers (tests/parallel.py); add -n 0 for one process (e.g. to debug a test)
 #   ./scripts/test.sh --fast    tests/unit only: nothing that serves, no engine, no benchmark (under a minute, on two workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,11 +90,6 @@ if [ -f .venv-vllm/.installed ] && [ ! -f .sglang-overlay/.installed ]; then
     sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
   touch .sglang-overlay/.installed
 fi
-# One process by default. `./scripts/test.sh --parallel` runs the suite on two pytest workers (tests/parallel.py:
-# each module one unit, the vLLM modules together on the first worker), 0.75x the time on a 2-core VM; on a saturated
-# machine a few tests that wait a fixed time for something to start still fail there, so CI runs one process.
-if [ "${1:-}" = "--parallel" ]; then
-  shift
-  exec .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "$@"
-fi
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (tests/parallel.py: each module one unit, the vLLM modules together on the first worker): most
+# tests wait on a process, so one after the other left half of a 2-core VM idle (0.75x the time side by side).
+exec .venv/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "$@"

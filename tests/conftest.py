@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With ``-n N --dist loadscope`` (what ./scripts/test.sh --parallel runs): modules for units, the vLLM modules
+    """With ``-n N --dist loadscope`` (what ./scripts/test.sh runs): modules for units, the vLLM modules
     one unit on gw0 (tests/parallel.py)."""
     if config.getvalue("dist") == "loadscope":
         return parallel.ModuleScheduling(config, log)

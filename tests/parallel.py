@@ -1,4 +1,4 @@
-"""How the suite shares two pytest workers (pytest-xdist; ``./scripts/test.sh --parallel`` passes ``-n 2 --dist loadscope``).
+"""How the suite shares two pytest workers (pytest-xdist; ``./scripts/test.sh`` passes ``-n 2 --dist loadscope``).
 
 Most tests wait: on a tokenmill process to answer, a stream to end, a process to restart. Run one
 after the other they left this 2-core machine half idle, so two workers run the test modules side by
