@@ -174,6 +174,8 @@ class Server(ProcessHandle):
     def client(self, **kw):
         import openai
 
+        # plain HTTP on loopback: without verify=False each client loads the CA bundle, ~30 ms of CPU
+        kw.setdefault("http_client", openai.DefaultHttpxClient(verify=False))
         return openai.OpenAI(
             base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw
         )
@@ -181,6 +183,7 @@ class Server(ProcessHandle):
     def async_client(self, **kw):
         import openai
 
+        kw.setdefault("http_client", openai.DefaultAsyncHttpxClient(verify=False))
         return openai.AsyncOpenAI(
             base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw
         )
