@@ -15,6 +15,7 @@ from tokenmill.tokenizer_workers import generation_params as gp
 from tokenmill.tokenizer_workers import openai_requests as oa
 from tokenmill.tokenizer_workers.chat_messages import ImageRef, to_template_messages
 from tokenmill.tokenizer_workers.chat_template import ChatTemplates, TemplateError
+from tokenmill.tokenizer_workers.images import processor_for
 from tokenmill.tokenizer_workers.messages import CacheReport, Limits
 from tokenmill.tokenizer_workers.model import Model, load_model
 from tokenmill.tokenizer_workers.output_parsers import ParserChoice, choose_parsers
@@ -92,19 +93,16 @@ class ConverterCore:
     def _image_pipeline(self, settings: ConverterSettings) -> ImagePipeline | None:
         """The model's image pipeline: a processor of a known family (preprocessor_config.json) whose
         placeholder token is in the vocabulary and in a template; None for a text-only model."""
-        directory = self.model.directory if self.settings.model_dir else None
-        if directory is None or not (directory / "preprocessor_config.json").is_file():
-            return None  # text-only: numpy and Pillow are never imported (a worker starts ~0.3 s sooner)
-        from tokenmill.tokenizer_workers.images.pipeline import ImagePipeline, processor_for
-
-        processor = processor_for(directory)
+        processor = processor_for(self.model.directory if self.settings.model_dir else None)
         if processor is None:
-            return None
+            return None  # text-only: the image pipeline (numpy, Pillow) is never imported
         self.image_token_id = self.tokenizer.token_to_id(processor.placeholder_token)
         if self.image_token_id is None or not any(
             processor.placeholder_token in t or "image" in t for t in self.model.templates.values()
         ):
             return None
+        from tokenmill.tokenizer_workers.images.pipeline import ImagePipeline
+
         return ImagePipeline(processor, settings.image_cache_bytes, settings.image_max_pixels, settings.image_fetch)
 
     def fingerprint(self) -> str:

@@ -14,3 +14,26 @@ engine session (protocol 1.2 ``images.by_hash``); else, to an engine on this hos
 shared-memory file its pixels were written to when processed (``images.shm``, shared_memory.py);
 else as its pixels in a frame.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer_workers.images.base import ImageProcessor
+
+
+def processor_for(model_dir: Path | None) -> ImageProcessor | None:
+    """The model's image processor from its preprocessor_config.json; None for a text-only model. Here, not in
+    the pipeline: a text-only model's worker asks it and loads none of the image modules (numpy, Pillow)."""
+    if model_dir is None or not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    config = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
+    kind = config.get("image_processor_type", "")
+    from tokenmill.tokenizer_workers.images import qwen2_vl
+
+    if kind in qwen2_vl.PROCESSOR_TYPES:
+        return qwen2_vl.Qwen2VLProcessor(config)
+    return None

@@ -6,11 +6,11 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import blake3
 
 from tokenmill.tokenizer_workers.images import decode as _decode
+from tokenmill.tokenizer_workers.images import processor_for
 from tokenmill.tokenizer_workers.images.base import ImageError, ImageProcessor, ProcessedImage
 from tokenmill.tokenizer_workers.images.cache import ImageCache
 from tokenmill.tokenizer_workers.images.fetch import ImageFetcher
@@ -26,21 +26,6 @@ def base64_data_url(media_type: str, data: str) -> str:
     """An API's base64 image block (Anthropic's ``source``: media_type and data) as the data: URL
     that ``load_image_part`` and OpenAI's ``image_url`` parts take."""
     return f"data:{media_type};base64,{data}"
-
-
-def processor_for(model_dir: Path | None) -> ImageProcessor | None:
-    """The model's image processor from its preprocessor_config.json; None for a text-only model."""
-    import json
-
-    if model_dir is None or not (model_dir / "preprocessor_config.json").is_file():
-        return None
-    config = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
-    kind = config.get("image_processor_type", "")
-    from tokenmill.tokenizer_workers.images import qwen2_vl
-
-    if kind in qwen2_vl.PROCESSOR_TYPES:
-        return qwen2_vl.Qwen2VLProcessor(config)
-    return None
 
 
 class ImagePipeline:

@@ -276,9 +276,9 @@ def stall_watcher(cpu: int, period: float, stop, out, ready) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
     except OSError:
         out.put((cpu, None))
-        ready.set()
         return
-    ready.set()
+    finally:
+        ready.set()
     gaps, last = [], time.perf_counter()
     while not stop.is_set():
         time.sleep(period)
