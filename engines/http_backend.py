@@ -28,11 +28,16 @@ top_p, top_k, seed, penalties, min_p, min_tokens, logit_bias, allowed_token_ids,
 structured outputs, extra_args), ``cache_salt`` goes at the top level. As in the in-process vLLM
 backend, ``ignore_eos`` is always set and the front end's ``stop_token_ids`` (the model's EOS among
 them unless the client asked otherwise) end the request, and ``detokenize`` is off: vLLM's server
-decodes nothing. What this API cannot carry is not listed in Welcome's features, so the gateway
-answers a request that uses it with a 400 naming the field: ``bad_words`` (the API takes only
-strings, which vLLM tokenizes itself; the protocol carries token sequences),
-``kv_transfer_params``, ``priority`` (vLLM's default scheduling ignores it), images, and the
-structured-output whitespace options (vLLM's grammar backends ignore them per request).
+decodes nothing. ``bad_words`` go as words (the API takes only words, which vLLM tokenizes itself;
+the protocol carries the workers' token sequences): :meth:`HTTPBackend.bad_words_text` recovers them
+and checks they tokenize back to the same sequences. What this API cannot carry is not listed in
+Welcome's features, so the gateway answers a request that uses it with a 400 naming the field: images,
+the structured-output whitespace options (vLLM's grammar backends ignore them per request), and
+``priority`` and ``kv_transfer_params`` unless the operator says the servers honour them
+(``--engine-scheduling-policy priority``, ``--engine-kv-connector``): vLLM takes both from any client
+and ignores them without a word on a server that schedules first come first served or has no KV
+connector, and its API does not tell which it has. ``kv_transfer_params`` go unstreamed, as the API
+returns the connector's answer only in a whole answer.
 
 **Prompt logprobs.** vLLM's token-in API returns them only in a whole answer, so a request that
 asks for them goes unstreamed: its tokens arrive together, at the end.
@@ -102,9 +107,8 @@ CANARY = {
 }
 UNSUPPORTED = frozenset(
     {
-        "bad_words",
-        FEATURE_KV_TRANSFER_PARAMS,
-        FEATURE_PRIORITY,
+        FEATURE_KV_TRANSFER_PARAMS,  # unless the operator says the servers run a KV connector
+        FEATURE_PRIORITY,  # unless the operator says the servers schedule by priority
         FEATURE_IMAGES,
         FEATURE_IMAGES_BY_HASH,
         FEATURE_IMAGES_SHM,
@@ -164,11 +168,12 @@ class _PromptEntry(msgspec.Struct):
 
 
 class _Answer(msgspec.Struct):
-    """A whole (unstreamed) answer: what a request with prompt logprobs gets."""
+    """A whole (unstreamed) answer: what a request with prompt logprobs or kv_transfer_params gets."""
 
     request_id: str | None = None
     choices: list[_Choice] = []
     prompt_logprobs: list[dict[int, _PromptEntry] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # what the server's KV connector returned
 
 
 _events = msgspec.json.Decoder(_Event)
@@ -252,6 +257,8 @@ class HTTPBackend(Backend):
         rt_priority: int = 0,
         health_interval_s: float = 1.0,
         health_failures: int = 3,
+        scheduling_policy: str = "fcfs",
+        kv_connector: bool = False,
     ) -> None:
         if flavour not in FLAVOURS:
             raise ValueError(f"--engine-flavour must be one of {', '.join(FLAVOURS)}")
@@ -267,6 +274,9 @@ class HTTPBackend(Backend):
         self.io_rt_priority = 0  # the protocol socket's I/O thread's, once this process may run real-time
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
+        # what the servers were started with that their API does not tell (the operator's word for it)
+        self.scheduling_policy = scheduling_policy  # vLLM's --scheduling-policy: "priority" orders by priority
+        self.kv_connector = kv_connector  # vLLM's --kv-transfer-config: kv_transfer_params reach a connector
         self.model = ""  # the served name requests carry
         self.vocab_limit = 1 << 32  # generated IDs must be below it: the served tokenizer's size (set at start)
         self.max_logprobs = 20  # what Welcome announces
@@ -296,6 +306,8 @@ class HTTPBackend(Backend):
             wait_s=args.engine_wait_s,
             group_nice=args.group_nice,
             rt_priority=args.rt_priority,
+            scheduling_policy=args.engine_scheduling_policy,
+            kv_connector=args.engine_kv_connector,
         )
 
     # ------------------------------------------------------------------ start: wait, check, describe
@@ -417,9 +429,20 @@ class HTTPBackend(Backend):
             vocab_size=None,  # vLLM checks prompt IDs against its vocabulary itself (a 400 names the ID)
             max_running_requests=None,
             max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
-            features=frozenset(FEATURES) - UNSUPPORTED,
+            features=self.features(),
             max_logprobs=self.max_logprobs,
         )
+
+    def features(self) -> frozenset[str]:
+        """What requests to this server may use: everything the protocol carries but what the token-in API
+        cannot, and priority and kv_transfer_params only where the operator said the servers honour them
+        (vLLM takes both from any client and ignores them without a word where they do not)."""
+        features = set(FEATURES) - UNSUPPORTED
+        if self.scheduling_policy == "priority":
+            features.add(FEATURE_PRIORITY)
+        if self.kv_connector:
+            features.add(FEATURE_KV_TRANSFER_PARAMS)
+        return frozenset(features)
 
     def _probe_max_logprobs(self) -> int:
         """The most logprobs per token the server allows (its --max-logprobs, at most the protocol's 20),
@@ -564,6 +587,8 @@ class HTTPBackend(Backend):
             params["logit_bias"] = {str(int(t)): float(b) for t, b in s.logit_bias.items()}
         if s.allowed_token_ids is not None:
             params["allowed_token_ids"] = [int(t) for t in s.allowed_token_ids]
+        if s.bad_words:
+            params["bad_words"] = self.bad_words_text(s.bad_words)
         if request.logprobs is not None:
             top = int(request.logprobs)
             # N + 1 unless the sampled token is the top one (see the module's docstring)
@@ -576,17 +601,48 @@ class HTTPBackend(Backend):
             params["prompt_logprobs"] = int(request.prompt_logprobs)
         return params
 
+    def bad_words_text(self, sequences: list[list[int]]) -> list[str]:
+        """The words behind the front end's bad-word token sequences, for vLLM to tokenize again.
+
+        The protocol carries the sequences the workers made as vLLM's ``update_from_tokenizer`` does
+        (each word, and the word after a space); vLLM's API takes only words. Each sequence decodes to
+        its word (the spaced one to the same word, once stripped), and the words are tokenized here
+        again the same way: only when that gives back exactly the sequences that came are they sent
+        (the canary check has shown the server tokenizes as tokenmill does). Else the request is refused
+        naming bad_words: a decode that loses something would make vLLM ban other tokens."""
+        from tokenmill.tokenizer_workers.generation_params import bad_words_ids
+        from tokenmill.tokenizer_workers.openai_requests import InvalidRequest
+
+        tokenizer = self.served_model().tokenizer
+        words = list(
+            dict.fromkeys(tokenizer.decode(list(seq), skip_special_tokens=False).lstrip() for seq in sequences)
+        )
+        try:
+            again = bad_words_ids(words, tokenizer, self.vocab_limit)
+        except InvalidRequest:
+            again = []
+        if {tuple(seq) for seq in again} != {tuple(seq) for seq in sequences}:
+            raise EngineRejected(
+                "bad_words: these words do not decode from their tokens and tokenize back to the same tokens, "
+                "so the engine's token-in API (which takes words) cannot be given them exactly",
+                param="bad_words",
+            )
+        return words
+
     def body(self, request: EngineRequest) -> bytes:
         body: dict[str, Any] = {
             "request_id": f"{request.rid}-{self._nonce}",
             "model": self.model,
             "token_ids": request.prompt,
             "sampling_params": self.sampling_params(request),
-            # vLLM's token-in API returns prompt logprobs only in a whole answer
-            "stream": request.prompt_logprobs is None,
+            "stream": _streamed(request),
         }
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
+        if request.priority and self.scheduling_policy == "priority":
+            body["priority"] = int(request.priority)  # lower first, as in the protocol
+        if request.kv_transfer_params is not None and self.kv_connector:
+            body["kv_transfer_params"] = request.kv_transfer_params
         return msgspec.json.encode(body)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
@@ -616,7 +672,7 @@ class HTTPBackend(Backend):
                             raise EngineRejected(message, param=_param_of(text))
                         yield Chunk(finish=FINISH_ERROR, error=f"the engine answered {response.status}: {message}")
                         return
-                    if request.prompt_logprobs is not None:
+                    if not _streamed(request):
                         finished = True
                         yield await self._whole(response, request)
                         return
@@ -686,8 +742,9 @@ class HTTPBackend(Backend):
         chunk = to_chunk(answer.choices[0], request.logprobs)
         if chunk.token_ids and max(chunk.token_ids) >= self.vocab_limit:
             return self._outside(chunk)
-        if answer.prompt_logprobs is not None:
+        if answer.prompt_logprobs is not None and request.prompt_logprobs is not None:
             chunk.prompt_logprobs = prompt_arrays(answer.prompt_logprobs, request.prompt, int(request.prompt_logprobs))
+        chunk.kv_transfer_params = answer.kv_transfer_params
         return chunk
 
     def _outside(self, chunk: Chunk) -> Chunk:
@@ -722,6 +779,12 @@ class HTTPBackend(Backend):
         running = len(self._running)
         self._peak = max(self._peak, running)
         return EngineLoad(num_running=running, peak_running=self._peak, cancelled_total=self._cancelled)
+
+
+def _streamed(request: EngineRequest) -> bool:
+    """Whether the request streams from vLLM: its token-in API returns prompt logprobs and what its KV
+    connector gives back (kv_transfer_params) only in a whole answer."""
+    return request.prompt_logprobs is None and request.kv_transfer_params is None
 
 
 def _sampled_is_top(request: EngineRequest) -> bool:
@@ -804,6 +867,20 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="SCHED_FIFO priority for this process's event loop and ZeroMQ I/O threads where permitted (tokenmill "
         "serve passes its loop_rt_priority; 0: never real-time)",
+    )
+    group.add_argument(
+        "--engine-scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="how the vLLM servers order their waiting requests (their --scheduling-policy; their API does not "
+        "tell): with priority, a request's priority goes to them; with fcfs (default), a non-zero priority is "
+        "a 400 (the server would ignore it). SGLang's servers say it themselves.",
+    )
+    group.add_argument(
+        "--engine-kv-connector",
+        action="store_true",
+        help="the vLLM servers run a KV connector (their --kv-transfer-config): a request's kv_transfer_params go "
+        "to them (unstreamed, as their API returns the connector's answer only whole); without it they are a 400",
     )
     group.add_argument(
         "--no-canary",

@@ -277,7 +277,11 @@ class Gateway:
             str(s.loop_rt_priority),
             "--engine-flavour",
             s.engine_flavour,
+            "--engine-scheduling-policy",
+            s.engine_scheduling_policy,
         ]
+        if s.engine_kv_connector:
+            args.append("--engine-kv-connector")
         if s.chat_template:
             args += ["--chat-template", s.chat_template]
         if s.default_chat_template_kwargs:

@@ -43,6 +43,8 @@ class ServeSettings:
     scheduler: str | None = None
     engine_url: str | None = None  # engine servers over HTTP, comma-separated (one bridge process each)
     engine_flavour: str = "auto"  # their API: vllm, sglang, or auto (each bridge asks its server)
+    engine_scheduling_policy: str = "fcfs"  # the vLLM servers' --scheduling-policy (their API does not say)
+    engine_kv_connector: bool = False  # the vLLM servers run a KV connector (their --kv-transfer-config)
     chat_template: str | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None

@@ -148,9 +148,10 @@ class Fake:
         stop_ids = set(params.get("stop_token_ids") or ())
         if not body.get("stream"):
             tokens = self.tokens(prompt, max_tokens)
-            return web.json_response(
-                {"request_id": rid, "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens}]}
-            )
+            answer = {"request_id": rid, "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens}]}
+            if body.get("kv_transfer_params") is not None:  # as a KV connector answers a prefill: where to fetch
+                answer["kv_transfer_params"] = {"remote_engine_id": "fake", "asked": body["kv_transfer_params"]}
+            return web.json_response(answer)
         aborted = self.running[rid] = asyncio.Event()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)

@@ -49,6 +49,10 @@ VLLM_SERVER_FLAGS = [
     "--no-enable-prefix-caching",
     "--enable-auto-tool-choice",
     "--enable-scale-out",
+    # ordered by priority (equal priorities: first come first served, as by default), so that a request's
+    # priority has an effect on this server and `tokenmill serve --engine-url` passes it on when told so
+    "--scheduling-policy",
+    "priority",
     *PARSERS,
 ]
 ENGINE_FLAGS = [
@@ -244,7 +248,9 @@ class Stack:
         """`tokenmill serve --engine-url` in front of the stack's own vLLM server (its token-in API,
         --enable-scale-out), with the same settings as `front`; started on first use."""
         if self._http_front is None:
-            self._http_front = front_end(self.model, "--engine-url", self.vllm.url)
+            self._http_front = front_end(
+                self.model, "--engine-url", self.vllm.url, "--engine-scheduling-policy", "priority"
+            )
             EARLY.procs.append(self._http_front)
         return self._http_front
 

@@ -116,6 +116,17 @@ OPTIONS: dict[str, tuple[Any, str]] = {
         "sglang (SGLang's server: /generate), or auto (each bridge asks its server: SGLang answers "
         "/model_info).",
     ),
+    "engine_scheduling_policy": (
+        str,
+        "How the --engine-url vLLM servers order waiting requests (their --scheduling-policy, which their API "
+        "does not tell): priority passes each request's priority on; fcfs refuses a non-zero one with a 400 "
+        "(the server would ignore it). SGLang's servers say theirs.",
+    ),
+    "engine_kv_connector": (
+        _bool,
+        "The --engine-url vLLM servers run a KV connector (their --kv-transfer-config): requests' "
+        "kv_transfer_params go to them, and what the connector returns comes back; without it they are a 400.",
+    ),
     "chat_template": (str, "Chat template file that overrides the model's."),
     "max_model_len": (int, "Context length. Default: from config.json or tokenizer_config.json."),
     "served_model_name": (str, "Model name clients must use. Default: the model directory's name."),
@@ -290,6 +301,7 @@ CHOICES = {
     "dp_policy": ("affinity", "least_loaded", "round_robin"),
     "generation_config": ("auto", "vllm"),
     "engine_flavour": ("auto", "vllm", "sglang"),
+    "engine_scheduling_policy": ("fcfs", "priority"),
     "sim_mode": ("random", "echo"),
     "log_level": ("debug", "info", "warning", "error"),
 }

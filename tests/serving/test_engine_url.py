@@ -109,13 +109,41 @@ def test_chat_streams_from_the_engine_and_the_request_carries_the_protocol_field
         assert params["ignore_eos"] is True and params["detokenize"] is False
         assert params["stop_token_ids"]  # the model's EOS: the bridge ends the request there
         assert body["request_id"].startswith("tm")
-        # a field the token-in API cannot carry is refused, naming it
-        status, _, error = http(
+        # bad_words go as the words (vLLM's API tokenizes them itself), recovered from the workers' tokens
+        status, _, answer = http(
             "POST",
             front.url + "/v1/completions",
-            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "bad_words": ["river"]},
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "bad_words": ["river", "  mill wheel", "它是一种"]},
         )
-        assert status == 400 and error["error"]["param"] == "bad_words", error
+        assert status == 200, answer
+        assert engine.state()["last_body"]["sampling_params"]["bad_words"] == ["river", "mill wheel", "它是一种"]
+        # what these servers were not said to honour is refused, naming it: they would ignore it silently
+        for field, value in (("priority", 3), ("kv_transfer_params", {"do_remote_decode": True})):
+            status, _, error = http(
+                "POST", front.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+            )
+            assert status == 400 and error["error"]["param"] == field, error
+    finally:
+        assert front.stop() == 0
+
+
+def test_priority_and_kv_transfer_params_go_to_servers_said_to_honour_them(engine):
+    """--engine-scheduling-policy priority and --engine-kv-connector: the operator's word for what vLLM's API
+    does not tell. A request's priority goes with it; kv_transfer_params go unstreamed (vLLM's token-in API
+    returns the connector's answer only whole) and the connector's answer comes back to the client."""
+    front = serve(engine.url, "--engine-scheduling-policy", "priority", "--engine-kv-connector")
+    try:
+        base = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+        status, _, answer = http("POST", front.url + "/v1/completions", {**base, "priority": -7})
+        assert status == 200, answer
+        assert engine.state()["last_body"]["priority"] == -7
+        asked = {"do_remote_decode": True, "remote_host": "10.0.0.5"}
+        status, _, answer = http("POST", front.url + "/v1/completions", {**base, "kv_transfer_params": asked})
+        assert status == 200, answer
+        body = engine.state()["last_body"]
+        assert body["kv_transfer_params"] == asked and body["stream"] is False and "priority" not in body
+        assert answer["kv_transfer_params"] == {"remote_engine_id": "fake", "asked": asked}
+        assert len(answer["choices"][0]["text"]) > 0 and answer["usage"]["completion_tokens"] == 3
     finally:
         assert front.stop() == 0
 

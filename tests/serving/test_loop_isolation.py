@@ -94,7 +94,10 @@ def test_health_answers_only_when_conversion_is_off_the_loop(slow_template, mode
         srv.stop()
     assert error is None
     print(f"{mode} mode: /health answered {answered} times while the slow conversion ran")
+    # Apart by more than either bound's margin. Some answers slip in around a conversion on the loop: before
+    # it starts (the request's body read and checked) and after it ends (the one token, then the answer's
+    # head); each takes a millisecond or less, so the faster the machine the more: 3 to 21 seen.
     if mode == "pool":
-        assert answered >= 20  # about 1,500 here alone
-    else:  # a few answers slip in before the loop starts converting: 3 alone, 7 beside the other test worker
-        assert answered <= 15
+        assert answered >= 100  # about 1,500 here alone
+    else:
+        assert answered <= 60
