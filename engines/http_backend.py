@@ -31,8 +31,9 @@ them unless the client asked otherwise) end the request, and ``detokenize`` is o
 decodes nothing. ``bad_words`` go as words (the API takes only words, which vLLM tokenizes itself;
 the protocol carries the workers' token sequences): :meth:`HTTPBackend.bad_words_text` recovers them
 and checks they tokenize back to the same sequences. What this API cannot carry is not listed in
-Welcome's features, so the gateway answers a request that uses it with a 400 naming the field: images,
-the structured-output whitespace options (vLLM's grammar backends ignore them per request), and
+Welcome's features, so the gateway answers a request that uses it with a 400 naming the field: images
+of a model whose pixels tokenmill cannot turn back into files (:meth:`HTTPBackend.images_as_files`
+says how the others go), the structured-output whitespace options (vLLM's grammar backends ignore them per request), and
 ``priority`` and ``kv_transfer_params`` unless the operator says the servers honour them
 (``--engine-scheduling-policy priority``, ``--engine-kv-connector``): vLLM takes both from any client
 and ignores them without a word on a server that schedules first come first served or has no KV
@@ -109,7 +110,7 @@ UNSUPPORTED = frozenset(
     {
         FEATURE_KV_TRANSFER_PARAMS,  # unless the operator says the servers run a KV connector
         FEATURE_PRIORITY,  # unless the operator says the servers schedule by priority
-        FEATURE_IMAGES,
+        FEATURE_IMAGES,  # unless the served model's images can be turned back into files (images_as_files)
         FEATURE_IMAGES_BY_HASH,
         FEATURE_IMAGES_SHM,
         FEATURE_DISABLE_ANY_WHITESPACE,
@@ -283,6 +284,7 @@ class HTTPBackend(Backend):
         self.server_logprobs = 20  # what the server allows
         self._nonce = secrets.token_hex(4)  # request IDs unique across every front end of the server
         self._served: Any = None  # the served model, once loaded (served_model)
+        self._images: Any = None  # the served model's image processor, False for none (image_processor)
         self._session: Any = None
         self._down: asyncio.Event | None = None  # set when a failed request found the server down
         self._engine_ids: dict[str, str] = {}  # rid -> the server's ID for it (from its first event)
@@ -442,7 +444,23 @@ class HTTPBackend(Backend):
             features.add(FEATURE_PRIORITY)
         if self.kv_connector:
             features.add(FEATURE_KV_TRANSFER_PARAMS)
+        if self.image_processor() is not None:
+            features.add(FEATURE_IMAGES)
         return frozenset(features)
+
+    def image_processor(self):
+        """The served model's image processor where its pixels can be turned back into the resized image
+        (``resized_image``), else None: the token-in API takes images only as files (``content_parts``)."""
+        if self._images is None:
+            from pathlib import Path
+
+            from tokenmill.tokenizer_workers.images import processor_for
+            from tokenmill.tokenizer_workers.images.base import ImageProcessor
+
+            processor = processor_for(Path(self.model_dir)) if self.model_dir else None
+            supported = processor is not None and type(processor).resized_image is not ImageProcessor.resized_image
+            self._images = processor if supported else False
+        return self._images or None
 
     def _probe_max_logprobs(self) -> int:
         """The most logprobs per token the server allows (its --max-logprobs, at most the protocol's 20),
@@ -629,14 +647,59 @@ class HTTPBackend(Backend):
             )
         return words
 
+    def images_as_files(self, request: EngineRequest) -> tuple[list[int], list[dict[str, str]]]:
+        """The prompt and ``content_parts`` for a request with images, as vLLM's token-in API takes them.
+
+        That API takes images as files it fetches and processes itself, with the prompt's placeholders not
+        yet expanded (vLLM expands each image's one placeholder token to as many as its processor says).
+        The workers sent each image's pixels, already resized; they are turned back into that resized
+        image (``resized_image``), sent as a lossless PNG, so vLLM's processor finds nothing to resize and
+        makes the same pixels and the same number of placeholder tokens. Each image's placeholder run
+        becomes its one token again. The content hash goes as the item's ``uuid``: vLLM's processor cache
+        keys on it, so an image sent again is not processed again there."""
+        import base64
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        processor = self.image_processor()
+        prompt = list(request.prompt)
+        parts = []
+        for item, frame in sorted(request.images, key=lambda image: -image[0].offset):  # from the end: offsets hold
+            if processor is None or item.family != processor.family or item.dtype != "uint8" or not len(frame):
+                raise EngineRejected(
+                    f"images: this engine's API takes image files, and tokenmill gives {processor.family if processor else 'no'} "
+                    f"images back as files from uint8 pixels only, not {item.family} {item.dtype}",
+                    param="images",
+                )
+            run = prompt[item.offset : item.offset + item.length]
+            if not run or len(set(run)) != 1:
+                raise EngineRejected("images: an image's placeholder tokens are not one token repeated", param="images")
+            try:
+                image = processor.resized_image(
+                    np.frombuffer(frame, np.uint8).reshape(item.shape), tuple(item.grid_thw)
+                )
+            except ValueError as exc:
+                raise EngineRejected(f"images: {exc}", param="images") from exc
+            png = io.BytesIO()
+            Image.fromarray(image, "RGB").save(png, "PNG", compress_level=1)
+            prompt[item.offset : item.offset + item.length] = run[:1]
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
+            parts.append({"type": "image_url", "url": url, "uuid": item.content_hash})
+        return prompt, parts[::-1]
+
     def body(self, request: EngineRequest) -> bytes:
+        prompt, parts = self.images_as_files(request) if request.images else (request.prompt, None)
         body: dict[str, Any] = {
             "request_id": f"{request.rid}-{self._nonce}",
             "model": self.model,
-            "token_ids": request.prompt,
+            "token_ids": prompt,
             "sampling_params": self.sampling_params(request),
             "stream": _streamed(request),
         }
+        if parts:
+            body["content_parts"] = parts
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
         if request.priority and self.scheduling_policy == "priority":
@@ -649,7 +712,8 @@ class HTTPBackend(Backend):
         import aiohttp
 
         rid = request.rid
-        body = self.body(request)
+        # images are encoded as PNG files: in a thread, off this loop that relays every request's tokens
+        body = await asyncio.to_thread(self.body, request) if request.images else self.body(request)
         self._running.add(rid)
         self._peak = max(self._peak, len(self._running))
         finished = False

@@ -10,6 +10,11 @@ Qwen2-VL path needs (tests/vllm_env.py, VLLM_VISION):
 * by `tokenmill engine --backend vllm` behind `tokenmill serve` (vLLM's default
   ``mm_device_do_normalize`` too: the workers send uint8 pixels, the device normalises them).
 
+vLLM's own server also runs with ``--enable-scale-out``, and a third front end, `tokenmill serve
+--engine-url` in front of its token-in API, sends each image as the file of its resized pixels (the API
+takes image files; vLLM processes them again and finds nothing to resize): the same prompt token IDs
+and greedy outputs as vLLM's own server there too.
+
 For these cases (1x1, 20x20, a 1024^2 JPEG, 768x1024, a 28x5000 strip, an EXIF-rotated
 JPEG, an RGBA PNG, an animated GIF, a 224^2 PNG that needs no resizing, a two-image message) the
 prompt token IDs (``return_token_ids``) and the greedy outputs are vLLM's; an aspect ratio over 200
@@ -198,7 +203,7 @@ class _VLLMServer(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--model", str(model), "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN)]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), *SAME]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--enable-scale-out", *SAME]
         super().__init__([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *args], log_path, NICE, ENV)
 
     def ready(self) -> bool:
@@ -268,6 +273,37 @@ def stack():
         assert status == 0, f"{type(p).__name__} exited with {status}:\n{p.log()[-3000:] if hasattr(p, 'log') else ''}"
 
 
+@pytest.fixture(scope="module")
+def http_front(stack):
+    """`tokenmill serve --engine-url` in front of the stack's vLLM server's token-in API."""
+    vllm, _, _ = stack
+    front = Server(
+        "--model",
+        str(EARLY.root / NAME),
+        "--engine-url",
+        vllm.url,
+        "--served-model-name",
+        NAME,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--workers",
+        "1",
+        timeout=120,
+    )
+    yield front
+    assert front.stop() == 0, front.read_output()[-3000:]
+
+
+_vllms: dict = {}
+
+
+def _vllms_greedy(url: str, name: str):
+    """vLLM's own server's answer to a case (asked once: two tests compare with it)."""
+    if name not in _vllms:
+        _vllms[name] = _greedy(url, CASES[name])
+    return _vllms[name]
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
@@ -324,7 +360,7 @@ def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
     outputs = {}
     framed = _sent(front, "pixels")
     for name, messages in CASES.items():
-        theirs, ours = _greedy(vllm.url, messages), _greedy(front.url, messages)
+        theirs, ours = _vllms_greedy(vllm.url, name), _greedy(front.url, messages)
         assert ours[0] == theirs[0], f"{name}: prompt token IDs differ"
         assert (ours[1], ours[3]) == (theirs[1], theirs[3]), f"{name}: greedy output differs: {ours} != {theirs}"
         assert ours[2] == tokenizer.decode(ours[1], skip_special_tokens=True), name
@@ -333,6 +369,25 @@ def test_prompt_ids_and_greedy_outputs_equal_vllm(stack):
     assert len(set(outputs.values())) > len(outputs) // 2, f"the images hardly change the outputs: {outputs}"
     # the engine is on this host: it mapped every new image from the worker's shared-memory file
     assert _sent(front, "shared_memory") > 0 and _sent(front, "pixels") == framed
+
+
+def test_through_vllms_token_in_api_prompt_ids_and_greedy_outputs_equal_vllm(stack, http_front):
+    """Every case through tokenmill in front of the same server's token-in API: the images go as files of
+    their resized pixels with one placeholder token each, and vLLM's expansion of them and its greedy
+    outputs are what its own server gives for the original images."""
+    vllm, _, _ = stack
+    outputs = {}
+    for name, messages in CASES.items():
+        theirs, ours = _vllms_greedy(vllm.url, name), _greedy(http_front.url, messages)
+        assert ours[0] == theirs[0], f"{name}: prompt token IDs differ"
+        assert (ours[1], ours[3]) == (theirs[1], theirs[3]), f"{name}: greedy output differs: {ours} != {theirs}"
+        outputs[name] = tuple(ours[1])
+    assert len(set(outputs.values())) > len(outputs) // 2, f"the images hardly change the outputs: {outputs}"
+    # a text-only request on the same front still streams as before
+    r = _client(http_front.url).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=3, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_aspect_ratio_over_200_is_a_400_on_both(stack):

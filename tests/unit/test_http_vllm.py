@@ -6,6 +6,7 @@ tests/engines/test_vllm_field_parity.py against a real vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -67,3 +68,69 @@ def test_priority_and_kv_transfer_params_only_where_the_operator_says_the_server
     told.model = "m"
     body = json.loads(told.body(request))
     assert (body["priority"], body["kv_transfer_params"], body["stream"]) == (4, {"do_remote_decode": True}, False)
+
+
+def test_images_go_as_files_of_their_resized_pixels_with_one_placeholder_each(tmp_path):
+    """The token-in API takes image files and expands each image's one placeholder itself: the bridge
+    turns the workers' pixels back into the resized image (a PNG data URL, the content hash as its uuid)
+    and each placeholder run into its one token; another dtype is refused naming images."""
+    import base64
+    import io
+
+    import numpy as np
+    from image_model import make_vl_model
+    from PIL import Image
+
+    from tokenmill.scheduler_client.protocol import FEATURE_IMAGES, ImageItem
+    from tokenmill.tokenizer_workers.images import processor_for
+
+    model = make_vl_model(tmp_path)
+    backend = HTTPBackend("http://127.0.0.1:9", model_dir=str(model))
+    assert FEATURE_IMAGES in backend.features()
+    assert FEATURE_IMAGES not in HTTPBackend("http://127.0.0.1:9").features()  # a text-only model
+    processor = processor_for(model)
+    rng = np.random.default_rng(3)
+    images = [
+        processor.process(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), f"{i}" * 64)
+        for i, (h, w) in enumerate([(60, 90), (40, 30)])
+    ]
+    pad = 151655
+    prompt, items = [1, 2], []
+    for image in images:
+        items.append(
+            (
+                ImageItem(
+                    image.family,
+                    "uint8",
+                    list(image.pixels.shape),
+                    list(image.grid_thw),
+                    len(prompt) + 1,
+                    image.tokens,
+                    image.content_hash,
+                ),
+                memoryview(image.pixels.tobytes()),
+            )
+        )
+        prompt += [151652, *[pad] * image.tokens, 151653, 7]
+    request = EngineRequest(
+        rid="r",
+        prompt=prompt,
+        max_new_tokens=2,
+        sampling=SamplingParams(),
+        stop_token_ids=[],
+        ignore_eos=False,
+        images=items,
+    )
+    ids, parts = backend.images_as_files(request)
+    assert ids == [1, 2, 151652, pad, 151653, 7, 151652, pad, 151653, 7]
+    assert [p["uuid"] for p in parts] == ["0" * 64, "1" * 64]
+    for part, image in zip(parts, images, strict=True):
+        png = Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))
+        assert png.format == "PNG" and part["url"].startswith("data:image/png;base64,")
+        again = processor.process(png.convert("RGB"), "x")
+        assert np.array_equal(again.pixels, image.pixels) and again.grid_thw == image.grid_thw
+    item, frame = items[0]
+    as_float = ImageItem(item.family, "float32", item.shape, item.grid_thw, item.offset, item.length, item.content_hash)
+    with pytest.raises(EngineRejected) as info:
+        backend.images_as_files(dataclasses.replace(request, images=[(as_float, frame)]))
+    assert info.value.param == "images"

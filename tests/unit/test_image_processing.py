@@ -185,3 +185,20 @@ def test_processed_images_are_kept_by_content_hash_under_a_byte_budget():
     assert np.array_equal(pipeline.load_image_part(_data_url(first), "p").pixels, a.pixels)
     other = ImagePipeline(Qwen2VLProcessor(HUB_CONFIG)).load_image_part(_data_url(first), "p")
     assert other.content_hash != a.content_hash  # other processor settings: another hash
+
+
+@pytest.mark.parametrize("size", [(1, 1), (300, 500), (28, 5000), (1024, 768)])
+def test_the_resized_image_comes_back_from_its_pixels_and_processes_to_them_again(size):
+    """What an engine API that takes image files gets (engines/http_backend.py): the pixels turned back into
+    the resized image, which processes again to the same pixels and grid (nothing left to resize)."""
+    processor = Qwen2VLProcessor(HUB_CONFIG)
+    rng = np.random.default_rng(size[0] * 7 + size[1])
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    processed = processor.process(image, "h")
+    back = processor.resized_image(processed.pixels, processed.grid_thw)
+    height, width = processor.target_size(image.width, image.height)
+    assert back.shape == (height, width, 3) and back.dtype == np.uint8
+    again = processor.process(Image.fromarray(back), "h")
+    assert again.grid_thw == processed.grid_thw and np.array_equal(again.pixels, processed.pixels)
+    with pytest.raises(ValueError):
+        processor.resized_image(processed.pixels[1:], processed.grid_thw)

@@ -50,3 +50,9 @@ class ImageProcessor:
     def process(self, image, content_hash: str) -> ProcessedImage:
         """An RGB PIL image to its processed form; raise ValueError for an image this model cannot take."""
         raise NotImplementedError
+
+    def resized_image(self, pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+        """The resized RGB image (height, width, 3) uint8 that ``process`` cut ``pixels`` from: for an engine
+        whose API takes image files, not pixels, and that processes them again (giving the same pixels, as
+        nothing is left to resize). NotImplementedError where the family's pixels cannot be turned back."""
+        raise NotImplementedError

@@ -91,6 +91,17 @@ class Qwen2VLProcessor(ImageProcessor):
         tokens = grid_h * grid_w // (self.merge_size**2)
         return ProcessedImage(self.family, patches, (1, grid_h, grid_w), tokens, content_hash)
 
+    def resized_image(self, pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+        """The (height, width, 3) uint8 image ``_patchify`` cut these patches from (the first of the
+        temporal_patch_size copies of each patch: a still image's are all the same)."""
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        grid_t, grid_h, grid_w = (int(x) for x in grid_thw)
+        if pixels.dtype != np.uint8 or grid_t != 1 or pixels.shape != (grid_h * grid_w, 3 * t * p * p):
+            raise ValueError(f"not the pixels of one {self.family} image of grid {list(grid_thw)}: {pixels.shape}")
+        patches = pixels.reshape(grid_h // m, grid_w // m, m, m, 3, t, p, p)[:, :, :, :, :, 0]
+        planes = patches.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, grid_h * p, grid_w * p)
+        return np.ascontiguousarray(planes.transpose(1, 2, 0))
+
     def _patchify(self, image: np.ndarray) -> tuple[np.ndarray, int, int]:
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         channels, height, width = image.shape
