@@ -242,6 +242,12 @@ def stop_early() -> None:
         EARLY.stop()
 
 
+def _front(*engine: str) -> Server:
+    """`tokenmill serve` of the image model in front of ``engine`` (--scheduler or --engine-url)."""
+    args = ["--model", str(EARLY.root / NAME), *engine, "--served-model-name", NAME]
+    return Server(*args, "--max-model-len", str(MAX_MODEL_LEN), "--workers", "1", timeout=120)
+
+
 @pytest.fixture(scope="module")
 def stack():
     EARLY.start()
@@ -251,19 +257,7 @@ def stack():
             raise EARLY.error
         vllm, engine = EARLY.procs
         wait_all(vllm, engine)
-        front = Server(
-            "--model",
-            str(EARLY.root / NAME),
-            "--scheduler",
-            engine.endpoint,
-            "--served-model-name",
-            NAME,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--workers",
-            "1",
-            timeout=120,
-        )
+        front = _front("--scheduler", engine.endpoint)
         EARLY.procs.append(front)
         print(f"\nvLLM image stack ready {time.monotonic() - EARLY.t0:.1f} s after collection")
         yield vllm, engine, front
@@ -277,19 +271,7 @@ def stack():
 def http_front(stack):
     """`tokenmill serve --engine-url` in front of the stack's vLLM server's token-in API."""
     vllm, _, _ = stack
-    front = Server(
-        "--model",
-        str(EARLY.root / NAME),
-        "--engine-url",
-        vllm.url,
-        "--served-model-name",
-        NAME,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--workers",
-        "1",
-        timeout=120,
-    )
+    front = _front("--engine-url", vllm.url)
     yield front
     assert front.stop() == 0, front.read_output()[-3000:]
 
