@@ -91,6 +91,7 @@ class EngineInfo:
     # request using another is refused with "unsupported" before it reaches the backend
     features: frozenset[str] = frozenset()
     max_logprobs: int = 20  # the largest Generate.logprobs it takes (with "logprobs" in features)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves by name (Welcome.adapters, Generate.adapter)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class EngineRequest:
     extra_args: dict | None = None  # 1.2: engine-specific extra arguments (with "extra_args")
     # 1.2: the prompt's images (with "images"): each item with its pixel frame's buffer (valid while the request is)
     images: list[tuple[ImageItem, memoryview]] = field(default_factory=list)
+    adapter: str | None = None  # 1.2: the LoRA adapter to run with, one of EngineInfo.adapters (None: the base model)
 
 
 @dataclass
@@ -263,6 +265,7 @@ class EngineServer(SchedulerServer):
             curve_secret_key=curve_secret_key,
             io_rt_priority=getattr(backend, "io_rt_priority", 0),
         )
+        self.adapters = frozenset(self._info.adapters)
         self._live: dict[tuple[bytes, str], _Live] = {}
         self._pending: dict[bytes, list[RequestOutput]] = {}
         self._flush_handle: asyncio.Handle | None = None
@@ -295,6 +298,7 @@ class EngineServer(SchedulerServer):
             features=sorted(self.features),
             max_logprobs=self.max_logprobs if "logprobs" in self.features else None,
             vocab_size=self._info.vocab_size,
+            adapters=sorted(self.adapters) or None,
         )
 
     def stats(self) -> Stats:
@@ -354,6 +358,7 @@ class EngineServer(SchedulerServer):
             kv_transfer_params=gen.kv_transfer_params,
             extra_args=gen.extra_args,
             images=list(zip(gen.images, pixels, strict=True)),
+            adapter=gen.adapter,
         )
         self._live[live.key] = live
         live.task = asyncio.create_task(self._run(live, request), name=f"engine-{live.rid}")

@@ -279,6 +279,7 @@ class HTTPBackend(Backend):
         self.scheduling_policy = scheduling_policy  # vLLM's --scheduling-policy: "priority" orders by priority
         self.kv_connector = kv_connector  # vLLM's --kv-transfer-config: kv_transfer_params reach a connector
         self.model = ""  # the served name requests carry
+        self.adapters: tuple[str, ...] = ()  # the LoRA adapters the server lists, by the names requests carry
         self.vocab_limit = 1 << 32  # generated IDs must be below it: the served tokenizer's size (set at start)
         self.max_logprobs = 20  # what Welcome announces
         self.server_logprobs = 20  # what the server allows
@@ -389,6 +390,8 @@ class HTTPBackend(Backend):
         if not models:
             raise EngineRefused(f"{self.url}/v1/models lists no model")
         self.model = str(models[0]["id"])
+        # vLLM lists its LoRA adapters (--lora-modules, or loaded at run time) after the base, as its children
+        self.adapters = tuple(str(m["id"]) for m in models[1:] if m.get("parent") == self.model)
         max_model_len = models[0].get("max_model_len")
         status, body = self._call("POST", ABORT, {"request_ids": []})
         if status == 404 and self._answers_model_info():
@@ -433,6 +436,7 @@ class HTTPBackend(Backend):
             max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
             features=self.features(),
             max_logprobs=self.max_logprobs,
+            adapters=self.adapters,
         )
 
     def features(self) -> frozenset[str]:
@@ -693,7 +697,7 @@ class HTTPBackend(Backend):
         prompt, parts = self.images_as_files(request) if request.images else (request.prompt, None)
         body: dict[str, Any] = {
             "request_id": f"{request.rid}-{self._nonce}",
-            "model": self.model,
+            "model": request.adapter or self.model,  # vLLM runs a LoRA adapter named as the model
             "token_ids": prompt,
             "sampling_params": self.sampling_params(request),
             "stream": _streamed(request),

@@ -329,7 +329,7 @@ class App:
             return
         gw.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in gen.choices))
         watcher.add_done_callback(lambda _: gen.events.put_nowait(ev.DISCONNECTED))
-        framer = api.framer(gw.model_name, done, gen.choices, api.public_id(scope, done, own_id))
+        framer = api.framer(done.adapter or gw.model_name, done, gen.choices, api.public_id(scope, done, own_id))
         try:
             if done.stream:
                 await self._stream(
@@ -503,6 +503,7 @@ class App:
         await self.respond(send, 200, body, endpoint, [*_JSON, *extra_headers])
 
     async def models(self, scope, receive, send) -> None:
+        """The served model, then the LoRA adapters every engine serves, as vLLM lists them (``parent``)."""
         gw = self.gw
         card = {
             "id": gw.model_name,
@@ -510,9 +511,13 @@ class App:
             "created": gw.started_at,
             "owned_by": "tokenmill",
             "root": gw.model_name,
+            "parent": None,
             "max_model_len": gw.max_model_len,
         }
-        await self.respond(send, 200, _json.encode({"object": "list", "data": [card]}), "/v1/models")
+        cards = [card]
+        for adapter in gw.scheduler.limits().adapters or ():
+            cards.append({**card, "id": adapter, "root": adapter, "parent": gw.model_name, "max_model_len": None})
+        await self.respond(send, 200, _json.encode({"object": "list", "data": cards}), "/v1/models")
 
     async def health(self, scope, receive, send) -> None:
         await self.respond(send, 200, b'{"status":"ok"}', "/health")

@@ -271,7 +271,11 @@ class SchedulerRanks:
             features = sorted(common)
         lengths = [w.max_model_len for w in welcomes if w.max_model_len]
         logprobs = [w.max_logprobs for w in welcomes if w.max_logprobs is not None]
-        return Limits(min(lengths) if lengths else None, features, min(logprobs) if logprobs else None)
+        # a request may go to any rank: only the adapters every one serves
+        adapters = sorted(set.intersection(*(set(w.adapters or ()) for w in welcomes)))
+        return Limits(
+            min(lengths) if lengths else None, features, min(logprobs) if logprobs else None, adapters or None
+        )
 
     def _lost(self, rank: Rank, why: str) -> None:
         rank.in_flight = 0

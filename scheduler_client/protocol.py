@@ -160,6 +160,8 @@ class Generate(msgspec.Struct, tag="generate"):
     extra_args: dict[str, Any] | None = None
     # 1.2: the prompt's images, in prompt order; each one's pixels follow the prompt frame as a frame of its own
     images: list[ImageItem] = []
+    # 1.2: the LoRA adapter to run the request with, one of the scheduler's Welcome.adapters (nil: the base model)
+    adapter: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -179,6 +181,8 @@ class Welcome(msgspec.Struct, tag="welcome"):
     features: list[str] | None = None
     max_logprobs: int | None = None  # the largest Generate.logprobs it takes, if it takes logprobs
     vocab_size: int | None = None  # 1.1: prompt token IDs must be below it; data-parallel ranks must agree
+    # 1.2: the LoRA adapters it serves beside the base model, by name (what Generate.adapter may be); nil: none
+    adapters: list[str] | None = None
 
 
 class PromptLogprobs(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):

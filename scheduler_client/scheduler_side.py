@@ -197,6 +197,7 @@ class SchedulerServer:
         # process may use it (procutil.request_realtime took), since libzmq aborts if the kernel refuses
         self.io_rt_priority = int(io_rt_priority)
         self.endpoint: str | None = None
+        self.adapters: frozenset[str] = frozenset()  # what Generate.adapter may name (Welcome.adapters)
         self._sessions: dict[bytes, Session] = {}
         self._sock: LoopSocket | None = None
         self._ctx: zmq.Context | None = None
@@ -496,6 +497,8 @@ class SchedulerServer:
             raise Rejected("sampling.top_k must be >= 0 (0 disables it)")
         if any(t < 0 or t > 0xFFFFFFFF for t in gen.stop_token_ids):
             raise Rejected("stop_token_ids must be uint32 values")
+        if gen.adapter is not None and gen.adapter not in self.adapters:
+            raise Rejected(f"{self.scheduler_name} serves no adapter {gen.adapter!r}", ERR_UNSUPPORTED, "adapter")
         for feature, param in features_used(gen):
             if feature not in self.features:
                 raise Rejected(

@@ -59,8 +59,21 @@ class Fake:
                         "object": "model",
                         "owned_by": "vllm",
                         "root": self.args.model or "default",
+                        "parent": None,
                         "max_model_len": self.args.max_model_len,
-                    }
+                    },
+                    # LoRA adapters (--lora), listed as vLLM lists its --lora-modules: children of the base
+                    *(
+                        {
+                            "id": name,
+                            "object": "model",
+                            "owned_by": "vllm",
+                            "root": f"/loras/{name}",
+                            "parent": self.args.served_name,
+                            "max_model_len": None,
+                        }
+                        for name in self.args.lora
+                    ),
                 ],
             }
         )
@@ -242,6 +255,7 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=20.0)
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--chain", action="store_true", help="generate as a greedy model would (see Fake.tokens)")
+    parser.add_argument("--lora", action="append", default=[], help="a LoRA adapter's name to list (repeatable)")
     args = parser.parse_args()
     fake = Fake(args)
     fake.mode = args.mode

@@ -143,7 +143,7 @@ class Proc:
 
 
 class VLLMServer(Proc):
-    def __init__(self, model: Path, log_path: Path, nice: int = 0) -> None:
+    def __init__(self, model: Path, log_path: Path, nice: int = 0, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(
@@ -162,6 +162,7 @@ class VLLMServer(Proc):
                 "--port",
                 str(self.port),
                 *VLLM_SERVER_FLAGS,
+                *extra,
             ],
             log_path,
             nice,
@@ -237,6 +238,7 @@ class Stack:
     tokenizer: Tokenizer
     started_s: float
     standby: Engine | None = None  # a second engine, started with the stack, for the kill test to bring in
+    lora: VLLMServer | None = None  # a second vLLM server with a LoRA adapter (LORA), for the LoRA test
     _http_front: Server | None = None
 
     def __post_init__(self) -> None:
@@ -253,6 +255,31 @@ class Stack:
             )
             EARLY.procs.append(self._http_front)
         return self._http_front
+
+
+#: the LoRA adapter's name, and the test that starts a vLLM server serving it (acquire)
+LORA = "tiny-sql"
+LORA_TEST = "test_a_lora_adapter_of_the_server_is_a_model_here_answering_as_vllm"
+
+
+def make_lora_adapter(path: Path) -> Path:
+    """A rank-8 LoRA adapter (PEFT's files) for the tiny model's attention, random and large enough that
+    its outputs differ from the base model's."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    tensors = {}
+    for layer in range(2):
+        for proj, (inputs, outputs) in {"q_proj": (128, 128), "v_proj": (128, 64), "o_proj": (128, 128)}.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[prefix + ".lora_A.weight"] = (rng.standard_normal((8, inputs)) * 0.5).astype(np.float32)
+            tensors[prefix + ".lora_B.weight"] = (rng.standard_normal((outputs, 8)) * 0.5).astype(np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps({**config, "bias": "none", "task_type": "CAUSAL_LM"}))
+    return path
 
 
 #: sampling defaults in the stack's generation_config.json, as real models ship them: vLLM's servers apply
@@ -281,6 +308,7 @@ class _EarlyStart:
 
     def __init__(self) -> None:
         self.standby = False  # the kill test will want a replacement engine
+        self.lora = False  # the LoRA test will want a server with an adapter
         self.users: set[str] = set()  # the modules whose tests use the stack (start_early), until they release it
         self.stack: Stack | None = None
         self.t0 = 0.0
@@ -331,6 +359,7 @@ def start_early(items) -> None:
     """Called by conftest once collection is done, once per module that uses the stack (see _EarlyStart):
     the stack is started once, and stopped when the last of those modules is done with it (release)."""
     EARLY.standby = EARLY.standby or any(item.name == "test_engine_killed_mid_stream_then_restarted" for item in items)
+    EARLY.lora = EARLY.lora or any(item.name == LORA_TEST for item in items)
     EARLY.users |= {item.module.__name__ for item in items}
     EARLY.start()
 
@@ -361,6 +390,11 @@ def acquire() -> Stack:
             # CPU-bound bench tests, a third vLLM start cost them more than it saves here)
             s.standby = Engine(model, f"ipc://{root}/standby.sock", root / "standby.log", nice=_EarlyStart.NICE)
             procs.append(s.standby)
+        if EARLY.lora:  # likewise: vLLM with LoRA on costs ~1.5x the CPU per request, so not the shared server
+            adapter = make_lora_adapter(root / "lora")
+            flags = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{LORA}={adapter}")
+            s.lora = VLLMServer(model, root / "lora.log", nice=_EarlyStart.NICE, extra=flags)
+            procs.append(s.lora)
     except BaseException as exc:
         EARLY.error = exc  # the next module fails at once instead of waiting again
         shutdown()

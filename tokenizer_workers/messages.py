@@ -58,6 +58,7 @@ class Limits(msgspec.Struct, tag="limits"):
     max_model_len: int | None = None
     features: list[str] | None = None
     max_logprobs: int | None = None
+    adapters: list[str] | None = None  # LoRA adapters every engine serves: other model names requests may use
 
 
 class WorkerSettings(msgspec.Struct, tag="settings"):
@@ -231,6 +232,7 @@ class ConvertDone(msgspec.Struct, tag="done"):
     choices: list[ChoicePlan] = []
     stream: bool = False
     client_request_id: str | None = None  # the request's own request_id (vLLM's): the response id's tail
+    adapter: str | None = None  # the LoRA adapter the request named as its model: the response's model
     conversation: int | None = None  # chat: a hash of the messages up to the first user message, equal on every turn
     home_rank: int = -1  # the scheduler rank a gateway last placed this conversation on (Placed); -1: none known
     # Generate fields -> the request fields they came from ("structured" -> "response_format", ...): an

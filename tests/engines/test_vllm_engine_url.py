@@ -35,7 +35,7 @@ import vllm_stack  # noqa: E402
 from conftest import FIXTURES, Server, free_port, http  # noqa: E402
 from faultutil import metric, wait_until  # noqa: E402
 from tcp_forwarder import Forwarder  # noqa: E402
-from vllm_stack import MAX_MODEL_LEN, NAME, PARSERS  # noqa: E402
+from vllm_stack import LORA, LORA_TEST, MAX_MODEL_LEN, NAME, PARSERS, front_end, wait_all  # noqa: E402
 
 start_early = vllm_stack.start_early
 stack = vllm_stack.module_fixture()
@@ -291,3 +291,34 @@ def test_a_replica_killed_mid_stream_and_its_greedy_streams_go_on_unbroken(stack
             front.stop()
         for f in forwarders:
             f.stop()
+
+
+def test_a_lora_adapter_of_the_server_is_a_model_here_answering_as_vllm(stack):
+    """vLLM serving a LoRA adapter (--enable-lora --lora-modules) lists it in /v1/models as a child of the
+    base model: tokenmill in front of its token-in API lists it so too, and a chat or completion naming it
+    gets what vLLM's own server gives for it (text, token IDs, the adapter as the model), different from
+    the base model's answer."""
+    assert LORA_TEST == test_a_lora_adapter_of_the_server_is_a_model_here_answering_as_vllm.__name__
+    wait_all(stack.lora)
+    front = front_end(stack.model, "--engine-url", stack.lora.url)
+    try:
+        cards = {card["id"]: card for card in front.client().models.list().model_dump()["data"]}
+        assert (cards[NAME]["parent"], cards[LORA]["parent"]) == (None, NAME), cards
+        greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"return_token_ids": True}}
+        chat = [{"role": "user", "content": "Write a query for the mill's ledger"}]
+        answers = {}
+        for model in (LORA, NAME):
+            theirs = stack.lora.client().chat.completions.create(model=model, messages=chat, **greedy)
+            ours = front.client().chat.completions.create(model=model, messages=chat, **greedy)
+            assert ours.model == theirs.model == model
+            assert (ours.choices[0].token_ids, ours.choices[0].message.content) == (
+                theirs.choices[0].token_ids,
+                theirs.choices[0].message.content,
+            ), model
+            answers[model] = ours.choices[0].token_ids
+            theirs = stack.lora.client().completions.create(model=model, prompt="The mill wheel", **greedy)
+            ours = front.client().completions.create(model=model, prompt="The mill wheel", **greedy)
+            assert ours.model == model and ours.choices[0].token_ids == theirs.choices[0].token_ids, model
+        assert answers[LORA] != answers[NAME]  # the adapter changes the model
+    finally:
+        assert front.stop() == 0

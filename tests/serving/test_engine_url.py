@@ -127,6 +127,29 @@ def test_chat_streams_from_the_engine_and_the_request_carries_the_protocol_field
         assert front.stop() == 0
 
 
+def test_the_lora_adapters_the_server_lists_are_models_here():
+    """vLLM lists its LoRA adapters in /v1/models as children of the base model: tokenmill lists them too,
+    takes a request naming one, sends it to the engine by that name and answers with it as the model; a
+    name neither serves is a 404 naming what is served."""
+    fake = FakeEngine("--lora", "sql", "--lora", "poet")
+    front = serve(fake.url)
+    try:
+        cards = {card["id"]: card for card in front.client().models.list().model_dump()["data"]}
+        assert cards[MODEL]["parent"] is None and {cards[n]["parent"] for n in ("sql", "poet")} == {MODEL}
+        answer = front.client().chat.completions.create(model="sql", messages=HELLO, max_tokens=3)
+        assert answer.model == "sql" and fake.state()["last_body"]["model"] == "sql"
+        answer = front.client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert answer.model == MODEL and fake.state()["last_body"]["model"] == "fake-model"
+        status, _, error = http(
+            "POST", front.url + "/v1/chat/completions", {"model": "sqll", "messages": HELLO, "max_tokens": 2}
+        )
+        assert status == 404 and error["error"]["code"] == "model_not_found", error
+        assert "`sql`" in error["error"]["message"] and "`poet`" in error["error"]["message"]
+    finally:
+        assert front.stop() == 0
+        fake.stop()
+
+
 def test_priority_and_kv_transfer_params_go_to_servers_said_to_honour_them(engine):
     """--engine-scheduling-policy priority and --engine-kv-connector: the operator's word for what vLLM's API
     does not tell. A request's priority goes with it; kv_transfer_params go unstreamed (vLLM's token-in API

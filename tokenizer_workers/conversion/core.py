@@ -72,6 +72,7 @@ class ConverterCore:
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
         self.engine = gp.Engine()  # what the scheduler honours, from its Welcome (limit_context)
+        self.adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves, by name (limit_context)
         # what a request that leaves a sampling setting out gets (the model's generation_config.json)
         self.sampling_defaults = self.model.sampling_defaults if settings.generation_config == "auto" else {}
         # completions' suffix (fill in the middle) in DeepSeek's form, where the vocabulary has its markers,
@@ -125,6 +126,7 @@ class ConverterCore:
         own = self.model.max_model_len
         self.max_model_len = min(own, limits.max_model_len) if limits.max_model_len else own
         self.engine = gp.Engine(limits.features, limits.max_logprobs)
+        self.adapters = frozenset(limits.adapters or ())
         if self.images is not None:
             self.images.forget_sent()
             # shared-memory pixels: only a scheduler on this host lists the feature to the workers (the
@@ -169,13 +171,18 @@ class ConverterCore:
     # ---- checks ---------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
+            served = ", ".join(f"`{name}`" for name in (self.model_name, *sorted(self.adapters)))
             raise oa.InvalidRequest(
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                f"The model `{model}` does not exist. This server serves {served}.",
                 "model",
                 status=404,
                 code="model_not_found",
             )
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (one the engines serve), or None for the base model."""
+        return model if model is not None and model != self.model_name and model in self.adapters else None
 
     @staticmethod
     def check_max_tokens(max_tokens: int | None, param: str) -> None:

@@ -80,6 +80,7 @@ class GenerateFields:
     prompt_logprobs: int | None = None
     kv_transfer_params: dict | None = None
     extra_args: dict | None = None
+    adapter: str | None = None  # the LoRA adapter the request's model names (None: the base model)
 
 
 @dataclass
@@ -118,6 +119,7 @@ def generate_fields(cv: ConverterCore, req, max_tokens: int | None, spec, chat: 
         prompt_logprobs=gp.prompt_logprobs(req, chat, cv.engine, cv.vocab_size),
         kv_transfer_params=gp.kv_transfer_params(req, cv.engine),
         extra_args=gp.extra_args(req, cv.engine),
+        adapter=cv.adapter_of(req.model),
     )
 
 
@@ -213,6 +215,7 @@ def plan(cv: ConverterCore, job: ConvertJob, req, fields: GenerateFields, prompt
                 kv_transfer_params=fields.kv_transfer_params,
                 extra_args=fields.extra_args,
                 images=[item for item, _ in images],
+                adapter=fields.adapter,
             )
             choices.append(ChoicePlan(rid, n, i == 0))
             frames.append(protocol.encode(header))
@@ -242,6 +245,7 @@ def plan(cv: ConverterCore, job: ConvertJob, req, fields: GenerateFields, prompt
         choices=choices,
         stream=req.stream,
         client_request_id=req.request_id,
+        adapter=fields.adapter,
         timing=prompts.timing,
         completion=CompletionShape(
             include_usage=include_usage,
