@@ -289,6 +289,8 @@ class SGLangHTTPBackend(HTTPBackend):
         if not models:
             raise EngineRefused(f"{self.url}/v1/models lists no model")
         self.model = str(models[0]["id"])
+        # SGLang lists its LoRA adapters (--enable-lora --lora-paths, or loaded at run time) as the base's children
+        self.adapters = tuple(str(m["id"]) for m in models[1:] if m.get("parent") == self.model)
         model_info = self._get_json("/model_info", "/get_model_info")
         server = self._get_json("/server_info", "/get_server_info")
         if model_info.get("is_generation") is False:
@@ -332,6 +334,7 @@ class SGLangHTTPBackend(HTTPBackend):
             max_model_len=int(max_model_len) if isinstance(max_model_len, int) else None,
             features=frozenset(features),
             max_logprobs=MAX_LOGPROBS,
+            adapters=self.adapters,
         )
 
     def _check_model(self, model_info: dict) -> None:
@@ -428,6 +431,8 @@ class SGLangHTTPBackend(HTTPBackend):
             body["logprob_start_len"] = -1  # the output's only
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
+        if request.adapter is not None:
+            body["lora_path"] = request.adapter  # SGLang takes an adapter's name there
         if request.priority and self.priority_sign:
             body["priority"] = self.priority_sign * int(request.priority)  # the protocol's: lower goes first
         return msgspec.json.encode(body)

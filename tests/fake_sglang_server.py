@@ -124,7 +124,12 @@ class Fake:
             "parent": None,
             "max_model_len": self.args.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        # LoRA adapters (--lora), as SGLang lists its loaded ones: children of the base model
+        loras = [
+            {**card, "id": name, "root": f"/loras/{name}", "parent": self.args.served_name, "max_model_len": None}
+            for name in self.args.lora
+        ]
+        return web.json_response({"object": "list", "data": [card, *loras]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.mode == "unhealthy" else 200)
@@ -382,6 +387,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default=None)
     parser.add_argument("--served-name", default="fake-sglang-model")
+    parser.add_argument("--lora", action="append", default=[], help="a LoRA adapter's name to list (repeatable)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--itl-ms", type=float, default=20.0)
     parser.add_argument("--mode", default="ok")

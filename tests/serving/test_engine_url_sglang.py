@@ -355,3 +355,20 @@ def test_a_flavour_named_for_the_other_server_is_refused_saying_which_it_is():
         vllm.stop()
     assert as_vllm.returncode == 2 and "is SGLang's server" in as_vllm.stderr, as_vllm.stderr[-3000:]
     assert as_sglang.returncode == 2 and "is not an SGLang server" in as_sglang.stderr, as_sglang.stderr[-3000:]
+
+
+def test_the_lora_adapters_sglang_lists_are_models_here_and_go_as_its_lora_path():
+    """SGLang lists its loaded LoRA adapters in /v1/models as children of the base model, as vLLM does, and
+    takes an adapter's name as /generate's lora_path: tokenmill lists them and sends a request naming one so."""
+    engine = FakeSGLang("--lora", "sql")
+    front = serve(engine.url)
+    try:
+        cards = {card["id"]: card for card in front.client().models.list().model_dump()["data"]}
+        assert cards["sql"]["parent"] == MODEL, cards
+        answer = front.client().chat.completions.create(model="sql", messages=HELLO, max_tokens=5)
+        assert answer.model == "sql" and engine.state()["last_body"]["lora_path"] == "sql"
+        front.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
+        assert "lora_path" not in engine.state()["last_body"]
+    finally:
+        assert front.stop() == 0
+        engine.stop()

@@ -162,7 +162,7 @@ def test_the_bodies_pass_sglangs_own_json_contract_and_its_answers_decode():
     backend.engine_stops, backend.priority_sign = frozenset([1]), -1
     full = _request([1, 2], ignore_eos=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, presence_penalty=0.1)
     full.sampling.min_p, full.sampling.min_tokens, full.sampling.logit_bias = 0.1, 2, {5: 1.5}
-    full.logprobs, full.cache_salt, full.priority = 3, "tenant-a", 4
+    full.logprobs, full.cache_salt, full.priority, full.adapter = 3, "tenant-a", 4, "sql"
     requests = [_request([1]), full]
     for kind in ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"):
         constrained = _request([1])
