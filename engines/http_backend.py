@@ -706,9 +706,10 @@ class HTTPBackend(Backend):
             body["content_parts"] = parts
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
-        if request.priority and self.scheduling_policy == "priority":
+        # (each only with its feature listed: the bridge refuses a request using an unlisted one before this)
+        if request.priority:
             body["priority"] = int(request.priority)  # lower first, as in the protocol
-        if request.kv_transfer_params is not None and self.kv_connector:
+        if request.kv_transfer_params is not None:
             body["kv_transfer_params"] = request.kv_transfer_params
         return msgspec.json.encode(body)
 

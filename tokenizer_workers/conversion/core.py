@@ -182,7 +182,7 @@ class ConverterCore:
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names (one the engines serve), or None for the base model."""
-        return model if model is not None and model != self.model_name and model in self.adapters else None
+        return model if model in self.adapters and model != self.model_name else None
 
     @staticmethod
     def check_max_tokens(max_tokens: int | None, param: str) -> None:
